@@ -1,0 +1,55 @@
+"""Errors the engine raises for bad input or bad state.
+
+Every error carries a ``kind`` (a stable machine-readable tag), a plain-language ``message``
+(what happened) and a ``hint`` (what the user can do). Anything that is not an EngineError is a
+bug and travels with its traceback.
+"""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    kind = "engine"
+
+    def __init__(self, message: str, hint: str = ""):
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return f"{self.message} ({self.hint})" if self.hint else self.message
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "message": self.message, "hint": self.hint}
+
+
+class ModelFormatError(EngineError):
+    """The file is not a readable GGUF model (truncated, corrupt, inconsistent)."""
+
+    kind = "model_format"
+
+
+class UnsupportedModelError(EngineError):
+    """A valid GGUF file whose architecture or tensor type the engine does not support."""
+
+    kind = "unsupported_model"
+
+
+class DatasetError(EngineError):
+    kind = "dataset"
+
+
+class ConfigError(EngineError):
+    kind = "config"
+
+
+class OutOfMemoryError(EngineError):
+    kind = "out_of_memory"
+
+
+class CheckpointError(EngineError):
+    kind = "checkpoint"
+
+
+class Cancelled(EngineError):
+    kind = "cancelled"

@@ -1,0 +1,41 @@
+"""Rotary position embeddings, ggml's two layouts.
+
+NORM rotates adjacent pairs (2i, 2i+1) (llama, deepseek); NEOX rotates (i, i + n_rot/2) (qwen,
+olmoe, gemma). theta_i = pos * freq_scale * base^(-2i/n_rot). Only the first n_rot dimensions of
+each head rotate; the rest pass through.
+"""
+
+from __future__ import annotations
+
+NORM, NEOX = "norm", "neox"
+
+
+def rope_angles(xp, positions, n_rot: int, base: float, freq_scale: float, dtype):
+    """cos, sin of shape (T, n_rot/2) for integer positions (T,)."""
+    inv_freq = base ** (-xp.arange(0, n_rot, 2, dtype=xp.float64) / n_rot)       # (n_rot/2,)
+    theta = positions.astype(xp.float64)[:, None] * freq_scale * inv_freq[None]   # (T, n_rot/2)
+    return xp.cos(theta).astype(dtype), xp.sin(theta).astype(dtype)
+
+
+def _split(x, n_rot: int, mode: str):
+    """The two halves of each rotated pair: (T, H, n_rot/2) each."""
+    if mode == NORM:
+        return x[..., 0:n_rot:2], x[..., 1:n_rot:2]
+    return x[..., : n_rot // 2], x[..., n_rot // 2 : n_rot]
+
+
+def _merge(out, a, b, n_rot: int, mode: str):
+    if mode == NORM:
+        out[..., 0:n_rot:2], out[..., 1:n_rot:2] = a, b
+    else:
+        out[..., : n_rot // 2], out[..., n_rot // 2 : n_rot] = a, b
+    return out
+
+
+def rope_forward(x, cos, sin, n_rot: int, mode: str):
+    """x: (T, H, D); cos, sin: (T, n_rot/2). Returns the rotated copy and the cache."""
+    x0, x1 = _split(x, n_rot, mode)                      # (T, H, n_rot/2)
+    c, s = cos[:, None, :], sin[:, None, :]              # (T, 1, n_rot/2)
+    out = x.copy()
+    _merge(out, x0 * c - x1 * s, x0 * s + x1 * c, n_rot, mode)
+    return out, (cos, sin, n_rot, mode)

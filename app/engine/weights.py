@@ -1,0 +1,94 @@
+"""Frozen base weights: memory-mapped in their GGUF type, dequantized when used.
+
+F32 tensors are zero-copy views of the file. Quantized tensors are dequantized on demand into
+float32 and kept in a bounded LRU cache, so a model larger than the budget still runs (it just
+dequantizes again). Experts are cached one expert at a time, and embedding lookups dequantize
+only the rows they read.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+
+import numpy as np
+
+from app.engine.gguf_io import GGUFFile, dequantize
+
+
+def default_cache_budget() -> int:
+    """40% of physical memory: dequantized float32 copies are 2-8x larger than Q8/Q4 weights."""
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * 0.4)
+    except (ValueError, OSError, AttributeError):
+        return 4 << 30
+
+
+class WeightStore:
+    def __init__(self, gguf: GGUFFile, cache_budget: int | None = None):
+        self.gguf = gguf
+        self.budget = default_cache_budget() if cache_budget is None else cache_budget
+        self._cache: OrderedDict = OrderedDict()
+        self._cached_bytes = 0
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.gguf.tensors
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.gguf.tensors[name].shape
+
+    def _cached(self, key, make):
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            return self._cache[key]
+        value = make()
+        if value.nbytes <= self.budget:
+            self._cache[key] = value
+            self._cached_bytes += value.nbytes
+            while self._cached_bytes > self.budget:
+                _, old = self._cache.popitem(last=False)
+                self._cached_bytes -= old.nbytes
+        return value
+
+    def get(self, name: str) -> np.ndarray:
+        """The whole tensor as float32 (NumPy shape)."""
+        info = self.gguf.tensors[name]
+        if info.ggml_type == 0:
+            return self.gguf.array(name)
+        return self._cached(name, lambda: self.gguf.array(name))
+
+    def rows(self, name: str, index: np.ndarray) -> np.ndarray:
+        """Rows `index` of a 2-D tensor as float32: (len(index), n_cols)."""
+        info = self.gguf.tensors[name]
+        raw = self.gguf.raw(name)[index]                              # (N, row_bytes)
+        if info.ggml_type == 0:
+            return raw.view(np.float32)
+        if name in self._cache:
+            return self._cache[name][index]
+        return dequantize(raw, info.ggml_type)
+
+    def experts(self, name: str) -> "ExpertView":
+        return ExpertView(self, name)
+
+    def expert(self, name: str, e: int) -> np.ndarray:
+        """Expert e of a 3-D (E, out, in) tensor as float32 (out, in)."""
+        info = self.gguf.tensors[name]
+        if info.ggml_type == 0:
+            return self.gguf.array(name)[e]
+        if name in self._cache:
+            return self._cache[name][e]
+        return self._cached((name, e), lambda: dequantize(self.gguf.raw(name)[e], info.ggml_type))
+
+
+class ExpertView:
+    """Indexable by expert like an (E, out, in) array, dequantizing one expert at a time."""
+
+    def __init__(self, store: WeightStore, name: str):
+        self.store, self.name = store, name
+        self.shape = store.shape(name)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, e: int) -> np.ndarray:
+        return self.store.expert(self.name, int(e))
