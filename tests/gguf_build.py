@@ -1,0 +1,45 @@
+"""Build small GGUF files for tests by rewriting the golden ones (metadata + tensors)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from app.engine.gguf_io import read_gguf
+
+
+def read_all(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
+    """Metadata and every tensor as a float32 NumPy array (F32 files only)."""
+    f = read_gguf(path)
+    tensors = {name: np.array(f.array(name)) for name in f.tensors}
+    return dict(f.metadata), tensors
+
+
+def write_gguf(path: Path, metadata: dict, tensors: dict[str, np.ndarray]) -> Path:
+    """Write an F32 GGUF with the given metadata (python values) and tensors (NumPy order)."""
+    arch = metadata["general.architecture"]
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in metadata.items():
+        if key in ("general.architecture", "GGUF.version") or key.startswith("GGUF."):
+            continue
+        if isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, str):
+            w.add_string(key, value)
+        elif isinstance(value, (int, np.integer)):
+            w.add_uint32(key, int(value))
+        elif isinstance(value, (float, np.floating)):
+            w.add_float32(key, float(value))
+        elif isinstance(value, np.ndarray):
+            w.add_array(key, value.tolist())
+        else:
+            w.add_array(key, list(value))
+    for name, arr in tensors.items():
+        w.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
