@@ -10,20 +10,27 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
 from app.engine.config import ModelConfig, config_from_metadata
 from app.engine.errors import ConfigError, ModelFormatError
 from app.engine.gguf_io import GGUFFile, read_gguf
-from app.engine.kernels.activations import glu_forward, sigmoid
-from app.engine.kernels.attention import attention_forward, attention_mask
-from app.engine.kernels.linear import linear_forward
-from app.engine.kernels.moe import combine, dispatch_order, experts_forward, router_forward
-from app.engine.kernels.norm import rmsnorm_forward
-from app.engine.kernels.rope import rope_angles, rope_forward
+from app.engine.kernels.activations import (geglu_forward, glu_backward, sigmoid,
+                                            sigmoid_backward, swiglu_forward)
+from app.engine.kernels.attention import attention_backward, attention_forward, attention_mask
+from app.engine.kernels.embedding import (embedding_backward, embedding_forward,
+                                          lora_embedding_backward, lora_embedding_forward)
+from app.engine.kernels.linear import linear_backward, linear_forward
+from app.engine.kernels.loss import cross_entropy_backward, cross_entropy_forward
+from app.engine.kernels.moe import (combine_backward, combine_forward, dispatch_order,
+                                    experts_backward, experts_forward_train, router_backward,
+                                    router_forward)
+from app.engine.kernels.norm import rmsnorm_backward, rmsnorm_forward
+from app.engine.kernels.rope import rope_angles, rope_backward, rope_forward
 from app.engine.lora import LoraAdapter, check_adapter_fits
+from app.engine.params import Grads, Params
 from app.engine.weights import WeightStore
 
 
@@ -37,6 +44,55 @@ class KVCache:
     @property
     def length(self) -> int:
         return 0 if not self.keys else int(self.keys[0].shape[0])
+
+
+class _Context:
+    """Per-forward constants shared by every layer: positions, RoPE tables, masks, KV cache."""
+
+    def __init__(self, cfg: ModelConfig, q_pos, k_pos, segments, kv: KVCache | None):
+        self.cfg, self.q_pos, self.k_pos, self.segments, self.kv = cfg, q_pos, k_pos, segments, kv
+        self._rope: dict = {}
+        self._masks: dict = {}
+
+    @classmethod
+    def build(cls, cfg: ModelConfig, n_tokens: int, kv: KVCache | None, positions=None,
+              segments=None) -> "_Context":
+        start = kv.length if kv is not None else 0
+        q_pos = np.arange(start, start + n_tokens) if positions is None else np.asarray(positions)
+        k_pos = np.arange(start + n_tokens) if kv is not None else q_pos
+        return cls(cfg, q_pos, k_pos, None if segments is None else np.asarray(segments), kv)
+
+    def rope(self, swa: bool, dtype):
+        """cos, sin (T, n_rot/2): SWA layers use rope.freq_base_swa and no frequency scaling."""
+        key = (swa, np.dtype(dtype))
+        if key not in self._rope:
+            cfg = self.cfg
+            base, scale = (cfg.rope_base_swa, 1.0) if swa else (cfg.rope_base, cfg.rope_freq_scale)
+            self._rope[key] = rope_angles(np, self.q_pos, cfg.rope_dim, base, scale, dtype)
+        return self._rope[key]
+
+    def mask(self, swa: bool, dtype):
+        """Additive (Tq, Tk) mask: causal, the sliding window on SWA layers, packed segments."""
+        key = (swa, np.dtype(dtype))
+        if key not in self._masks:
+            mask = attention_mask(np, self.q_pos, self.k_pos, self.cfg.sliding_window if swa else 0)
+            if self.segments is not None:
+                mask = np.where(self.segments[:, None] != self.segments[None, :], -np.inf, mask)
+            self._masks[key] = mask.astype(dtype)
+        return self._masks[key]
+
+    def extend_kv(self, il: int, k, v):
+        """Decoding: append this step's keys/values to the cache and return all of them."""
+        if self.kv is None:
+            return k, v
+        cache = self.kv
+        if il < len(cache.keys):
+            cache.keys[il] = np.concatenate([cache.keys[il], k])             # (S, Hkv, D)
+            cache.values[il] = np.concatenate([cache.values[il], v])
+        else:
+            cache.keys.append(k)
+            cache.values.append(v)
+        return cache.keys[il], cache.values[il]
 
 
 def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -108,13 +164,22 @@ class Model:
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
         return {n: t.shape for n, t in self.gguf.tensors.items()}
 
-    # ---- forward ------------------------------------------------------------------------
+    # ---- parameters --------------------------------------------------------------------
+    def params(self, adapter: LoraAdapter | None = None, adapter_scale: float = 1.0,
+               full: dict | None = None, dtype=np.float32, training: bool = False) -> Params:
+        """A view of the weights for one forward pass (see app.engine.params)."""
+        if adapter is not None:
+            check_adapter_fits(adapter, self.config.arch, self.tensor_shapes)
+        return Params(self.weights, dtype, full, adapter, adapter_scale, training)
+
+    # ---- inference ---------------------------------------------------------------------
     def logits(self, token_ids: Sequence[int], adapter: LoraAdapter | None = None,
                adapter_scale: float = 1.0) -> np.ndarray:
         """Logits (T, V) float32 for every position of `token_ids` (no BOS added)."""
         tokens = self._check_tokens(token_ids)
-        lora = self._lora_lookup(adapter, adapter_scale)
-        return self._forward(tokens, lora, KVCache(), last_only=False)
+        params = self.params(adapter, adapter_scale)
+        x = self._hidden(tokens, params, _Context.build(self.config, tokens.size, None))
+        return self._head_logits(x, params)
 
     def _check_tokens(self, token_ids) -> np.ndarray:
         tokens = np.asarray(token_ids, dtype=np.int64).reshape(-1)
@@ -125,108 +190,267 @@ class Model:
                               "Use ids from this model's tokenizer.")
         return tokens
 
-    def _lora_lookup(self, adapter, user_scale: float) -> Callable[[str], tuple | None]:
-        if adapter is None:
-            return lambda name: None
-        check_adapter_fits(adapter, self.config.arch, self.tensor_shapes)
-        return lambda name: adapter.scaled(name, user_scale)
+    def _hidden(self, tokens, params: Params, ctx: "_Context"):
+        """Final hidden states (T, C) before the output norm, caches dropped as soon as unused."""
+        x, _ = self._embed_forward(tokens, params)
+        for il in range(self.config.n_layer):
+            x, _ = self._block_forward(il, x, params, ctx)
+        return x
 
-    def _forward(self, tokens: np.ndarray, lora, cache: KVCache, last_only: bool) -> np.ndarray:
-        cfg, w = self.config, self.weights
-        start = cache.length
-        positions = np.arange(start, start + len(tokens))                   # (T,)
-        x = w.rows("token_embd.weight", tokens).astype(np.float32)          # (T, C)
-        emb_lora = lora("token_embd.weight")
-        if emb_lora is not None:
-            a, b, s = emb_lora
-            x = x + s * (a[tokens] @ b.T)                                   # (T, C)
-        if cfg.embed_scale != 1.0:
-            x = x * np.float32(cfg.embed_scale)
-        for il in range(cfg.n_layer):
-            x = self._block(il, x, positions, lora, cache)
-        if last_only:
-            x = x[-1:]
-        h, _ = rmsnorm_forward(x, w.get("output_norm.weight"), cfg.rms_eps)
-        head = "token_embd.weight" if cfg.tied_output else "output.weight"
-        logits, _ = linear_forward(h, w.get(head), lora=lora(head))         # (T, V)
+    def _head_logits(self, x, params: Params) -> np.ndarray:
+        cfg = self.config
+        h, _ = rmsnorm_forward(x, params.weight("output_norm.weight"), cfg.rms_eps)
+        head = self.head_name
+        logits, _ = linear_forward(h, params.weight(head), lora=params.lora(head))   # (T, V)
         if cfg.final_logit_softcap:
             cap = np.float32(cfg.final_logit_softcap)
             logits = cap * np.tanh(logits / cap)
         return logits.astype(np.float32, copy=False)
 
-    def _block(self, il: int, x, positions, lora, cache: KVCache):
-        cfg, w, p = self.config, self.weights, f"blk.{il}."
-        h, _ = rmsnorm_forward(x, w.get(p + "attn_norm.weight"), cfg.rms_eps)
-        attn = self._attention(il, h, positions, lora, cache)
+    @property
+    def head_name(self) -> str:
+        return "token_embd.weight" if self.config.tied_output else "output.weight"
+
+    # ---- training: loss and gradients ----------------------------------------------------
+    def loss_and_grads(self, params: Params, tokens, labels, token_weights=None,
+                       positions=None, segments=None, checkpoint_interval: int = 0,
+                       vocab_chunk: int = 8192):
+        """Weighted cross-entropy of `labels` given `tokens` and its gradients.
+
+        tokens, labels: (T,) with label -1 = not trained; token_weights (T,) or None;
+        positions (T,) RoPE positions (default 0..T-1); segments (T,) sequence ids of packed
+        sequences (attention never crosses a segment boundary). checkpoint_interval N > 0 keeps
+        only the input of every N-th layer and recomputes the rest during backward.
+        Returns (loss, stats, grads) with grads named as in `app.engine.params.Grads`.
+        """
+        cfg = self.config
+        tokens = self._check_tokens(tokens)
+        ctx = _Context.build(cfg, tokens.size, None, positions, segments)
+        grads = Grads()
+        x, emb_cache = self._embed_forward(tokens, params)
+        n, every = cfg.n_layer, checkpoint_interval
+        saved = {}  # layer -> its input (checkpoints) or its caches (no checkpointing)
+        for il in range(n):
+            if every:
+                if il % every == 0:
+                    saved[il] = x
+                x, _ = self._block_forward(il, x, params, ctx)
+            else:
+                x, saved[il] = self._block_forward(il, x, params, ctx)
+        h, norm_cache = rmsnorm_forward(x, params.weight("output_norm.weight"), cfg.rms_eps)
+        head = self.head_name
+        loss, stats, loss_cache = cross_entropy_forward(
+            h, params.weight(head), np.asarray(labels), token_weights, params.lora(head),
+            cfg.final_logit_softcap, vocab_chunk)
+        dh, dw, dlora = cross_entropy_backward(loss_cache, need_dw=params.trains(head))
+        del loss_cache
+        _add_weight_grads(grads, head, dw, dlora)
+        dx, dnorm = rmsnorm_backward(dh, norm_cache)
+        _add_full(grads, params, "output_norm.weight", dnorm)
+        if every:
+            for start in reversed(range(0, n, every)):
+                x, caches = saved.pop(start), []
+                for il in range(start, min(start + every, n)):   # recompute the segment
+                    x, cache = self._block_forward(il, x, params, ctx)
+                    caches.append(cache)
+                for il in reversed(range(start, min(start + every, n))):
+                    dx = self._block_backward(il, dx, caches.pop(), params, grads)
+        else:
+            for il in reversed(range(n)):
+                dx = self._block_backward(il, dx, saved.pop(il), params, grads)
+        self._embed_backward(dx, emb_cache, params, grads)
+        return loss, stats, grads
+
+    # ---- layer walk: forward (with caches) and backward ------------------------------------
+    def _embed_forward(self, tokens, params: Params):
+        name, cfg = "token_embd.weight", self.config
+        if params.trains(name):
+            x, table_cache = embedding_forward(params.weight(name), tokens)       # (T, C)
+        else:
+            x, table_cache = params.rows(name, tokens), None
+        lora = params.lora(name)
+        lora_cache = None
+        if lora is not None:
+            delta, lora_cache = lora_embedding_forward(lora[0], lora[1], tokens, lora[2])
+            x = x + delta
+        if cfg.embed_scale != 1.0:
+            x = x * x.dtype.type(cfg.embed_scale)
+        return x, (table_cache, lora_cache)
+
+    def _embed_backward(self, dx, cache, params: Params, grads: Grads) -> None:
+        table_cache, lora_cache = cache
+        name, cfg = "token_embd.weight", self.config
+        if cfg.embed_scale != 1.0:
+            dx = dx * dx.dtype.type(cfg.embed_scale)
+        if table_cache is not None:
+            grads.add(name, embedding_backward(dx, table_cache, cfg.n_vocab))
+        if lora_cache is not None:
+            da, db = lora_embedding_backward(dx, lora_cache)
+            _add_weight_grads(grads, name, None, (da, db))
+
+    def _block_forward(self, il: int, x, params: Params, ctx: "_Context"):
+        cfg, p, eps = self.config, f"blk.{il}.", self.config.rms_eps
+        c = {}
+        h, c["attn_norm"] = rmsnorm_forward(x, params.weight(p + "attn_norm.weight"), eps)
+        attn, c["attn"] = self._attention_forward(il, h, params, ctx)
         if cfg.post_norms:
-            attn, _ = rmsnorm_forward(attn, w.get(p + "post_attention_norm.weight"), cfg.rms_eps)
+            attn, c["post_attn"] = rmsnorm_forward(
+                attn, params.weight(p + "post_attention_norm.weight"), eps)
         x = x + attn
-        h, _ = rmsnorm_forward(x, w.get(p + "ffn_norm.weight"), cfg.rms_eps)
-        ffn = self._moe(il, h, lora) if cfg.layer_is_moe(il) else self._ffn(p + "ffn_{}", h, lora)
+        h, c["ffn_norm"] = rmsnorm_forward(x, params.weight(p + "ffn_norm.weight"), eps)
+        if cfg.layer_is_moe(il):
+            ffn, c["ffn"] = self._moe_forward(il, h, params)
+        else:
+            ffn, c["ffn"] = self._ffn_forward(p + "ffn_{}", h, params)
         if cfg.post_norms:
-            ffn, _ = rmsnorm_forward(ffn, w.get(p + "post_ffw_norm.weight"), cfg.rms_eps)
-        return x + ffn
+            ffn, c["post_ffw"] = rmsnorm_forward(ffn, params.weight(p + "post_ffw_norm.weight"), eps)
+        return x + ffn, c
 
-    def _linear(self, name: str, x, lora):
+    def _block_backward(self, il: int, dx, c: dict, params: Params, grads: Grads):
+        cfg, p = self.config, f"blk.{il}."
+        dffn = dx
+        if cfg.post_norms:
+            dffn = self._norm_backward(dffn, c["post_ffw"], p + "post_ffw_norm.weight", params, grads)
+        if cfg.layer_is_moe(il):
+            dh = self._moe_backward(il, dffn, c["ffn"], params, grads)
+        else:
+            dh = self._ffn_backward(dffn, c["ffn"], params, grads)
+        dx = dx + self._norm_backward(dh, c["ffn_norm"], p + "ffn_norm.weight", params, grads)
+        dattn = dx
+        if cfg.post_norms:
+            dattn = self._norm_backward(dattn, c["post_attn"], p + "post_attention_norm.weight",
+                                        params, grads)
+        dh = self._attention_backward(il, dattn, c["attn"], params, grads)
+        return dx + self._norm_backward(dh, c["attn_norm"], p + "attn_norm.weight", params, grads)
+
+    def _norm_backward(self, dout, cache, name: str, params: Params, grads: Grads):
+        dx, dw = rmsnorm_backward(dout, cache)
+        _add_full(grads, params, name, dw)
+        return dx
+
+    def _linear_forward(self, name: str, x, params: Params):
+        """y = x W^T (+ b) (+ LoRA) for the tensor `name`.weight; cache for _linear_backward."""
+        bias_name = name + ".bias"
+        bias = params.weight(bias_name) if params.has(bias_name) else None
+        y, cache = linear_forward(x, params.weight(name + ".weight"), bias,
+                                  params.lora(name + ".weight"))
+        return y, (name, cache)
+
+    def _linear_backward(self, dy, lcache, params: Params, grads: Grads):
+        name, cache = lcache
         wname = name + ".weight"
-        bias = self.weights.get(name + ".bias") if name + ".bias" in self.weights else None
-        y, _ = linear_forward(x, self.weights.get(wname), bias, lora(wname))
-        return y
+        dx, dw, dbias, dlora = linear_backward(dy, cache, need_dw=params.trains(wname))
+        _add_weight_grads(grads, wname, dw, dlora)
+        _add_full(grads, params, name + ".bias", dbias)
+        return dx
 
-    def _attention(self, il: int, h, positions, lora, cache: KVCache):
-        cfg, w, p = self.config, self.weights, f"blk.{il}."
+    def _attention_forward(self, il: int, h, params: Params, ctx: "_Context"):
+        cfg, p, eps = self.config, f"blk.{il}.", self.config.rms_eps
         t, hd = h.shape[0], cfg.head_dim
-        q = self._linear(p + "attn_q", h, lora)                              # (T, H*D)
-        k = self._linear(p + "attn_k", h, lora)                              # (T, Hkv*D)
-        v = self._linear(p + "attn_v", h, lora)                              # (T, Hkv*D)
+        c = {}
+        q, c["q"] = self._linear_forward(p + "attn_q", h, params)           # (T, H*D)
+        k, c["k"] = self._linear_forward(p + "attn_k", h, params)           # (T, Hkv*D)
+        v, c["v"] = self._linear_forward(p + "attn_v", h, params)           # (T, Hkv*D)
         if cfg.qk_norm == "full":
-            q, _ = rmsnorm_forward(q, w.get(p + "attn_q_norm.weight"), cfg.rms_eps)
-            k, _ = rmsnorm_forward(k, w.get(p + "attn_k_norm.weight"), cfg.rms_eps)
+            q, c["q_norm"] = rmsnorm_forward(q, params.weight(p + "attn_q_norm.weight"), eps)
+            k, c["k_norm"] = rmsnorm_forward(k, params.weight(p + "attn_k_norm.weight"), eps)
         q = q.reshape(t, cfg.n_head, hd)                                     # (T, H, D)
         k = k.reshape(t, cfg.n_head_kv, hd)                                  # (T, Hkv, D)
         v = v.reshape(t, cfg.n_head_kv, hd)                                  # (T, Hkv, D)
         if cfg.qk_norm == "head":
-            q, _ = rmsnorm_forward(q, w.get(p + "attn_q_norm.weight"), cfg.rms_eps)
-            k, _ = rmsnorm_forward(k, w.get(p + "attn_k_norm.weight"), cfg.rms_eps)
+            q, c["q_norm"] = rmsnorm_forward(q, params.weight(p + "attn_q_norm.weight"), eps)
+            k, c["k_norm"] = rmsnorm_forward(k, params.weight(p + "attn_k_norm.weight"), eps)
         swa = bool(cfg.swa_layers and cfg.swa_layers[il])
-        base, freq_scale = (cfg.rope_base_swa, 1.0) if swa else (cfg.rope_base, cfg.rope_freq_scale)
-        cos, sin = rope_angles(np, positions, cfg.rope_dim, base, freq_scale, q.dtype)
-        q, _ = rope_forward(q, cos, sin, cfg.rope_dim, cfg.rope_type)
-        k, _ = rope_forward(k, cos, sin, cfg.rope_dim, cfg.rope_type)
-        if il < len(cache.keys):                                             # decoding: append
-            k = cache.keys[il] = np.concatenate([cache.keys[il], k])         # (S, Hkv, D)
-            v = cache.values[il] = np.concatenate([cache.values[il], v])
-        else:
-            cache.keys.append(k)
-            cache.values.append(v)
-        k_pos = np.arange(k.shape[0])
-        mask = attention_mask(np, positions, k_pos, cfg.sliding_window if swa else 0)
-        out, _ = attention_forward(q, k, v, cfg.attn_scale, mask)            # (T, H, D)
-        return self._linear(p + "attn_output", out.reshape(t, -1), lora)     # (T, C)
+        cos, sin = ctx.rope(swa, q.dtype)
+        q, c["q_rope"] = rope_forward(q, cos, sin, cfg.rope_dim, cfg.rope_type)
+        k, c["k_rope"] = rope_forward(k, cos, sin, cfg.rope_dim, cfg.rope_type)
+        k, v = ctx.extend_kv(il, k, v)
+        out, c["attn"] = attention_forward(q, k, v, cfg.attn_scale, ctx.mask(swa, q.dtype))
+        y, c["o"] = self._linear_forward(p + "attn_output", out.reshape(t, -1), params)
+        return y, c
 
-    def _ffn(self, pattern: str, h, lora):
-        g = self._linear(pattern.format("gate"), h, lora)                   # (T, F)
-        u = self._linear(pattern.format("up"), h, lora)                     # (T, F)
-        act, _ = glu_forward(self.config.act, g, u)
-        return self._linear(pattern.format("down"), act, lora)              # (T, C)
+    def _attention_backward(self, il: int, dy, c: dict, params: Params, grads: Grads):
+        cfg, p = self.config, f"blk.{il}."
+        dout = self._linear_backward(dy, c["o"], params, grads)              # (T, H*D)
+        t = dout.shape[0]
+        dq, dk, dv = attention_backward(dout.reshape(t, cfg.n_head, -1), c["attn"])
+        dq, dk = rope_backward(dq, c["q_rope"]), rope_backward(dk, c["k_rope"])
+        if cfg.qk_norm == "head":
+            dq = self._norm_backward(dq, c["q_norm"], p + "attn_q_norm.weight", params, grads)
+            dk = self._norm_backward(dk, c["k_norm"], p + "attn_k_norm.weight", params, grads)
+        dq, dk, dv = dq.reshape(t, -1), dk.reshape(t, -1), dv.reshape(t, -1)
+        if cfg.qk_norm == "full":
+            dq = self._norm_backward(dq, c["q_norm"], p + "attn_q_norm.weight", params, grads)
+            dk = self._norm_backward(dk, c["k_norm"], p + "attn_k_norm.weight", params, grads)
+        return (self._linear_backward(dq, c["q"], params, grads)
+                + self._linear_backward(dk, c["k"], params, grads)
+                + self._linear_backward(dv, c["v"], params, grads))
 
-    def _moe(self, il: int, h, lora):
-        cfg, w, p = self.config, self.weights, f"blk.{il}."
-        router_logits = self._linear(p + "ffn_gate_inp", h, lora)           # (T, E)
-        selected, weights, _ = router_forward(router_logits, cfg.n_expert_used,
-                                              cfg.expert_weights_norm, cfg.expert_weights_scale)
+    def _glu(self, g, u, params: Params):
+        if self.config.act == "silu":
+            return swiglu_forward(g, u)
+        return geglu_forward(g, u, exact=params.training)
+
+    def _ffn_forward(self, pattern: str, h, params: Params):
+        g, cg = self._linear_forward(pattern.format("gate"), h, params)     # (T, F)
+        u, cu = self._linear_forward(pattern.format("up"), h, params)       # (T, F)
+        act, ca = self._glu(g, u, params)                                    # (T, F)
+        y, cd = self._linear_forward(pattern.format("down"), act, params)   # (T, C)
+        return y, (cg, cu, ca, cd)
+
+    def _ffn_backward(self, dy, cache, params: Params, grads: Grads):
+        cg, cu, ca, cd = cache
+        dact = self._linear_backward(dy, cd, params, grads)
+        dg, du = glu_backward(self.config.act, dact, ca)
+        return self._linear_backward(dg, cg, params, grads) + self._linear_backward(du, cu, params, grads)
+
+    def _moe_forward(self, il: int, h, params: Params):
+        cfg, p = self.config, f"blk.{il}."
+        logits, c_router_in = self._linear_forward(p + "ffn_gate_inp", h, params)   # (T, E)
+        selected, weights, c_router = router_forward(logits, cfg.n_expert_used,
+                                                     cfg.expert_weights_norm, cfg.expert_weights_scale)
         order, offsets, token_of = dispatch_order(selected, cfg.n_expert)
-        names = [p + f"ffn_{proj}_exps.weight" for proj in ("gate", "up", "down")]
-        ys = experts_forward(h, order, offsets, token_of, *(w.experts(n) for n in names),
-                             cfg.act, tuple(lora(n) for n in names))        # (T*K, C)
-        out = combine(ys, order, weights.astype(h.dtype))                   # (T, C)
+        names = self._expert_names(il)
+        act = "silu" if cfg.act == "silu" else ("gelu" if params.training else "gelu_ggml")
+        ys, c_experts = experts_forward_train(h, order, offsets, token_of,
+                                              *(params.experts(n) for n in names), act,
+                                              tuple(params.lora(n) for n in names))  # (T*K, C)
+        out, c_combine = combine_forward(ys, order, weights.astype(h.dtype))         # (T, C)
+        c_shared = None
         if cfg.n_ff_shexp:
-            shared = self._ffn(p + "ffn_{}_shexp", h, lora)                 # (T, C)
+            shared, c_ffn = self._ffn_forward(p + "ffn_{}_shexp", h, params)        # (T, C)
+            gate = None
             if cfg.shared_expert_gate:
-                gate = h @ w.get(p + "ffn_gate_inp_shexp.weight")           # (T,)
-                shared = shared * sigmoid(gate)[:, None]
-            out = out + shared
-        return out
+                gate = sigmoid(h @ params.weight(p + "ffn_gate_inp_shexp.weight"))  # (T,)
+                out = out + shared * gate[:, None]
+            else:
+                out = out + shared
+            c_shared = (c_ffn, shared, gate, h)
+        return out, (c_router_in, c_router, c_experts, c_combine, c_shared)
+
+    def _moe_backward(self, il: int, dy, cache, params: Params, grads: Grads):
+        c_router_in, c_router, c_experts, c_combine, c_shared = cache
+        names = self._expert_names(il)
+        dys, dweights = combine_backward(dy, c_combine)
+        dh, dws, dloras = experts_backward(dys, c_experts, tuple(params.trains(n) for n in names))
+        for name, dw, dlora in zip(names, dws, dloras):
+            _add_weight_grads(grads, name, dw, dlora)
+        dlogits = router_backward(dweights, c_router)
+        dh = dh + self._linear_backward(dlogits.astype(dy.dtype), c_router_in, params, grads)
+        if c_shared is not None:
+            c_ffn, shared, gate, h = c_shared
+            dshared = dy
+            if gate is not None:
+                gname = f"blk.{il}.ffn_gate_inp_shexp.weight"
+                dshared = dy * gate[:, None]
+                dz = sigmoid_backward((dy * shared).sum(-1), gate)                 # (T,)
+                dh = dh + dz[:, None] * params.weight(gname)[None, :]
+                _add_full(grads, params, gname, h.T @ dz)
+            dh = dh + self._ffn_backward(dshared, c_ffn, params, grads)
+        return dh
+
+    def _expert_names(self, il: int) -> list[str]:
+        return [f"blk.{il}.ffn_{proj}_exps.weight" for proj in ("gate", "up", "down")]
 
     # ---- generation ---------------------------------------------------------------------
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int = 64,
@@ -239,11 +463,13 @@ class Model:
         ids; the stop token itself is not yielded) or at the context length.
         """
         tokens = self._check_tokens(prompt_ids)
-        lora = self._lora_lookup(adapter, adapter_scale)
+        params = self.params(adapter, adapter_scale)
         stop_ids = set(self.tokenizer.eot_ids if stop is None else stop)
         rng = np.random.default_rng(seed)
         cache = KVCache()
-        logits = self._forward(tokens, lora, cache, last_only=True)[-1]
+        step = lambda ids: self._head_logits(
+            self._hidden(ids, params, _Context.build(self.config, ids.size, cache))[-1:], params)[0]
+        logits = step(tokens)
         for _ in range(max_new_tokens):
             if cache.length >= self.config.context_length:
                 return
@@ -251,7 +477,20 @@ class Model:
             if token in stop_ids:
                 return
             yield token
-            logits = self._forward(np.array([token]), lora, cache, last_only=True)[-1]
+            logits = step(np.array([token]))
+
+
+def _add_full(grads: Grads, params: Params, name: str, g) -> None:
+    """Gradient of a tensor trained in full (norms, biases, router, ...); frozen ones get none."""
+    if g is not None and params.trains(name):
+        grads.add(name, g)
+
+
+def _add_weight_grads(grads: Grads, name: str, dw, dlora) -> None:
+    grads.add(name, dw)
+    if dlora is not None:
+        grads.add(name + ".lora_a", dlora[0])
+        grads.add(name + ".lora_b", dlora[1])
 
 
 def sample_token(logits: np.ndarray, temperature: float, top_p: float, rng) -> int:

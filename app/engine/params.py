@@ -1,0 +1,83 @@
+"""What a forward pass reads: frozen base weights, fully trained tensors and LoRA pairs.
+
+`Params` is the one place that decides, per tensor name, where the numbers come from:
+- a fully trained tensor (`full[name]`, a float32 master copy that the optimizer updates),
+- else the frozen base weight from the memory-mapped file (dequantized when used),
+and whether a LoRA pair applies to it (`adapter`). Gradient names follow the GGUF adapter
+format: `<tensor>` for a full tensor, `<tensor>.lora_a` / `<tensor>.lora_b` for LoRA.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from app.engine.lora import LoraAdapter
+from app.engine.weights import WeightStore
+
+
+class _CastExperts:
+    """Expert-indexable view that casts each expert to the compute dtype on access."""
+
+    def __init__(self, view, dtype):
+        self.view, self.dtype, self.shape = view, dtype, view.shape
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, e: int):
+        return self.view[e].astype(self.dtype, copy=False)
+
+
+class Params:
+    def __init__(self, store: WeightStore, dtype=np.float32, full: dict | None = None,
+                 adapter: LoraAdapter | None = None, adapter_scale: float = 1.0,
+                 training: bool = False):
+        self.store = store
+        self.dtype = np.dtype(dtype)
+        self.full = full or {}
+        self.adapter = adapter
+        self.adapter_scale = adapter_scale
+        self.training = training  # exact GELU instead of ggml's fp16 table (differentiable)
+
+    def has(self, name: str) -> bool:
+        return name in self.full or name in self.store
+
+    def trains(self, name: str) -> bool:
+        return name in self.full
+
+    def weight(self, name: str):
+        if name in self.full:
+            return self.full[name]
+        return self.store.get(name).astype(self.dtype, copy=False)
+
+    def experts(self, name: str):
+        if name in self.full:
+            return self.full[name]
+        view = self.store.experts(name)
+        return view if self.dtype == np.float32 else _CastExperts(view, self.dtype)
+
+    def rows(self, name: str, index: np.ndarray):
+        if name in self.full:
+            return self.full[name][index]
+        return self.store.rows(name, index).astype(self.dtype, copy=False)
+
+    def lora(self, name: str):
+        if self.adapter is None:
+            return None
+        pair = self.adapter.scaled(name, self.adapter_scale)
+        if pair is None:
+            return None
+        a, b, s = pair
+        return a.astype(self.dtype, copy=False), b.astype(self.dtype, copy=False), s
+
+
+class Grads(dict):
+    """Gradient accumulator by name: adding to a name twice sums (tied weights, fan-out)."""
+
+    def add(self, name: str, g) -> None:
+        if g is None:
+            return
+        if name in self:
+            self[name] = self[name] + g
+        else:
+            self[name] = g
