@@ -32,6 +32,11 @@ _ARCH_TRAITS: dict[str, dict[str, Any]] = {
                      post_norms=True, embed_scale=True),
 }
 SUPPORTED_ARCHITECTURES = tuple(_ARCH_TRAITS)
+CORRUPT_HINT = "The file is corrupt. Download or convert it again."
+# llama.cpp's own limits (LLAMA_MAX_LAYERS, LLAMA_MAX_EXPERTS): a corrupt count above them must
+# not make the loader build millions of per-layer entries before it finds a missing tensor.
+MAX_LAYERS = 512
+MAX_EXPERTS = 512
 
 
 @dataclass(frozen=True)
@@ -126,8 +131,12 @@ def _swa_layers(m: _Meta, n_layer: int) -> tuple[bool, ...]:
         return (False,) * n_layer
     pattern = m.get("attention.sliding_window_pattern", 6)
     if isinstance(pattern, list):  # per-layer array of bools: true = SWA layer
+        if len(pattern) < n_layer:
+            raise ModelFormatError(
+                f"'{m.arch}.attention.sliding_window_pattern' has {len(pattern)} entries for "
+                f"{n_layer} layers.", "The file was written by an incomplete converter.")
         return tuple(bool(p) for p in pattern[:n_layer])
-    pattern = int(pattern)
+    pattern = m.int("attention.sliding_window_pattern", 6)
     return tuple(pattern > 0 and il % pattern < pattern - 1 for il in range(n_layer))
 
 
@@ -146,16 +155,31 @@ def config_from_metadata(meta: Mapping[str, Any], tensor_names=()) -> ModelConfi
     names = set(tensor_names)
 
     n_layer = m.int("block_count")
+    if n_layer > MAX_LAYERS:
+        raise ModelFormatError(f"'{arch}.block_count' is {n_layer}; llama.cpp allows at most "
+                               f"{MAX_LAYERS} layers.", CORRUPT_HINT)
     n_embd = m.int("embedding_length")
+    if n_embd == 0:
+        raise ModelFormatError(f"'{arch}.embedding_length' is 0.", CORRUPT_HINT)
     n_head = m.int("attention.head_count")
     n_head_kv = m.int("attention.head_count_kv", n_head)
     if n_head == 0 or n_head_kv == 0 or n_head % n_head_kv:
         raise ModelFormatError(f"Invalid head counts: {n_head} heads, {n_head_kv} kv heads.")
     head_dim = m.int("attention.key_length", n_embd // n_head)
-    n_vocab = m.int("vocab_size", len(meta.get("tokenizer.ggml.tokens", ())))
+    if head_dim == 0:
+        raise ModelFormatError(f"Invalid head size 0 ({n_embd} embedding, {n_head} heads).",
+                               CORRUPT_HINT)
+    tokens = meta.get("tokenizer.ggml.tokens", ())
+    n_vocab = m.int("vocab_size", len(tokens) if isinstance(tokens, (list, np.ndarray)) else 0)
     n_expert = m.int("expert_count", 0)
+    if n_expert > MAX_EXPERTS:
+        raise ModelFormatError(f"'{arch}.expert_count' is {n_expert}; llama.cpp allows at most "
+                               f"{MAX_EXPERTS} experts.", CORRUPT_HINT)
     n_ff = m.int("feed_forward_length", 0)
     n_expert_used = m.int("expert_used_count", 0) if n_expert else 0
+    if n_expert and not 1 <= n_expert_used <= n_expert:
+        raise ModelFormatError(f"Invalid expert counts: {n_expert_used} of {n_expert} experts "
+                               "used per token.", CORRUPT_HINT)
     # qwen2moe: expert width falls back to n_ff / n_expert_used (SPEC 2.3); others use n_ff.
     ff_exp_default = (n_ff // max(n_expert_used, 1)) if arch == "qwen2moe" else n_ff
     n_ff_exp = m.int("expert_feed_forward_length", ff_exp_default) if n_expert else 0
@@ -175,6 +199,10 @@ def config_from_metadata(meta: Mapping[str, Any], tensor_names=()) -> ModelConfi
         raise UnsupportedModelError(f"RoPE scaling '{scaling}' is not supported yet.",
                                     "Supported: none and linear.")
     factor = m.float("rope.scaling.factor", 0.0)
+    rope_dim = m.int("rope.dimension_count", head_dim)
+    if rope_dim % 2 or rope_dim > head_dim:
+        raise ModelFormatError(f"'{arch}.rope.dimension_count' is {rope_dim}; it must be even "
+                               f"and at most the head size {head_dim}.", CORRUPT_HINT)
     freq_scale = 1.0 / factor if scaling == "linear" and factor > 0 else 1.0
     if "rope_freqs.weight" in names:
         raise UnsupportedModelError("Models with per-dimension RoPE factors (rope_freqs) are "
@@ -186,7 +214,7 @@ def config_from_metadata(meta: Mapping[str, Any], tensor_names=()) -> ModelConfi
         context_length=m.int("context_length", 2048),
         rms_eps=m.float("attention.layer_norm_rms_epsilon", 1e-6),
         n_ff=n_ff if (not n_expert or arch == "deepseek") else 0,
-        rope_type=traits["rope"], rope_dim=m.int("rope.dimension_count", head_dim),
+        rope_type=traits["rope"], rope_dim=rope_dim,
         rope_base=m.float("rope.freq_base", 10000.0),
         rope_base_swa=m.float("rope.freq_base_swa", 10000.0),
         rope_freq_scale=freq_scale,
@@ -205,3 +233,62 @@ def config_from_metadata(meta: Mapping[str, Any], tensor_names=()) -> ModelConfi
         tied_output="output.weight" not in names,
         extra={k: v for k, v in meta.items() if k.startswith(arch + ".")},
     )
+
+
+# ---- training ------------------------------------------------------------------------------
+
+TRAIN_MODES = ("lora", "full", "hybrid")
+OPTIMIZERS = ("adamw", "sgd", "lbfgs")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """How to train: what is trainable, the optimizer, the schedule, the step structure.
+
+    mode: "lora" (adapters only), "full" (every F32/F16/BF16 tensor; quantized ones stay frozen)
+    or "hybrid" (adapters plus the unquantized tensors named by `full_targets`).
+    full_targets: tensor kinds or groups for hybrid runs: "norms", "router", "embeddings",
+    "output", or kinds such as "attn_q".
+    """
+
+    mode: str = "lora"
+    lora_rank: int = 16
+    lora_alpha: float = 32.0
+    lora_targets: tuple[str, ...] = ("attention", "ffn", "experts", "shared")
+    rslora: bool = False
+    full_targets: tuple[str, ...] = ()
+    optimizer: str = "adamw"
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    gclip: float = 0.0
+    max_grad_norm: float = 0.0
+    schedule: str = "constant"
+    warmup_steps: int = 0
+    min_lr: float = 0.0
+    max_steps: int = 100
+    grad_accum: int = 1
+    checkpoint_interval: int = 0
+    vocab_chunk: int = 8192
+    seed: int = 0
+
+    def validate(self) -> None:
+        from app.engine.errors import ConfigError
+
+        if self.mode not in TRAIN_MODES:
+            raise ConfigError(f"Unknown training mode '{self.mode}'.",
+                              "Use one of: " + ", ".join(TRAIN_MODES) + ".")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"Unknown optimizer '{self.optimizer}'.",
+                              "Use one of: " + ", ".join(OPTIMIZERS) + ".")
+        if self.mode == "hybrid" and not self.full_targets:
+            raise ConfigError("A hybrid run needs full_targets (e.g. norms, router).")
+        for name in ("max_steps", "grad_accum"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1.")
+        for name in ("checkpoint_interval", "warmup_steps", "lr", "weight_decay", "gclip",
+                     "max_grad_norm", "min_lr"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must not be negative.")

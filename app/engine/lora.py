@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from app.engine.errors import ModelFormatError
+from app.engine.errors import ConfigError, ModelFormatError
 
 
 @dataclass
@@ -97,3 +97,92 @@ def check_adapter_fits(adapter: LoraAdapter, arch: str, shapes: dict[str, tuple[
         if tuple(got) != tuple(want):
             raise ModelFormatError(f"The adapter's {base!r} has shape {got}, the model's {want}.",
                                    "Use an adapter trained on this base model.")
+
+
+# ---- creating adapters to train ------------------------------------------------------------
+
+# Target groups a user picks (GUI checkboxes, CLI --targets) -> tensor kinds (blk.N.<kind>.weight).
+TARGET_GROUPS: dict[str, tuple[str, ...]] = {
+    "attention": ("attn_q", "attn_k", "attn_v", "attn_output"),
+    "ffn": ("ffn_gate", "ffn_up", "ffn_down"),
+    "experts": ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"),
+    "shared": ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"),
+    "router": ("ffn_gate_inp",),
+    "output": ("output",),
+}
+DEFAULT_TARGETS = ("attention", "ffn", "experts", "shared")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    rank: int = 16
+    alpha: float = 32.0
+    targets: tuple[str, ...] = DEFAULT_TARGETS   # group names or tensor kinds (e.g. "attn_q")
+    rslora: bool = False                         # scale alpha/sqrt(rank) instead of alpha/rank
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.rank < 1:
+            raise ConfigError(f"LoRA rank must be at least 1, got {self.rank}.")
+        if self.alpha <= 0:
+            raise ConfigError(f"LoRA alpha must be positive, got {self.alpha}.")
+        kinds = {k for g in TARGET_GROUPS.values() for k in g}
+        unknown = [t for t in self.targets if t not in TARGET_GROUPS and t not in kinds]
+        if unknown:
+            raise ConfigError(f"Unknown LoRA targets: {', '.join(unknown)}.",
+                              "Use groups " + ", ".join(TARGET_GROUPS) + " or tensor kinds "
+                              "such as attn_q, ffn_up_exps.")
+
+    def kinds(self) -> set[str]:
+        out: set[str] = set()
+        for t in self.targets:
+            out.update(TARGET_GROUPS.get(t, (t,)))
+        return out
+
+    @property
+    def stored_alpha(self) -> float:
+        """The alpha to store so that llama.cpp's alpha/rank gives the trained scale (rsLoRA folded)."""
+        return self.alpha * self.rank ** 0.5 if self.rslora else self.alpha
+
+
+def tensor_kind(name: str) -> str | None:
+    """'blk.3.attn_q.weight' -> 'attn_q'; 'output.weight' -> 'output'; others None."""
+    parts = name.split(".")
+    if parts[-1] != "weight":
+        return None
+    if len(parts) == 4 and parts[0] == "blk":
+        return parts[2]
+    return parts[0] if len(parts) == 2 else None
+
+
+def lora_targets(shapes: dict[str, tuple[int, ...]], config: LoraConfig) -> list[str]:
+    """Base tensor names (2-D or 3-D) the config adapts, in file order."""
+    kinds = config.kinds()
+    return [n for n, s in shapes.items() if tensor_kind(n) in kinds and len(s) in (2, 3)]
+
+
+def init_adapter(shapes: dict[str, tuple[int, ...]], arch: str, config: LoraConfig) -> LoraAdapter:
+    """A fresh adapter: A ~ U(-1/sqrt(in), 1/sqrt(in)) (PEFT's kaiming-uniform bound), B = 0,
+    so training starts exactly at the base model. Float32, seeded."""
+    config.validate()
+    targets = lora_targets(shapes, config)
+    if not targets:
+        raise ConfigError("None of the chosen LoRA targets exists in this model.",
+                          "Pick targets the model has (a dense model has no experts).")
+    rng = np.random.default_rng(config.seed)
+    adapter = LoraAdapter(alpha=config.stored_alpha, arch=arch)
+    for name in targets:
+        *experts, out_dim, in_dim = shapes[name]
+        bound = 1.0 / np.sqrt(in_dim)
+        a = rng.uniform(-bound, bound, (*experts, config.rank, in_dim)).astype(np.float32)
+        b = np.zeros((*experts, out_dim, config.rank), np.float32)
+        adapter.tensors[name] = (a, b)
+    return adapter
+
+
+def adapter_parameters(adapter: LoraAdapter) -> dict[str, np.ndarray]:
+    """The adapter's arrays by gradient name (<tensor>.lora_a / .lora_b), shared, not copied."""
+    params = {}
+    for base, (a, b) in adapter.tensors.items():
+        params[base + ".lora_a"], params[base + ".lora_b"] = a, b
+    return params

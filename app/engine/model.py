@@ -212,6 +212,19 @@ class Model:
         return "token_embd.weight" if self.config.tied_output else "output.weight"
 
     # ---- training: loss and gradients ----------------------------------------------------
+    def loss(self, params: Params, tokens, labels, token_weights=None, positions=None,
+             segments=None, vocab_chunk: int = 8192):
+        """(loss, stats) as in loss_and_grads, forward only (evaluation)."""
+        tokens = self._check_tokens(tokens)
+        ctx = _Context.build(self.config, tokens.size, None, positions, segments)
+        x = self._hidden(tokens, params, ctx)
+        h, _ = rmsnorm_forward(x, params.weight("output_norm.weight"), self.config.rms_eps)
+        head = self.head_name
+        loss, stats, _ = cross_entropy_forward(h, params.weight(head), np.asarray(labels),
+                                               token_weights, params.lora(head),
+                                               self.config.final_logit_softcap, vocab_chunk)
+        return loss, stats
+
     def loss_and_grads(self, params: Params, tokens, labels, token_weights=None,
                        positions=None, segments=None, checkpoint_interval: int = 0,
                        vocab_chunk: int = 8192):

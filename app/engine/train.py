@@ -1,0 +1,173 @@
+"""Training steps: trainable tensors, optimizer, schedule, gradient accumulation, metrics.
+
+`TrainSession` owns what a run changes (a LoRA adapter and/or float32 master copies of fully
+trained tensors) and turns micro-batches into optimizer steps. It knows nothing of files,
+queues or threads; the run loop (reporting, evaluation, checkpoints) builds on it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from app.engine.config import TrainConfig
+from app.engine.errors import ConfigError
+from app.engine.lora import LoraAdapter, LoraConfig, adapter_parameters, init_adapter, tensor_kind
+from app.engine.model import Model
+from app.engine.optim import LBFGS, SGD, AdamW, GradAccumulator, make_schedule
+
+TRAINABLE_TYPES = (0, 1, 30)  # F32, F16, BF16: quantized tensors stay frozen (stop-gradient)
+
+FULL_GROUPS = {
+    "norms": lambda name: "norm" in name,
+    "router": lambda name: tensor_kind(name) == "ffn_gate_inp",
+    "embeddings": lambda name: name == "token_embd.weight",
+    "output": lambda name: name == "output.weight",
+}
+
+
+@dataclass
+class Batch:
+    """One micro-batch: a token stream (several sequences may be packed in it).
+
+    tokens, labels (T,) with label -1 = not trained; token_weights (T,) reward weights or None;
+    positions (T,) RoPE positions and segments (T,) sequence ids when sequences are packed.
+    """
+
+    tokens: np.ndarray
+    labels: np.ndarray
+    token_weights: np.ndarray | None = None
+    positions: np.ndarray | None = None
+    segments: np.ndarray | None = None
+
+
+def pack(sequences: Sequence[tuple[Sequence[int], Sequence[int]]], weights=None) -> Batch:
+    """Pack (tokens, labels) sequences into one stream; attention never crosses sequences."""
+    tokens = np.concatenate([np.asarray(t, np.int64) for t, _ in sequences])
+    labels = np.concatenate([np.asarray(l, np.int64) for _, l in sequences])
+    positions = np.concatenate([np.arange(len(t)) for t, _ in sequences])
+    segments = np.concatenate([np.full(len(t), i) for i, (t, _) in enumerate(sequences)])
+    token_weights = None
+    if weights is not None:
+        token_weights = np.concatenate([np.full(len(t), w, np.float32)
+                                        for (t, _), w in zip(sequences, weights)])
+    return Batch(tokens, labels, token_weights, positions, segments)
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    step: int
+    loss: float
+    accuracy: float
+    lr: float
+    grad_norm: float
+    clipped_fraction: float
+    tokens: int
+    tokens_per_s: float
+    skipped: bool = False
+
+
+def full_trainable_names(model: Model, targets: Sequence[str] | None) -> list[str]:
+    """Unquantized tensors to train in full: all of them (targets None) or the named groups/kinds."""
+    names = [n for n, t in model.gguf.tensors.items() if t.ggml_type in TRAINABLE_TYPES]
+    if targets is None:
+        return names
+    picks = [FULL_GROUPS.get(t, lambda name, t=t: tensor_kind(name) == t) for t in targets]
+    return [n for n in names if any(pick(n) for pick in picks)]
+
+
+class TrainSession:
+    def __init__(self, model: Model, config: TrainConfig, adapter: LoraAdapter | None = None):
+        config.validate()
+        self.model, self.config = model, config
+        self.adapter = adapter
+        if config.mode in ("lora", "hybrid") and adapter is None:
+            self.adapter = init_adapter(model.tensor_shapes, model.config.arch, LoraConfig(
+                config.lora_rank, config.lora_alpha, tuple(config.lora_targets), config.rslora,
+                config.seed))
+        full_names = []
+        if config.mode == "full":
+            full_names = full_trainable_names(model, None)
+        elif config.mode == "hybrid":
+            full_names = full_trainable_names(model, config.full_targets)
+        if config.mode != "lora" and not full_names:
+            raise ConfigError("Nothing to train in full: every matching tensor is quantized.",
+                              "Full fine-tuning needs F32/F16/BF16 tensors; use LoRA instead.")
+        self.full = {n: np.array(model.gguf.array(n), dtype=np.float32) for n in full_names}
+        self.params = model.params(self.adapter, full=self.full, training=True)
+        self.trainable = {**(adapter_parameters(self.adapter) if self.adapter else {}), **self.full}
+        self.schedule = make_schedule(config.schedule, config.lr, config.max_steps,
+                                      config.warmup_steps, config.min_lr)
+        self.optimizer = self._make_optimizer()
+        self.step_count = 0
+
+    def _make_optimizer(self):
+        c = self.config
+        if c.optimizer == "adamw":
+            return AdamW(self.trainable, c.lr, c.beta1, c.beta2, c.eps, c.weight_decay, c.gclip,
+                         c.max_grad_norm)
+        if c.optimizer == "sgd":
+            return SGD(self.trainable, c.lr, c.weight_decay, c.gclip, c.max_grad_norm)
+        return LBFGS(self.trainable, lr=c.lr if c.lr > 0 else 1.0)
+
+    @property
+    def n_trainable(self) -> int:
+        return sum(int(a.size) for a in self.trainable.values())
+
+    def loss_and_grads(self, batch: Batch):
+        c = self.config
+        return self.model.loss_and_grads(self.params, batch.tokens, batch.labels,
+                                         batch.token_weights, batch.positions, batch.segments,
+                                         c.checkpoint_interval, c.vocab_chunk)
+
+    def _accumulate(self, micro_batches: Sequence[Batch]):
+        """Gradient of the loss over all micro-batches, normalised by their total token count."""
+        acc = GradAccumulator(average=True)
+        loss_sum = correct = tokens = 0.0
+        for batch in micro_batches:
+            loss, stats, grads = self.loss_and_grads(batch)
+            n = stats["n_tokens"]
+            if n:
+                acc.add(grads, weight=n)
+                loss_sum += loss * n
+                correct += stats["n_correct"]
+                tokens += n
+        if not tokens:
+            raise ConfigError("The batch has no trained tokens (every label is masked).")
+        return loss_sum / tokens, correct / tokens, int(tokens), acc.result()
+
+    def step(self, micro_batches: Sequence[Batch]) -> StepMetrics:
+        """One optimizer step over the micro-batches (gradient accumulation)."""
+        t0 = time.perf_counter()
+        lr = self.schedule(self.step_count)
+        if isinstance(self.optimizer, LBFGS):
+            last = {}
+
+            def closure():
+                last["loss"], last["acc"], last["tokens"], grads = self._accumulate(micro_batches)
+                return last["loss"], grads
+            self.optimizer.step(closure)
+            loss, acc, tokens = last["loss"], last["acc"], last["tokens"]
+            grad_norm, clipped, skipped = float("nan"), 0.0, False
+        else:
+            loss, acc, tokens, grads = self._accumulate(micro_batches)
+            stats = self.optimizer.step(grads, lr=lr)
+            grad_norm, clipped, skipped = stats.grad_norm, stats.clipped_fraction, stats.skipped
+        self.step_count += 1
+        elapsed = time.perf_counter() - t0
+        return StepMetrics(self.step_count, float(loss), float(acc), lr, float(grad_norm),
+                           float(clipped), tokens, tokens / elapsed if elapsed else 0.0, skipped)
+
+    def evaluate(self, batches: Sequence[Batch]) -> tuple[float, float]:
+        """(loss, token accuracy) over batches, forward only."""
+        loss_sum = correct = tokens = 0.0
+        for b in batches:
+            loss, stats = self.model.loss(self.params, b.tokens, b.labels, b.token_weights,
+                                          b.positions, b.segments, self.config.vocab_chunk)
+            loss_sum += loss * stats["n_tokens"]
+            correct += stats["n_correct"]
+            tokens += stats["n_tokens"]
+        return loss_sum / max(tokens, 1), correct / max(tokens, 1)
