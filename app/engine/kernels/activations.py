@@ -16,10 +16,24 @@ def sigmoid(x):
     return 1.0 / (1.0 + xp.exp(-x))
 
 
+def sigmoid_backward(dout, s):
+    """dout, s = sigmoid(x): (...) -> dx = dout * s * (1 - s)."""
+    return dout * s * (1.0 - s)
+
+
 def gelu_tanh(x):
     """Exact tanh-approximation GELU in the dtype of x."""
     xp = get_array_module(x)
     return 0.5 * x * (1.0 + xp.tanh(_SQRT_2_OVER_PI * x * (1.0 + _GELU_COEF_A * x * x)))
+
+
+def gelu_tanh_grad(x):
+    """d gelu_tanh / dx, with the same (float32-rounded) constants as gelu_tanh."""
+    xp = get_array_module(x)
+    x2 = x * x                                                              # (...)
+    t = xp.tanh(_SQRT_2_OVER_PI * x * (1.0 + _GELU_COEF_A * x2))            # (...)
+    dinner = _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_COEF_A * x2)              # (...) d(tanh arg)/dx
+    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * dinner
 
 
 def _gelu_table(xp):
@@ -48,11 +62,42 @@ def swiglu_forward(g, u):
     return g * sg * u, (g, u, sg)
 
 
+def swiglu_backward(dout, cache):
+    """dout: (T, F) -> (dg, du): d silu(g)/dg = s (1 + g (1 - s)) with s = sigmoid(g)."""
+    g, u, sg = cache
+    du = dout * g * sg                                   # (T, F)
+    dg = dout * u * sg * (1.0 + g * (1.0 - sg))          # (T, F)
+    return dg, du
+
+
 def geglu_forward(g, u, exact: bool = False):
     """g, u: (T, F) -> gelu(g) * u, with ggml's table unless exact (the training path)."""
     act = gelu_tanh(g) if exact else gelu_ggml(g)        # (T, F)
     return act * u, (g, u, act)
 
 
+def geglu_backward(dout, cache):
+    """dout: (T, F) -> (dg, du), using the derivative of the exact tanh-GELU.
+
+    ggml's fp16-table GELU (exact=False) rounds its input to fp16 and looks the result up in a
+    table: it is piecewise constant, so its true derivative is zero almost everywhere and useless
+    for training. Training therefore runs geglu_forward(g, u, exact=True), whose derivative this
+    is; for a table-GELU cache, dg is still the exact GELU's derivative (a surrogate).
+    """
+    g, u, act = cache
+    du = dout * act                                      # (T, F)
+    dg = dout * u * gelu_tanh_grad(g)                    # (T, F)
+    return dg, du
+
+
 def glu_forward(kind: str, g, u):
     return swiglu_forward(g, u) if kind == "silu" else geglu_forward(g, u)
+
+
+def glu_backward(kind: str, dout, cache):
+    """(dg, du) for glu_forward(kind, ...): kind "silu" is SwiGLU, "gelu" is GeGLU."""
+    if kind == "silu":
+        return swiglu_backward(dout, cache)
+    if kind == "gelu":
+        return geglu_backward(dout, cache)
+    raise ValueError(f"unknown gated activation {kind!r}")

@@ -1,4 +1,10 @@
-"""Causal self-attention with GQA and an optional sliding window, one layer at a time."""
+"""Causal self-attention with GQA and an optional sliding window, one layer at a time.
+
+The forward keeps no (Tq, Tk) probabilities in its cache: only q, k, v, the mask it was given,
+the scale, the output and the per-row log-sum-exp. The backward recomputes the probabilities one
+kv head at a time (flash-attention style), so training never holds more than one layer's
+probabilities alive.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +24,8 @@ def attention_forward(q, k, v, scale: float, mask):
     """q: (Tq, H, D), k: (Tk, Hkv, D), v: (Tk, Hkv, Dv), mask: (Tq, Tk) -> out (Tq, H, Dv).
 
     Query head h reads kv head h // (H / Hkv) (contiguous groups, as ggml broadcasts).
+    Cache: (q, k, v, mask, scale, out, lse (Hkv, G, Tq)); `mask` and `out` are references to the
+    caller's arrays, not copies, so they must not be modified in place before the backward.
     """
     xp = get_array_module(q)
     tq, n_head, _ = q.shape
@@ -26,9 +34,47 @@ def attention_forward(q, k, v, scale: float, mask):
     qg = q.reshape(tq, n_kv, group, -1).transpose(1, 2, 0, 3)        # (Hkv, G, Tq, D)
     kt = k.transpose(1, 2, 0)[:, None]                                # (Hkv, 1, D, Tk)
     scores = (qg @ kt) * scale + mask.astype(q.dtype)                 # (Hkv, G, Tq, Tk)
-    scores -= scores.max(-1, keepdims=True)
+    row_max = scores.max(-1, keepdims=True)                           # (Hkv, G, Tq, 1)
+    scores -= row_max
     probs = xp.exp(scores)
-    probs /= probs.sum(-1, keepdims=True)                             # (Hkv, G, Tq, Tk)
+    row_sum = probs.sum(-1, keepdims=True)                            # (Hkv, G, Tq, 1)
+    probs /= row_sum                                                  # (Hkv, G, Tq, Tk)
+    lse = (row_max + xp.log(row_sum))[..., 0]                         # (Hkv, G, Tq)
     out = probs @ v.transpose(1, 0, 2)[:, None]                       # (Hkv, G, Tq, Dv)
+    del probs, scores
     out = out.transpose(2, 0, 1, 3).reshape(tq, n_head, -1)           # (Tq, H, Dv)
-    return out, (q, k, v, probs, scale)
+    return out, (q, k, v, mask, scale, out, lse)
+
+
+def attention_backward(dout, cache):
+    """dout: (Tq, H, Dv) -> (dq (Tq, H, D), dk (Tk, Hkv, D), dv (Tk, Hkv, Dv)).
+
+    P = exp(S - lse) is rebuilt per kv head; with D_i = sum_d dO_id O_id,
+    dS = P * (dO V^T - D), dq = scale dS K, dk = scale dS^T Q and dv = P^T dO, each summed over
+    the G query heads that share a kv head. Peak extra memory: two (G, Tq, Tk) buffers.
+    """
+    q, k, v, mask, scale, out, lse = cache
+    xp = get_array_module(q)
+    tq, n_head, _ = q.shape
+    n_kv = k.shape[1]
+    group = n_head // n_kv
+    mask = mask.astype(q.dtype)                                       # (Tq, Tk)
+    delta = (dout * out).sum(-1)                                      # (Tq, H)
+    dq, dk, dv = xp.empty_like(q), xp.empty_like(k), xp.empty_like(v)
+    for j in range(n_kv):
+        heads = slice(j * group, (j + 1) * group)
+        qj = q[:, heads].transpose(1, 0, 2)                           # (G, Tq, D)
+        doj = dout[:, heads].transpose(1, 0, 2)                       # (G, Tq, Dv)
+        kj, vj = k[:, j], v[:, j]                                     # (Tk, D), (Tk, Dv)
+        p = (qj @ kj.T) * scale + mask                                # (G, Tq, Tk)
+        p -= lse[j][..., None]
+        xp.exp(p, out=p)                                              # (G, Tq, Tk) probabilities
+        dv[:, j] = (p.transpose(0, 2, 1) @ doj).sum(0)                # (Tk, Dv)
+        ds = doj @ vj.T                                               # (G, Tq, Tk) dP
+        ds -= delta[:, heads].T[..., None]
+        ds *= p                                                       # (G, Tq, Tk) dS / scale
+        del p
+        dq[:, heads] = ((ds @ kj) * scale).transpose(1, 0, 2)         # (Tq, G, D)
+        dk[:, j] = (ds.transpose(0, 2, 1) @ qj).sum(0) * scale        # (Tk, D)
+        del ds
+    return dq, dk, dv

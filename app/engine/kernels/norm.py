@@ -12,3 +12,18 @@ def rmsnorm_forward(x, w, eps: float):
     rstd = (1.0 / xp.sqrt(ms + eps)).astype(x.dtype)               # (..., 1)
     out = x * rstd * w                                             # (..., C)
     return out, (x, w, rstd)
+
+
+def rmsnorm_backward(dout, cache):
+    """dout: (..., C) -> (dx (..., C), dw (C,)).
+
+    With g = dout * w and r = rstd: dx = r * (g - x * r^2 * mean(g * x)); dw sums dout * x * r
+    over every leading axis, so a per-head norm (x (T, H, D), w (D,)) gets dw of shape (D,).
+    """
+    x, w, rstd = cache
+    xn = x * rstd                                                  # (..., C) normalised x
+    dw = (dout * xn).reshape(-1, x.shape[-1]).sum(0)               # (C,)
+    g = dout * w                                                   # (..., C)
+    gx = (g * xn).mean(-1, keepdims=True)                          # (..., 1) = r * mean(g * x)
+    dx = rstd * (g - xn * gx)                                      # (..., C)
+    return dx, dw
