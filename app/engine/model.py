@@ -25,7 +25,7 @@ from app.engine.kernels.embedding import (embedding_backward, embedding_forward,
 from app.engine.kernels.linear import linear_backward, linear_forward
 from app.engine.kernels.loss import cross_entropy_backward, cross_entropy_forward
 from app.engine.kernels.moe import (combine_backward, combine_forward, dispatch_order,
-                                    experts_backward, experts_forward_train, router_backward,
+                                    experts_backward, experts_forward, experts_forward_train, router_backward,
                                     router_forward)
 from app.engine.kernels.norm import rmsnorm_backward, rmsnorm_forward
 from app.engine.kernels.rope import rope_angles, rope_backward, rope_forward
@@ -95,7 +95,7 @@ class _Context:
         return cache.keys[il], cache.values[il]
 
 
-def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Required tensors and their NumPy shapes; a missing or misshapen one is a format error."""
     c, hd = cfg.n_embd, cfg.head_dim
     q_out, kv_out = cfg.n_head * hd, cfg.n_head_kv * hd
@@ -143,7 +143,7 @@ class Model:
 
     def _check_tensors(self) -> None:
         name = os.path.basename(self.path)
-        for tname, want in _expected_shapes(self.config).items():
+        for tname, want in expected_shapes(self.config).items():
             if tname not in self.gguf.tensors:
                 raise ModelFormatError(f"{name} is missing the tensor {tname!r} that a "
                                        f"'{self.config.arch}' model needs.",
@@ -424,10 +424,14 @@ class Model:
                                                      cfg.expert_weights_norm, cfg.expert_weights_scale)
         order, offsets, token_of = dispatch_order(selected, cfg.n_expert)
         names = self._expert_names(il)
-        act = "silu" if cfg.act == "silu" else ("gelu" if params.training else "gelu_ggml")
-        ys, c_experts = experts_forward_train(h, order, offsets, token_of,
-                                              *(params.experts(n) for n in names), act,
-                                              tuple(params.lora(n) for n in names))  # (T*K, C)
+        weights_e = [params.experts(n) for n in names]
+        loras = tuple(params.lora(n) for n in names)
+        if params.training:  # exact GELU, caches for backward
+            ys, c_experts = experts_forward_train(h, order, offsets, token_of, *weights_e,
+                                                  cfg.act, loras)                   # (T*K, C)
+        else:                # ggml's fp16 GELU table, as llama.cpp computes it
+            ys, c_experts = experts_forward(h, order, offsets, token_of, *weights_e, cfg.act,
+                                            loras), None
         out, c_combine = combine_forward(ys, order, weights.astype(h.dtype))         # (T, C)
         c_shared = None
         if cfg.n_ff_shexp:

@@ -1,14 +1,29 @@
-"""Mixture-of-Experts routing, sort-by-expert dispatch, per-expert FFNs and the weighted combine.
+"""Mixture-of-Experts routing, sort-by-expert dispatch, per-expert FFNs and the weighted combine,
+with their backward passes.
 
 The token slots (T*K of them) are sorted by expert once per layer (stable argsort), so every
 expert runs one GEMM on a contiguous block of rows; the combine un-permutes with the inverse
-order and sums over the K slots of each token (ARCHITECTURE.md, performance notes).
+order and sums over the K slots of each token (ARCHITECTURE.md, performance notes). Backward
+reuses the same order: the expert-weight gradient is the scattered outer product of llama.cpp's
+OUT_PROD_ID, dW[e] = dYs[seg_e]^T @ Xs[seg_e], written per segment into an (E, out, in) array,
+and dX un-permutes with the inverse order and a reshape-sum over the K slots (never np.add.at).
+
+Training path (forward with cache, then backward)::
+
+    selected, weights, rcache = router_forward(logits, k, renorm, scale)
+    order, offsets, token_of = dispatch_order(selected, n_expert)
+    ys, ecache = experts_forward_train(x, order, offsets, token_of, wg, wu, wd, act, loras)
+    out, ccache = combine_forward(ys, order, weights)
+    ...
+    dys, dweights = combine_backward(dout, ccache)
+    dx, dws, dloras = experts_backward(dys, ecache, need_dw)
+    dlogits = router_backward(dweights, rcache)
 """
 
 from __future__ import annotations
 
 from app.engine.backend import get_array_module
-from app.engine.kernels.activations import glu_forward
+from app.engine.kernels.activations import gelu_tanh, gelu_tanh_grad, glu_forward, sigmoid
 from app.engine.kernels.linear import linear_forward
 
 RENORM_MIN = 6.1035e-5  # llama.cpp clamps the top-k weight sum from below (build_moe_ffn)
@@ -20,23 +35,47 @@ def softmax(x, axis=-1):
     return e / e.sum(axis, keepdims=True)
 
 
+# ---- router ------------------------------------------------------------------------------------
+
 def router_forward(logits, k: int, renorm: bool, weight_scale: float):
-    """logits: (T, E) -> selected experts (T, K) int64 and their weights (T, K).
+    """logits: (T, E) -> selected experts (T, K) int64, their weights (T, K), cache.
 
     softmax over all experts, top-k (the selection is a constant for the gradient), optional
-    renormalisation of the k weights, optional scale.
+    renormalisation of the k weights by max(sum, RENORM_MIN), optional scale.
+    cache = (probs (T, E), selected (T, K), total (T, 1) or None, clamped (T, 1) bool or None,
+    weight_scale).
     """
     xp = get_array_module(logits)
     probs = softmax(logits)                                             # (T, E)
     selected = xp.argsort(-probs, axis=-1, kind="stable")[:, :k]        # (T, K)
     weights = xp.take_along_axis(probs, selected, axis=-1)              # (T, K)
-    total = None
+    total = clamped = None
     if renorm:
-        total = xp.maximum(weights.sum(-1, keepdims=True), RENORM_MIN)  # (T, 1)
+        raw = weights.sum(-1, keepdims=True)                            # (T, 1)
+        clamped = raw < RENORM_MIN                                      # (T, 1) constant sum
+        total = xp.maximum(raw, RENORM_MIN)                             # (T, 1)
         weights = weights / total
     if weight_scale not in (0.0, 1.0):
         weights = weights * weight_scale
-    return selected, weights, (probs, selected, total, weight_scale)
+    return selected, weights, (probs, selected, total, clamped, weight_scale)
+
+
+def router_backward(dweights, cache):
+    """dweights: (T, K) -> dlogits (T, E), through scale, renorm (with its clamp), the top-k
+    gather (selection constant) and the softmax over all experts."""
+    probs, selected, total, clamped, weight_scale = cache
+    xp = get_array_module(dweights)
+    dw = dweights
+    if weight_scale not in (0.0, 1.0):
+        dw = dw * weight_scale                                          # (T, K)
+    if total is not None:
+        w = xp.take_along_axis(probs, selected, axis=-1) / total        # (T, K) renormed weights
+        # d(w0 / S) with S = sum(w0): (dw - <dw, w>) / S; with S clamped (a constant): dw / S
+        proj = (dw * w).sum(-1, keepdims=True)                          # (T, 1)
+        dw = (dw - xp.where(clamped, 0.0, proj)) / total                # (T, K)
+    dprobs = xp.zeros_like(probs)                                       # (T, E)
+    xp.put_along_axis(dprobs, selected, dw.astype(probs.dtype, copy=False), axis=-1)
+    return probs * (dprobs - (dprobs * probs).sum(-1, keepdims=True))   # (T, E)
 
 
 def dispatch_order(selected, n_expert: int):
@@ -54,8 +93,11 @@ def dispatch_order(selected, n_expert: int):
     return order, offsets, order // k
 
 
+# ---- experts -----------------------------------------------------------------------------------
+
 def experts_forward(x, order, offsets, token_of, w_gate, w_up, w_down, act: str, loras=(None,) * 3):
-    """x: (T, C) -> per-slot expert outputs in sorted order (T*K, C).
+    """x: (T, C) -> per-slot expert outputs in sorted order (T*K, C). Inference path (GeGLU uses
+    ggml's fp16 GELU table, like llama.cpp); training uses experts_forward_train.
 
     w_gate/w_up: (E, F, C), w_down: (E, C, F), each indexable by expert (a lazily dequantizing
     view works). loras: per projection (A (E, R, in), B (E, out, R), scale) or None.
@@ -76,10 +118,171 @@ def experts_forward(x, order, offsets, token_of, w_gate, w_up, w_down, act: str,
     return ys
 
 
-def combine(ys, order, weights):
-    """ys: (T*K, C) in sorted order, weights (T, K) -> (T, C) = sum_k w_k * y_k."""
+def _glu_act(act: str, g):
+    """Training gate activation a(g) (n, F): SiLU, or the exact tanh-GELU for any other act."""
+    return g * sigmoid(g) if act == "silu" else gelu_tanh(g)
+
+
+def _glu_grads(act: str, g, u, dh):
+    """h = a(g) * u: returns (h, dg, du) for the upstream dh (all (n, F)).
+
+    Same math as activations.swiglu_backward / geglu_backward (exact GELU), fused with the
+    recomputation of h and done in place: backward needs h for dW_down and the down LoRA."""
+    if act == "silu":
+        s = sigmoid(g)                                                  # (n, F)
+        a = g * s                                                       # silu(g)
+        da = s * (1.0 + g * (1.0 - s))                                  # silu'(g)
+    else:
+        a, da = gelu_tanh(g), gelu_tanh_grad(g)                         # (n, F)
+    du = dh * a                                                         # (n, F)
+    da *= dh
+    da *= u                                                             # dg
+    a *= u                                                              # h
+    return a, da, du
+
+
+def experts_forward_train(x, order, offsets, token_of, w_gate, w_up, w_down, act: str,
+                          loras=(None,) * 3):
+    """Training forward of the expert block: like experts_forward, returns (ys (T*K, C), cache).
+
+    act: "silu" (SwiGLU) or anything else for GeGLU with the exact tanh GELU (differentiable; the
+    inference path uses ggml's fp16 table). The cache keeps the sorted inputs xs (T*K, C), the
+    gate/up pre-activations g, u (T*K, F) and the LoRA rank activations (T*K, R); h is
+    recomputed from g, u in backward. Frozen expert weights are read one expert at a time.
+    """
+    xp = get_array_module(x)
+    n_slots, c = token_of.shape[0], x.shape[1]
+    f = w_gate.shape[1]
+    dtype = x.dtype
+    xs = x[token_of]                                                    # (T*K, C)
+    g_all = xp.empty((n_slots, f), dtype)                               # (T*K, F)
+    u_all = xp.empty((n_slots, f), dtype)                               # (T*K, F)
+    ys = xp.empty((n_slots, c), dtype)                                  # (T*K, C)
+    lora_acts = tuple(None if l is None else xp.empty((n_slots, l[0].shape[1]), dtype)
+                      for l in loras)                                   # (T*K, R) each
+    host_offsets = offsets.tolist()
+    for e in range(len(host_offsets) - 1):
+        lo, hi = host_offsets[e], host_offsets[e + 1]
+        if lo == hi:
+            continue
+        xe = xs[lo:hi]                                                  # (n, C)
+        ge, ue = g_all[lo:hi], u_all[lo:hi]
+        xp.matmul(xe, w_gate[e].T, out=ge)                              # (n, F)
+        xp.matmul(xe, w_up[e].T, out=ue)                                # (n, F)
+        for (lora, acts, out) in ((loras[0], lora_acts[0], ge), (loras[1], lora_acts[1], ue)):
+            if lora is not None:
+                xa = xp.matmul(xe, lora[0][e].T, out=acts[lo:hi])       # (n, R)
+                out += lora[2] * (xa @ lora[1][e].T)                    # (n, F)
+        a = _glu_act(act, ge)                                           # (n, F)
+        a *= ue                                                         # h (n, F)
+        ye = xp.matmul(a, w_down[e].T, out=ys[lo:hi])                   # (n, C)
+        if loras[2] is not None:
+            ha = xp.matmul(a, loras[2][0][e].T, out=lora_acts[2][lo:hi])  # (n, R)
+            ye += loras[2][2] * (ha @ loras[2][1][e].T)                 # (n, C)
+    cache = dict(x_shape=x.shape, order=order, offsets=host_offsets, xs=xs, g=g_all, u=u_all,
+                 weights=(w_gate, w_up, w_down), act=act, loras=tuple(loras), lora_acts=lora_acts)
+    return ys, cache
+
+
+def experts_backward(dys, cache, need_dw=(False, False, False), dw_out=None):
+    """dys: (T*K, C) in sorted order -> (dx (T, C), dWs, dloras).
+
+    need_dw: one bool per projection (gate, up, down), or one bool for all three.
+    dWs: per projection the weight gradient (E, out, in) when need_dw[i], else None (a frozen,
+    possibly quantized expert stack gets nothing of its size allocated). dW[e] is the scattered
+    outer product dYs[seg_e]^T @ Xs[seg_e] (OUT_PROD_ID), one GEMM per expert segment.
+    dw_out: optional per projection preallocated (E, out, in) arrays (or None) that the weight
+    gradients are written into (overwritten) and returned: reusing them across steps avoids
+    page-faulting three fresh E*out*in arrays per call, which costs about as much as the GEMMs.
+    dloras: per projection (dA (E, R, in), dB (E, out, R)) when that projection has a LoRA,
+    else None. Experts that received no token get zero gradients.
+    """
+    xp = get_array_module(dys)
+    if isinstance(need_dw, bool):
+        need_dw = (need_dw,) * 3
+    dw_out = (None,) * 3 if dw_out is None else dw_out
+    xs, g_all, u_all, act = cache["xs"], cache["g"], cache["u"], cache["act"]
+    weights, loras, lora_acts = cache["weights"], cache["loras"], cache["lora_acts"]
+    offs, order = cache["offsets"], cache["order"]
+    t, c = cache["x_shape"]
+    n_expert = len(offs) - 1
+    dtype = xs.dtype
+    dws = []
+    for w, need, out in zip(weights, need_dw, dw_out):
+        if need and out is None:
+            out = xp.zeros((n_expert, *w.shape[1:]), dtype)             # (E, out, in)
+        dws.append(out if need else None)
+    dws = tuple(dws)
+    dloras = tuple(None if l is None else (xp.zeros(l[0].shape, dtype), xp.zeros(l[1].shape, dtype))
+                   for l in loras)                                      # (E, R, in), (E, out, R)
+    dxs = xp.empty_like(xs)                                             # (T*K, C) sorted
+    w_gate, w_up, w_down = weights
+    for e in range(n_expert):
+        lo, hi = offs[e], offs[e + 1]
+        if lo == hi:
+            for dw in dws:
+                if dw is not None:
+                    dw[e] = 0.0                                         # a reused dw_out buffer
+            continue
+        dy, xe = dys[lo:hi], xs[lo:hi]                                  # (n, C)
+        # down projection: y = h Wd^T + s (h Ad^T) Bd^T
+        wd = w_down[e]                                                  # (C, F)
+        dh = dy @ wd                                                    # (n, F)
+        if loras[2] is not None:
+            a_d, b_d, s_d = loras[2][0][e], loras[2][1][e], loras[2][2]
+            dha = dy @ b_d                                              # (n, R)
+            dha *= s_d
+            dh += dha @ a_d                                             # (n, F)
+        h, dg, du = _glu_grads(act, g_all[lo:hi], u_all[lo:hi], dh)    # (n, F)
+        if dws[2] is not None:
+            xp.matmul(dy.T, h, out=dws[2][e])                           # (C, F)
+        if loras[2] is not None:
+            xp.matmul(dha.T, h, out=dloras[2][0][e])                    # (R, F)
+            xp.matmul(dy.T, lora_acts[2][lo:hi], out=dloras[2][1][e])   # (C, R)
+            dloras[2][1][e] *= s_d
+        # gate and up projections: dx = dg Wg + du Wu (+ LoRA terms)
+        dxe = xp.matmul(dg, w_gate[e], out=dxs[lo:hi])                  # (n, C)
+        dxe += du @ w_up[e]                                             # (n, C)
+        for i, dz in ((0, dg), (1, du)):
+            if dws[i] is not None:
+                xp.matmul(dz.T, xe, out=dws[i][e])                      # (F, C)
+            if loras[i] is not None:
+                a_i, b_i, s_i = loras[i][0][e], loras[i][1][e], loras[i][2]
+                dza = dz @ b_i                                          # (n, R)
+                dza *= s_i
+                dxe += dza @ a_i                                        # (n, C)
+                xp.matmul(dza.T, xe, out=dloras[i][0][e])               # (R, C)
+                xp.matmul(dz.T, lora_acts[i][lo:hi], out=dloras[i][1][e])  # (F, R)
+                dloras[i][1][e] *= s_i
+    # un-permute to slot order (t * K + k) and sum the K slots of each token
+    dslots = xp.empty_like(dxs)                                         # (T*K, C)
+    dslots[order] = dxs
+    dx = dslots.reshape(t, len(dxs) // max(t, 1), c).sum(1)             # (T, C)
+    return dx, dws, dloras
+
+
+# ---- combine -----------------------------------------------------------------------------------
+
+def combine_forward(ys, order, weights):
+    """ys: (T*K, C) in sorted order, weights (T, K) -> ((T, C) = sum_k w_k * y_k, cache)."""
     xp = get_array_module(ys)
     t, k = weights.shape
     unsorted = xp.empty_like(ys)
     unsorted[order] = ys                                                # (T*K, C) slot order
-    return (unsorted.reshape(t, k, -1) * weights[:, :, None]).sum(1)    # (T, C)
+    out = (unsorted.reshape(t, k, -1) * weights[:, :, None]).sum(1)     # (T, C)
+    return out, (unsorted, order, weights)
+
+
+def combine(ys, order, weights):
+    """ys: (T*K, C) in sorted order, weights (T, K) -> (T, C) = sum_k w_k * y_k."""
+    return combine_forward(ys, order, weights)[0]
+
+
+def combine_backward(dout, cache):
+    """dout: (T, C) -> (dys (T*K, C) in sorted order, dweights (T, K))."""
+    unsorted, order, weights = cache
+    t, k = weights.shape
+    y3 = unsorted.reshape(t, k, -1)                                     # (T, K, C)
+    dweights = (y3 @ dout[:, :, None])[:, :, 0]                         # (T, K)
+    dslots = (dout[:, None, :] * weights[:, :, None]).reshape(t * k, -1)  # (T*K, C)
+    return dslots[order], dweights                                      # sorted (T*K, C)
