@@ -50,7 +50,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text", required=True)
     p.add_argument("--no-special", action="store_true", help="do not add BOS/EOS")
     p.add_argument("--parse-special", action="store_true", help="parse <special> token texts")
+    p = sub.add_parser("new-model", help="write a freshly initialised small model (train from scratch)")
+    p.add_argument("--tokenizer", required=True, help="GGUF file whose tokenizer is copied")
+    p.add_argument("--out", "-o", required=True, help="output GGUF file")
+    p.add_argument("--arch", default="llama", help="architecture (default llama)")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=0, help="default: same as --heads")
+    p.add_argument("--ffn", type=int, default=688, help="FFN width (per expert for MoE)")
+    p.add_argument("--experts", type=int, default=0)
+    p.add_argument("--experts-used", type=int, default=0)
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--tied", action="store_true", help="tie the output head to the embedding")
+    p.add_argument("--seed", type=int, default=0)
     return parser
+
+
+def cmd_new_model(args) -> int:
+    from app.engine.new_model import NewModelSpec, create_model
+
+    spec = NewModelSpec(arch=args.arch, n_layer=args.layers, n_embd=args.width,
+                        n_head=args.heads, n_head_kv=args.kv_heads, n_ff=args.ffn,
+                        n_expert=args.experts, n_expert_used=args.experts_used,
+                        context_length=args.context, tied_output=args.tied, seed=args.seed)
+    create_model(args.out, spec, args.tokenizer)
+    print(f"wrote {args.out}")
+    return 0
 
 
 def cmd_info(args) -> int:
@@ -125,7 +151,7 @@ def cmd_tokenize(args) -> int:
 
 
 COMMANDS = {"info": cmd_info, "generate": cmd_generate, "logits": cmd_logits,
-            "tokenize": cmd_tokenize}
+            "tokenize": cmd_tokenize, "new-model": cmd_new_model}
 
 
 def run_cli(argv: list[str]) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,6 +108,12 @@ class _Cursor:
         self.pos += n
         return value
 
+    def peek_u32(self) -> int | None:
+        """The next u32 without moving (None at the end of the file)."""
+        if self.pos + 4 > self.size:
+            return None
+        return struct.unpack_from("<I", self.buf, self.pos)[0]
+
     def u32(self, what: str) -> int:
         return self.scalar(4, what)
 
@@ -154,6 +161,12 @@ class GGUFFile:
     def __init__(self, path: str | os.PathLike):
         self.path = str(path)
         try:
+            mode = os.stat(self.path).st_mode
+            if stat.S_ISDIR(mode):  # checked first: Windows reports a folder as PermissionError
+                raise IsADirectoryError(self.path)
+            if not stat.S_ISREG(mode):  # a pipe would block open() forever
+                raise ModelFormatError(f"{self.path} is not a regular file.",
+                                       "Pick a GGUF model file.")
             with open(self.path, "rb") as f:
                 self.file_size = os.fstat(f.fileno()).st_size
                 if self.file_size == 0:
@@ -168,6 +181,9 @@ class GGUFFile:
         except PermissionError:
             raise ModelFormatError(f"Cannot read {self.path}: permission denied.",
                                    "Check the file's permissions.") from None
+        except (OSError, ValueError) as e:  # e.g. a file used as a folder, a NUL in the path
+            reason = getattr(e, "strerror", None) or str(e)
+            raise ModelFormatError(f"Cannot read {self.path}: {reason}.", "Check the path.") from None
         self._data = np.frombuffer(self._mmap, dtype=np.uint8)
         self._parse(_Cursor(self._mmap, self.path))
 
@@ -191,14 +207,19 @@ class GGUFFile:
             raise cur.fail(f"absurd counts ({n_tensors} tensors, {n_kv} metadata entries)")
 
         self.metadata: dict[str, Any] = {}
+        self.value_types: dict[str, tuple[int, int | None]] = {}  # for writing the same types back
         for i in range(n_kv):
             key = cur.string(f"key of metadata entry {i}")
             vtype = cur.u32(f"type of {key!r}")
+            item_type = cur.peek_u32() if vtype == _ARRAY else None
             self.metadata[key] = cur.value(vtype, repr(key))
+            self.value_types[key] = (vtype, item_type)
 
-        self.alignment = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
-        if self.alignment <= 0 or self.alignment & (self.alignment - 1):
-            raise cur.fail(f"general.alignment {self.alignment} is not a power of two")
+        alignment = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        if (isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0
+                or alignment & (alignment - 1)):
+            raise cur.fail(f"general.alignment {alignment!r:.40} is not a power of two")
+        self.alignment = alignment
 
         infos = [self._read_tensor_info(cur) for _ in range(n_tensors)]
         data_start = -(-cur.pos // self.alignment) * self.alignment
@@ -288,3 +309,91 @@ def dequantize(raw: np.ndarray, ggml_type: int, out=None):
         out[...] = result
         return out
     return result
+
+
+# ---- writing ---------------------------------------------------------------------------------
+
+# Metadata value type ids -> gguf's enum, for writing back exactly the types a file had.
+def _value_type(vtype: int):
+    import gguf
+
+    return gguf.GGUFValueType(vtype)
+
+
+def _infer_value_type(key: str, value) -> tuple[int, int | None]:
+    """(value type, array item type) for a Python/NumPy value without a recorded type.
+
+    Integers are UINT32 (what llama.cpp reads for counts, lengths and token ids) unless they
+    do not fit; floats FLOAT32 (`adapter.lora.alpha` must be FLOAT32); NumPy arrays keep their
+    dtype; lists of str are string arrays, lists of numbers INT32 or FLOAT32 arrays.
+    """
+    dtype_types = {np.dtype(t): v for v, t in _NUMPY_DTYPES.items()}
+    if isinstance(value, (bool, np.bool_)):
+        return 7, None
+    if isinstance(value, str):
+        return _STRING, None
+    if isinstance(value, (int, np.integer)):
+        if 0 <= value < 2**32:
+            return 4, None
+        return (5, None) if -2**31 <= value < 2**31 else (11, None)
+    if isinstance(value, (float, np.floating)):
+        return 6, None
+    if isinstance(value, np.ndarray):
+        if value.dtype not in dtype_types:
+            raise TypeError(f"metadata {key!r}: unsupported array dtype {value.dtype}")
+        return _ARRAY, dtype_types[value.dtype]
+    if isinstance(value, (list, tuple)):
+        if all(isinstance(v, str) for v in value):
+            return _ARRAY, _STRING
+        if all(isinstance(v, (bool, np.bool_)) for v in value):
+            return _ARRAY, 7
+        if all(isinstance(v, (int, np.integer)) for v in value):
+            return _ARRAY, 5
+        return _ARRAY, 6
+    raise TypeError(f"metadata {key!r}: cannot store a {type(value).__name__}")
+
+
+def write_gguf(path: str | os.PathLike, metadata: dict[str, Any], tensors: dict[str, Any],
+               value_types: dict[str, tuple[int, int | None]] | None = None) -> None:
+    """Write a GGUF file atomically (temporary file, fsync, rename).
+
+    metadata: key -> value (as read by GGUFFile); value_types: key -> (type, item type) to keep
+    a source file's exact types (GGUFFile.value_types), else inferred. tensors: name -> float
+    array (NumPy shape; written as F32), or (raw uint8 rows, ggml type) for stored/quantized
+    data such as GGUFFile.raw(name) or the output of `quantize`.
+    """
+    import gguf
+
+    path = str(path)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    arch = metadata.get("general.architecture", "unknown")
+    writer = gguf.GGUFWriter(tmp, arch, use_temp_file=False)
+    try:
+        for key, value in metadata.items():
+            if key == "general.architecture":
+                continue
+            vtype, item = (value_types or {}).get(key) or _infer_value_type(key, value)
+            if vtype == _ARRAY:
+                items = value.tolist() if isinstance(value, np.ndarray) else list(value)
+                writer.add_key_value(key, items, _value_type(vtype), _value_type(item))
+            else:
+                writer.add_key_value(key, value, _value_type(vtype))
+        for name, tensor in tensors.items():
+            if isinstance(tensor, tuple):
+                raw, ggml_type = tensor
+                writer.add_tensor(name, np.ascontiguousarray(raw),
+                                  raw_dtype=gguf.GGMLQuantizationType(ggml_type))
+            else:
+                writer.add_tensor(name, np.ascontiguousarray(tensor, dtype=np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        writer.close()
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise

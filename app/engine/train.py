@@ -144,13 +144,14 @@ class TrainSession:
         t0 = time.perf_counter()
         lr = self.schedule(self.step_count)
         if isinstance(self.optimizer, LBFGS):
-            last = {}
+            evaluations = []  # L-BFGS evaluates several times; report the first, as for AdamW
 
             def closure():
-                last["loss"], last["acc"], last["tokens"], grads = self._accumulate(micro_batches)
-                return last["loss"], grads
+                loss, acc, tokens, grads = self._accumulate(micro_batches)
+                evaluations.append((loss, acc, tokens))
+                return loss, grads
             self.optimizer.step(closure)
-            loss, acc, tokens = last["loss"], last["acc"], last["tokens"]
+            loss, acc, tokens = evaluations[0]
             grad_norm, clipped, skipped = float("nan"), 0.0, False
         else:
             loss, acc, tokens, grads = self._accumulate(micro_batches)
