@@ -1,0 +1,186 @@
+"""The model card panel: what a GGUF file holds, read off the GUI thread.
+
+`load(path)` shows a "Reading <file>..." state and reads the header in a worker thread; the card
+replaces it when the read finishes. A failed read is not shown here: `load_failed` hands the
+exception to the window's error funnel.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from PySide6.QtCore import QObject, QRunnable, Qt, QThreadPool, Signal
+from PySide6.QtWidgets import (QFrame, QGridLayout, QHBoxLayout, QLabel, QProgressBar,
+                               QScrollArea, QStackedWidget, QVBoxLayout, QWidget)
+
+from app.engine.model_info import ModelCard, describe_model
+
+LABEL_WIDTH = 190                       # long labels wrap rather than push the values right
+
+
+class _ReadSignals(QObject):
+    finished = Signal(int, object)      # request id, ModelCard or the exception raised
+
+
+class _ReadTask(QRunnable):
+    def __init__(self, read: Callable[[str], ModelCard], path: str, request: int,
+                 signals: _ReadSignals):
+        super().__init__()
+        self._read, self._path, self._request, self._signals = read, path, request, signals
+
+    def run(self) -> None:
+        try:
+            result = self._read(self._path)
+        except Exception as exc:        # the view decides: EngineError or a bug
+            result = exc
+        self._signals.finished.emit(self._request, result)
+
+
+class ModelCardView(QWidget):
+    """Placeholder, "Reading..." or the card of one model. `card` is the card shown, or None."""
+
+    card_loaded = Signal(object)        # ModelCard
+    load_failed = Signal(str, object)   # path, exception (EngineError, or a bug with traceback)
+
+    def __init__(self, read: Callable[[str], ModelCard] = describe_model,
+                 parent: QWidget | None = None):
+        super().__init__(parent)
+        self.card: ModelCard | None = None
+        self._read = read
+        self._request = 0
+        self._path = ""
+        # The pool is created before the signals object, so it is destroyed first, and its
+        # destructor waits for a running read while the signals object still exists.
+        self._pool = QThreadPool(self)
+        self._signals = _ReadSignals(self)
+        self._signals.finished.connect(self._on_read)
+
+        self._pages = QStackedWidget()
+        self._placeholder = _MessagePage(
+            "No model selected",
+            "Open a GGUF file to see its architecture, experts and what a LoRA run needs.")
+        self._reading = _MessagePage(busy=True)
+        self._card_page = self._build_card_page()
+        for page in (self._placeholder, self._reading, self._card_page):
+            self._pages.addWidget(page)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.addWidget(self._pages)
+
+    def load(self, path: str) -> None:
+        """Read `path` in a worker thread; emits card_loaded or load_failed."""
+        self._request += 1
+        self._path = path
+        self.card = None
+        self._reading.title.setText(f"Reading {os.path.basename(path)}\u2026")
+        self._reading.subtitle.setText(os.path.dirname(path))
+        self._pages.setCurrentWidget(self._reading)
+        self._pool.start(_ReadTask(self._read, path, self._request, self._signals))
+
+    def is_reading(self) -> bool:
+        return self._pages.currentWidget() is self._reading
+
+    def clear(self) -> None:
+        """Back to the placeholder; a read still running is ignored when it finishes."""
+        self._request += 1
+        self.card = None
+        self._pages.setCurrentWidget(self._placeholder)
+
+    def _on_read(self, request: int, result: object) -> None:
+        if request != self._request:
+            return                      # a newer load() or clear() superseded this read
+        if isinstance(result, BaseException):
+            self.clear()
+            self.load_failed.emit(self._path, result)
+            return
+        self._show_card(result)
+        self.card_loaded.emit(result)
+
+    def _show_card(self, card: ModelCard) -> None:
+        self.card = card
+        cfg = card.config
+        self._name.setText(card.name)
+        self._arch_badge.setText(cfg.arch)
+        self._moe_badge.setVisible(cfg.is_moe)
+        self._moe_badge.setToolTip(f"Mixture of Experts: {cfg.n_expert} experts, "
+                                   f"{cfg.n_expert_used} used per token" if cfg.is_moe else "")
+        self._path_label.setText(card.path)
+        for pair in self._rows:
+            for widget in pair:
+                widget.deleteLater()
+        self._rows = []
+        for i, (label, value) in enumerate(card.rows()):
+            name = QLabel(label, objectName="cardLabel", wordWrap=True, textFormat=Qt.PlainText)
+            name.setFixedWidth(LABEL_WIDTH)
+            text = QLabel(value, objectName="cardValue", wordWrap=True, textFormat=Qt.PlainText)
+            text.setTextInteractionFlags(Qt.TextSelectableByMouse)
+            self._grid.addWidget(name, i, 0, Qt.AlignTop)
+            self._grid.addWidget(text, i, 1, Qt.AlignTop)
+            self._rows.append((name, text))
+        self._pages.setCurrentWidget(self._card_page)
+
+    def shown_rows(self) -> list[tuple[str, str]]:
+        """The (label, value) rows as displayed."""
+        return [(name.text(), value.text()) for name, value in self._rows]
+
+    def badges(self) -> list[str]:
+        """Texts of the visible badges next to the title."""
+        return [b.text() for b in (self._arch_badge, self._moe_badge) if b.isVisibleTo(self)]
+
+    def _build_card_page(self) -> QWidget:
+        self._name = QLabel(objectName="cardTitle", textFormat=Qt.PlainText)
+        self._name.setTextInteractionFlags(Qt.TextSelectableByMouse)
+        self._arch_badge = QLabel(objectName="badge")
+        self._moe_badge = QLabel("MoE", objectName="badge")
+        self._moe_badge.setProperty("variant", "moe")
+        title = QHBoxLayout()
+        title.setSpacing(10)
+        title.addWidget(self._name)
+        title.addWidget(self._arch_badge)
+        title.addWidget(self._moe_badge)
+        title.addStretch(1)
+        self._path_label = QLabel(objectName="cardPath", wordWrap=True, textFormat=Qt.PlainText)
+        self._path_label.setTextInteractionFlags(Qt.TextSelectableByMouse)
+
+        self._rows: list[tuple[QLabel, QLabel]] = []
+        rows = QFrame(objectName="cardRows")
+        self._grid = QGridLayout(rows)
+        self._grid.setColumnStretch(1, 1)
+        self._grid.setHorizontalSpacing(28)
+        self._grid.setVerticalSpacing(10)
+        self._grid.setContentsMargins(20, 16, 20, 16)
+
+        body = QWidget(objectName="cardBody")
+        layout = QVBoxLayout(body)
+        layout.setContentsMargins(28, 24, 28, 24)
+        layout.setSpacing(6)
+        layout.addLayout(title)
+        layout.addWidget(self._path_label)
+        layout.addSpacing(14)
+        layout.addWidget(rows)
+        layout.addStretch(1)
+        scroll = QScrollArea(widgetResizable=True, frameShape=QFrame.NoFrame)
+        scroll.setWidget(body)
+        return scroll
+
+
+class _MessagePage(QWidget):
+    """A centred title and subtitle, optionally with a busy bar."""
+
+    def __init__(self, title: str = "", subtitle: str = "", busy: bool = False):
+        super().__init__()
+        self.title = QLabel(title, objectName="pageTitle", alignment=Qt.AlignCenter,
+                            textFormat=Qt.PlainText)
+        self.subtitle = QLabel(subtitle, objectName="pageSubtitle", alignment=Qt.AlignCenter,
+                               wordWrap=True, textFormat=Qt.PlainText)
+        layout = QVBoxLayout(self)
+        layout.setSpacing(10)
+        layout.addStretch(1)
+        layout.addWidget(self.title)
+        layout.addWidget(self.subtitle)
+        if busy:
+            bar = QProgressBar(textVisible=False, maximumWidth=220, maximumHeight=6)
+            bar.setRange(0, 0)
+            layout.addWidget(bar, 0, Qt.AlignHCenter)
+        layout.addStretch(2)
