@@ -171,6 +171,9 @@ def config_from_metadata(meta: Mapping[str, Any], tensor_names=()) -> ModelConfi
                                CORRUPT_HINT)
     tokens = meta.get("tokenizer.ggml.tokens", ())
     n_vocab = m.int("vocab_size", len(tokens) if isinstance(tokens, (list, np.ndarray)) else 0)
+    if n_vocab == 0:
+        raise ModelFormatError(f"The model has no vocabulary ('{arch}.vocab_size' and "
+                               "'tokenizer.ggml.tokens' are missing or empty).", CORRUPT_HINT)
     n_expert = m.int("expert_count", 0)
     if n_expert > MAX_EXPERTS:
         raise ModelFormatError(f"'{arch}.expert_count' is {n_expert}; llama.cpp allows at most "

@@ -68,7 +68,9 @@ def load_adapter(path: str | os.PathLike) -> LoraAdapter:
             raise ModelFormatError(f"{name}: {base!r} has only {', '.join(pair)}.",
                                    "Every adapted tensor needs both lora_a and lora_b.")
         a, b = pair["lora_a"], pair["lora_b"]
-        if base == "token_embd.weight":
+        if a.ndim < 2 or b.ndim < 2:
+            ok = False
+        elif base == "token_embd.weight":
             ok = a.ndim == b.ndim == 2 and a.shape[1] == b.shape[1]
         else:
             ok = a.ndim == b.ndim and a.shape[:-2] == b.shape[:-2] and a.shape[-2] == b.shape[-1]

@@ -148,11 +148,17 @@ class Model:
                 raise ModelFormatError(f"{name} is missing the tensor {tname!r} that a "
                                        f"'{self.config.arch}' model needs.",
                                        "The file is incomplete or was converted incorrectly.")
-            got = self.gguf.tensors[tname].shape
-            if got != want:
-                raise ModelFormatError(f"{name}: tensor {tname!r} has shape {got}, expected {want} "
-                                       "from the model's metadata.",
-                                       "The file is corrupt or was converted incorrectly.")
+            self._check_shape(tname, want)
+        for tname in self.gguf.tensors:  # optional biases must fit their weight
+            if tname.endswith(".bias") and tname[:-5] + ".weight" in self.gguf.tensors:
+                self._check_shape(tname, self.gguf.tensors[tname[:-5] + ".weight"].shape[:1])
+
+    def _check_shape(self, tname: str, want: tuple[int, ...]) -> None:
+        got = self.gguf.tensors[tname].shape
+        if got != tuple(want):
+            raise ModelFormatError(f"{os.path.basename(self.path)}: tensor {tname!r} has shape "
+                                   f"{got}, expected {tuple(want)} from the model's metadata.",
+                                   "The file is corrupt or was converted incorrectly.")
 
     @cached_property
     def tokenizer(self):

@@ -9,6 +9,7 @@ only the rows they read.
 from __future__ import annotations
 
 import os
+import time
 from collections import OrderedDict
 
 import numpy as np
@@ -30,6 +31,13 @@ class WeightStore:
         self.budget = default_cache_budget() if cache_budget is None else cache_budget
         self._cache: OrderedDict = OrderedDict()
         self._cached_bytes = 0
+        self.dequant_seconds = 0.0  # time spent dequantizing, for the benchmarks' phase split
+
+    def _dequantize(self, raw, ggml_type: int) -> np.ndarray:
+        t0 = time.perf_counter()
+        out = dequantize(raw, ggml_type)
+        self.dequant_seconds += time.perf_counter() - t0
+        return out
 
     def __contains__(self, name: str) -> bool:
         return name in self.gguf.tensors
@@ -55,7 +63,8 @@ class WeightStore:
         info = self.gguf.tensors[name]
         if info.ggml_type == 0:
             return self.gguf.array(name)
-        return self._cached(name, lambda: self.gguf.array(name))
+        return self._cached(name, lambda: self._dequantize(self.gguf.raw(name),
+                                                           info.ggml_type).reshape(info.shape))
 
     def rows(self, name: str, index: np.ndarray) -> np.ndarray:
         """Rows `index` of a 2-D tensor as float32: (len(index), n_cols)."""
@@ -65,7 +74,7 @@ class WeightStore:
             return raw.view(np.float32)
         if name in self._cache:
             return self._cache[name][index]
-        return dequantize(raw, info.ggml_type)
+        return self._dequantize(raw, info.ggml_type)
 
     def experts(self, name: str) -> "ExpertView":
         return ExpertView(self, name)
@@ -77,7 +86,8 @@ class WeightStore:
             return self.gguf.array(name)[e]
         if name in self._cache:
             return self._cache[name][e]
-        return self._cached((name, e), lambda: dequantize(self.gguf.raw(name)[e], info.ggml_type))
+        return self._cached((name, e), lambda: self._dequantize(self.gguf.raw(name)[e],
+                                                                info.ggml_type))
 
 
 class ExpertView:
