@@ -259,6 +259,7 @@ class TrainConfig:
     lora_alpha: float = 32.0
     lora_targets: tuple[str, ...] = ("attention", "ffn", "experts", "shared")
     rslora: bool = False
+    lora_dropout: float = 0.0       # on 2-D targets' LoRA input; 3-D expert adapters have none (as PEFT)
     full_targets: tuple[str, ...] = ()
     optimizer: str = "adamw"
     lr: float = 1e-4
@@ -291,6 +292,8 @@ class TrainConfig:
         for name in ("max_steps", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1.")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ConfigError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}.")
         for name in ("checkpoint_interval", "warmup_steps", "lr", "weight_decay", "gclip",
                      "max_grad_norm", "min_lr"):
             if getattr(self, name) < 0:

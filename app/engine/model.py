@@ -351,8 +351,9 @@ class Model:
         """y = x W^T (+ b) (+ LoRA) for the tensor `name`.weight; cache for _linear_backward."""
         bias_name = name + ".bias"
         bias = params.weight(bias_name) if params.has(bias_name) else None
-        y, cache = linear_forward(x, params.weight(name + ".weight"), bias,
-                                  params.lora(name + ".weight"))
+        lora = params.lora(name + ".weight")
+        mask = None if lora is None else params.dropout_mask(name, x.shape, x.dtype)
+        y, cache = linear_forward(x, params.weight(name + ".weight"), bias, lora, mask)
         return y, (name, cache)
 
     def _linear_backward(self, dy, lcache, params: Params, grads: Grads):

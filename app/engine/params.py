@@ -9,6 +9,8 @@ format: `<tensor>` for a full tensor, `<tensor>.lora_a` / `<tensor>.lora_b` for 
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 
 from app.engine.lora import LoraAdapter
@@ -38,6 +40,8 @@ class Params:
         self.adapter = adapter
         self.adapter_scale = adapter_scale
         self.training = training  # exact GELU instead of ggml's fp16 table (differentiable)
+        self.lora_dropout = 0.0
+        self.dropout_seed: tuple[int, ...] = (0,)  # set per micro-batch by the trainer
 
     def has(self, name: str) -> bool:
         return name in self.full or name in self.store
@@ -69,6 +73,18 @@ class Params:
             return None
         a, b, s = pair
         return a.astype(self.dtype, copy=False), b.astype(self.dtype, copy=False), s
+
+
+    def dropout_mask(self, name: str, shape, dtype):
+        """LoRA dropout keep-mask scaled by 1/(1-p), or None (off, or not training).
+
+        Drawn from (dropout_seed, tensor name), so recomputing a layer under gradient
+        checkpointing reproduces exactly the same mask."""
+        p = self.lora_dropout
+        if not self.training or p <= 0.0:
+            return None
+        rng = np.random.default_rng([*self.dropout_seed, zlib.crc32(name.encode())])
+        return (rng.random(shape) >= p).astype(dtype) / dtype.type(1.0 - p)
 
 
 class Grads(dict):

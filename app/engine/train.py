@@ -98,6 +98,8 @@ class TrainSession:
                               "Full fine-tuning needs F32/F16/BF16 tensors; use LoRA instead.")
         self.full = {n: np.array(model.gguf.array(n), dtype=np.float32) for n in full_names}
         self.params = model.params(self.adapter, full=self.full, training=True)
+        self.params.lora_dropout = config.lora_dropout
+        self.eval_params = model.params(self.adapter, full=self.full, training=True)  # no dropout
         self.trainable = {**(adapter_parameters(self.adapter) if self.adapter else {}), **self.full}
         self.schedule = make_schedule(config.schedule, config.lr, config.max_steps,
                                       config.warmup_steps, config.min_lr)
@@ -127,7 +129,8 @@ class TrainSession:
         """Gradient of the loss over all micro-batches, normalised by their total token count."""
         acc = GradAccumulator(average=True)
         loss_sum = correct = tokens = 0.0
-        for batch in micro_batches:
+        for i, batch in enumerate(micro_batches):
+            self.params.dropout_seed = (self.config.seed, self.step_count, i)
             loss, stats, grads = self.loss_and_grads(batch)
             n = stats["n_tokens"]
             if n:
@@ -166,7 +169,7 @@ class TrainSession:
         """(loss, token accuracy) over batches, forward only."""
         loss_sum = correct = tokens = 0.0
         for b in batches:
-            loss, stats = self.model.loss(self.params, b.tokens, b.labels, b.token_weights,
+            loss, stats = self.model.loss(self.eval_params, b.tokens, b.labels, b.token_weights,
                                           b.positions, b.segments, self.config.vocab_chunk)
             loss_sum += loss * stats["n_tokens"]
             correct += stats["n_correct"]

@@ -152,6 +152,20 @@ def test_linear_backward(bias, lora, need_dw):
     assert err < TOL
 
 
+def test_linear_backward_with_lora_dropout():
+    """A fixed dropout mask on the LoRA branch: the base path sees x, the LoRA path x * mask."""
+    r = rng(12)
+    x, w = r.standard_normal((6, 5)), r.standard_normal((3, 5))
+    la, lb = r.standard_normal((2, 5)), r.standard_normal((3, 2))
+    mask = (r.random((6, 5)) > 0.3) / 0.7
+    forward = lambda x, w, la, lb: linear_forward(x, w, None, (la, lb, 0.5), dropout_mask=mask)
+    backward = lambda d, c: (lambda dx, dw, db, dl: (dx, dw, *dl))(*linear_backward(d, c, True))
+    assert check_backward(forward, backward, [x, w, la, lb]) < TOL
+    y_drop = forward(x, w, la, lb)[0]
+    y_plain = linear_forward(x, w, None, (la, lb, 0.5))[0]
+    assert not np.allclose(y_drop, y_plain)
+
+
 # --- embeddings ------------------------------------------------------------------------------
 
 # repeated tokens: 3 appears 20 times (a long run, > _LIGHT), 7 four times, others once

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 
-def linear_forward(x, w, bias=None, lora=None):
+def linear_forward(x, w, bias=None, lora=None, dropout_mask=None):
     """x: (T, in), w: (out, in), bias: (out,), lora: (A (R, in), B (out, R), scale) or None.
 
     The LoRA product is bracketed as (x A^T) B^T, never B @ A: rank R is small.
-    Cache: (x, w, has_bias, lora, xa) with xa = x A^T (T, R) kept for dB (None without LoRA).
+    dropout_mask: (T, in) LoRA dropout on the LoRA branch's input only, already scaled by
+    1/(1-p) (0 where dropped), or None.
+    Cache: (x, w, has_bias, lora, xa, mask) with xa = (x * mask) A^T (T, R) kept for dB.
     """
     y = x @ w.T                                          # (T, out)
     if bias is not None:
@@ -15,9 +17,10 @@ def linear_forward(x, w, bias=None, lora=None):
     xa = None
     if lora is not None:
         a, b, scale = lora
-        xa = x @ a.T                                     # (T, R)
+        xl = x if dropout_mask is None else x * dropout_mask
+        xa = xl @ a.T                                    # (T, R)
         y += scale * (xa @ b.T)                          # (T, out)
-    return y, (x, w, bias is not None, lora, xa)
+    return y, (x, w, bias is not None, lora, xa, dropout_mask)
 
 
 def linear_backward(dout, cache, need_dw: bool):
@@ -25,10 +28,10 @@ def linear_backward(dout, cache, need_dw: bool):
 
     dW = dout^T x only when need_dw: a frozen base weight gets no gradient (and nothing of its
     size is allocated). The base weight is only read through dout @ W. LoRA: with dB_ = dout B
-    (T, R), dx += s dB_ A, dA = s dB_^T x (R, in), dB = s dout^T (x A^T) (out, R); B @ A is never
-    formed.
+    (T, R), dx += s dB_ A (times the dropout mask), dA = s dB_^T (x * mask) (R, in),
+    dB = s dout^T xa (out, R); B @ A is never formed.
     """
-    x, w, has_bias, lora, xa = cache
+    x, w, has_bias, lora, xa, mask = cache
     dx = dout @ w                                        # (T, in)
     dw = dout.T @ x if need_dw else None                 # (out, in)
     dbias = dout.sum(0) if has_bias else None            # (out,)
@@ -36,6 +39,8 @@ def linear_backward(dout, cache, need_dw: bool):
     if lora is not None:
         a, b, scale = lora
         dxa = scale * (dout @ b)                         # (T, R)
-        dx += dxa @ a                                    # (T, in)
-        dlora = (dxa.T @ x, scale * (dout.T @ xa))       # (R, in), (out, R)
+        dxl = dxa @ a                                    # (T, in)
+        dx += dxl if mask is None else dxl * mask
+        xl = x if mask is None else x * mask
+        dlora = (dxa.T @ xl, scale * (dout.T @ xa))      # (R, in), (out, R)
     return dx, dw, dbias, dlora
