@@ -226,7 +226,7 @@ class Model:
         x = self._hidden(tokens, params, ctx)
         h, _ = rmsnorm_forward(x, params.weight("output_norm.weight"), self.config.rms_eps)
         head = self.head_name
-        loss, stats, _ = cross_entropy_forward(h, params.weight(head), np.asarray(labels),
+        loss, stats, _ = cross_entropy_forward(h, params.row_view(head), np.asarray(labels),
                                                token_weights, params.lora(head),
                                                self.config.final_logit_softcap, vocab_chunk)
         return loss, stats
@@ -259,7 +259,7 @@ class Model:
         h, norm_cache = rmsnorm_forward(x, params.weight("output_norm.weight"), cfg.rms_eps)
         head = self.head_name
         loss, stats, loss_cache = cross_entropy_forward(
-            h, params.weight(head), np.asarray(labels), token_weights, params.lora(head),
+            h, params.row_view(head), np.asarray(labels), token_weights, params.lora(head),
             cfg.final_logit_softcap, vocab_chunk)
         dh, dw, dlora = cross_entropy_backward(loss_cache, need_dw=params.trains(head))
         del loss_cache

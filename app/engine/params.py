@@ -17,8 +17,8 @@ from app.engine.lora import LoraAdapter
 from app.engine.weights import WeightStore
 
 
-class _CastExperts:
-    """Expert-indexable view that casts each expert to the compute dtype on access."""
+class _Cast:
+    """An expert- or row-indexable lazy view whose items are cast to the compute dtype."""
 
     def __init__(self, view, dtype):
         self.view, self.dtype, self.shape = view, dtype, view.shape
@@ -26,8 +26,8 @@ class _CastExperts:
     def __len__(self) -> int:
         return self.shape[0]
 
-    def __getitem__(self, e: int):
-        return self.view[e].astype(self.dtype, copy=False)
+    def __getitem__(self, index):
+        return self.view[index].astype(self.dtype, copy=False)
 
 
 class Params:
@@ -58,7 +58,16 @@ class Params:
         if name in self.full:
             return self.full[name]
         view = self.store.experts(name)
-        return view if self.dtype == np.float32 else _CastExperts(view, self.dtype)
+        return view if self.dtype == np.float32 else _Cast(view, self.dtype)
+
+    def row_view(self, name: str):
+        """A 2-D tensor read by row slices (the loss head): see WeightStore.row_view."""
+        if name in self.full:
+            return self.full[name]
+        view = self.store.row_view(name)
+        if isinstance(view, np.ndarray):
+            return view.astype(self.dtype, copy=False)
+        return view if self.dtype == np.float32 else _Cast(view, self.dtype)
 
     def rows(self, name: str, index: np.ndarray):
         if name in self.full:

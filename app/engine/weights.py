@@ -76,6 +76,15 @@ class WeightStore:
             return self._cache[name][index]
         return self._dequantize(raw, info.ggml_type)
 
+    def row_view(self, name: str):
+        """The 2-D tensor for row-sliced reading: the float32 array when it fits the cache
+        budget, else a view that dequantizes only the rows asked for (the output head of a
+        large-vocabulary model is never materialised in full then)."""
+        info = self.gguf.tensors[name]
+        if info.ggml_type == 0 or info.n_elements * 4 <= self.budget:
+            return self.get(name)
+        return RowView(self, name)
+
     def experts(self, name: str) -> "ExpertView":
         return ExpertView(self, name)
 
@@ -102,3 +111,15 @@ class ExpertView:
 
     def __getitem__(self, e: int) -> np.ndarray:
         return self.store.expert(self.name, int(e))
+
+
+class RowView:
+    """Sliceable by rows like a (rows, cols) float32 array, dequantizing each slice on demand."""
+
+    def __init__(self, store: WeightStore, name: str):
+        self.store, self.name = store, name
+        self.shape = store.shape(name)
+        self.ggml_type = store.gguf.tensors[name].ggml_type
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        return self.store._dequantize(self.store.gguf.raw(self.name)[rows], self.ggml_type)

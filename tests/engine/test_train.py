@@ -8,7 +8,10 @@ import pytest
 from app.engine import load_model
 from app.engine.config import TrainConfig
 from app.engine.errors import ConfigError
+from app.engine.gguf_io import read_gguf
+from app.engine.model import Model
 from app.engine.train import Batch, TrainSession, pack
+from app.engine.weights import RowView
 from tests.conftest import GOLDEN
 
 TEXT = b"the quick brown fox jumps over the lazy dog. " * 6
@@ -135,3 +138,15 @@ def test_lora_dropout_is_reproducible_under_checkpointing():
     assert plain._accumulate([batch])[0] != runs[0][0]          # dropout changes the loss
     loss_eval, _ = session.evaluate([batch])                    # evaluation has no dropout
     assert loss_eval == session.evaluate([batch])[0]
+
+
+def test_head_over_the_cache_budget_is_read_by_row_slices():
+    """With no room for a dequantized cache, the quantized head is dequantized chunk by chunk
+    (never whole) and the loss is the same."""
+    path = GOLDEN / "qwen2-q8_0.gguf"                                 # tied Q8_0 embedding head
+    roomy, tight = load_model(path), Model(read_gguf(path), cache_budget=1024)
+    assert isinstance(tight.params().row_view("token_embd.weight"), RowView)
+    batch = _text_batch()
+    losses = [m.loss_and_grads(m.params(training=True), batch.tokens, batch.labels,
+                               vocab_chunk=64)[0] for m in (roomy, tight)]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
