@@ -14,7 +14,7 @@ from typing import Sequence
 import numpy as np
 
 from app.engine.config import TrainConfig
-from app.engine.errors import ConfigError
+from app.engine.errors import CheckpointError, ConfigError
 from app.engine.lora import LoraAdapter, LoraConfig, adapter_parameters, init_adapter, tensor_kind
 from app.engine.model import Model
 from app.engine.optim import LBFGS, SGD, AdamW, GradAccumulator, make_schedule
@@ -114,6 +114,27 @@ class TrainSession:
         if c.optimizer == "sgd":
             return SGD(self.trainable, c.lr, c.weight_decay, c.gclip, c.max_grad_norm)
         return LBFGS(self.trainable, lr=c.lr if c.lr > 0 else 1.0)
+
+    def state_dict(self) -> dict:
+        """Everything a checkpoint needs to continue exactly: trained arrays, optimizer, step."""
+        return {"step": self.step_count, "trainable": dict(self.trainable),
+                "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a state_dict in place (the optimizer keeps referencing the same arrays)."""
+        saved = state["trainable"]
+        if set(saved) != set(self.trainable):
+            missing = sorted(set(self.trainable) ^ set(saved))[:5]
+            raise CheckpointError("The checkpoint does not match this run's trainable tensors "
+                                  f"(differing: {', '.join(missing)}).",
+                                  "Resume with the run's own configuration.")
+        for name, array in self.trainable.items():
+            if saved[name].shape != array.shape:
+                raise CheckpointError(f"Checkpoint tensor {name} has shape {saved[name].shape}, "
+                                      f"the run expects {array.shape}.")
+            array[...] = saved[name]
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step_count = int(state["step"])
 
     @property
     def n_trainable(self) -> int:
