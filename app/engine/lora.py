@@ -188,3 +188,26 @@ def adapter_parameters(adapter: LoraAdapter) -> dict[str, np.ndarray]:
     for base, (a, b) in adapter.tensors.items():
         params[base + ".lora_a"], params[base + ".lora_b"] = a, b
     return params
+
+
+def adapter_norms(adapter: LoraAdapter, user_scale: float = 1.0) -> dict[str, dict[str, list]]:
+    """Per adapted tensor (and per expert for 3-D adapters): ||s B A||_F, ||A||_F, ||B||_F.
+
+    ||B A||_F^2 = trace((B^T B)(A A^T)) uses only (R, R) products, so B @ A is never formed.
+    Returns {tensor: {"delta": [...], "a": [...], "b": [...]}} with one entry per expert (one
+    entry for a 2-D adapter).
+    """
+    out = {}
+    for name, (a, b) in adapter.tensors.items():
+        if name == "token_embd.weight":              # A (V, R), B (C, R): delta = B A^T
+            a = np.swapaxes(a, -1, -2)
+        a3 = a.reshape(-1, *a.shape[-2:]).astype(np.float64)                 # (E, R, in)
+        b3 = b.reshape(-1, *b.shape[-2:]).astype(np.float64)                 # (E, out, R)
+        gram_b = np.swapaxes(b3, 1, 2) @ b3                                  # (E, R, R)
+        gram_a = a3 @ np.swapaxes(a3, 1, 2)                                  # (E, R, R)
+        delta_sq = np.einsum("eij,eji->e", gram_b, gram_a)                   # (E,)
+        scale = abs(adapter.scale(name, user_scale))
+        out[name] = {"delta": (scale * np.sqrt(np.maximum(delta_sq, 0.0))).tolist(),
+                     "a": np.linalg.norm(a3.reshape(len(a3), -1), axis=1).tolist(),
+                     "b": np.linalg.norm(b3.reshape(len(b3), -1), axis=1).tolist()}
+    return out

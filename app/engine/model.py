@@ -52,6 +52,7 @@ class _Context:
     def __init__(self, cfg: ModelConfig, q_pos, k_pos, segments, kv: KVCache | None):
         self.cfg, self.q_pos, self.k_pos, self.segments, self.kv = cfg, q_pos, k_pos, segments, kv
         self._rope: dict = {}
+        self.routing: dict[int, np.ndarray] = {}  # MoE layer -> token slots per expert (E,)
         self._masks: dict = {}
 
     @classmethod
@@ -229,7 +230,7 @@ class Model:
         loss, stats, _ = cross_entropy_forward(h, params.row_view(head), np.asarray(labels),
                                                token_weights, params.lora(head),
                                                self.config.final_logit_softcap, vocab_chunk)
-        return loss, stats
+        return loss, {**stats, "routing": ctx.routing}
 
     def loss_and_grads(self, params: Params, tokens, labels, token_weights=None,
                        positions=None, segments=None, checkpoint_interval: int = 0,
@@ -278,7 +279,7 @@ class Model:
             for il in reversed(range(n)):
                 dx = self._block_backward(il, dx, saved.pop(il), params, grads)
         self._embed_backward(dx, emb_cache, params, grads)
-        return loss, stats, grads
+        return loss, {**stats, "routing": ctx.routing}, grads
 
     # ---- layer walk: forward (with caches) and backward ------------------------------------
     def _embed_forward(self, tokens, params: Params):
@@ -318,7 +319,7 @@ class Model:
         x = x + attn
         h, c["ffn_norm"] = rmsnorm_forward(x, params.weight(p + "ffn_norm.weight"), eps)
         if cfg.layer_is_moe(il):
-            ffn, c["ffn"] = self._moe_forward(il, h, params)
+            ffn, c["ffn"] = self._moe_forward(il, h, params, ctx)
         else:
             ffn, c["ffn"] = self._ffn_forward(p + "ffn_{}", h, params)
         if cfg.post_norms:
@@ -424,12 +425,13 @@ class Model:
         dg, du = glu_backward(self.config.act, dact, ca)
         return self._linear_backward(dg, cg, params, grads) + self._linear_backward(du, cu, params, grads)
 
-    def _moe_forward(self, il: int, h, params: Params):
+    def _moe_forward(self, il: int, h, params: Params, ctx: _Context):
         cfg, p = self.config, f"blk.{il}."
         logits, c_router_in = self._linear_forward(p + "ffn_gate_inp", h, params)   # (T, E)
         selected, weights, c_router = router_forward(logits, cfg.n_expert_used,
                                                      cfg.expert_weights_norm, cfg.expert_weights_scale)
         order, offsets, token_of = dispatch_order(selected, cfg.n_expert)
+        ctx.routing[il] = np.diff(offsets)        # a recomputed layer writes the same counts
         names = self._expert_names(il)
         weights_e = [params.experts(n) for n in names]
         loras = tuple(params.lora(n) for n in names)

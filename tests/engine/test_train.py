@@ -9,6 +9,7 @@ from app.engine import load_model
 from app.engine.config import TrainConfig
 from app.engine.errors import ConfigError
 from app.engine.gguf_io import read_gguf
+from app.engine.lora import adapter_norms, load_adapter
 from app.engine.model import Model
 from app.engine.train import Batch, TrainSession, pack
 from app.engine.weights import RowView
@@ -150,3 +151,22 @@ def test_head_over_the_cache_budget_is_read_by_row_slices():
     losses = [m.loss_and_grads(m.params(training=True), batch.tokens, batch.labels,
                                vocab_chunk=64)[0] for m in (roomy, tight)]
     assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+
+
+def test_adapter_norms_match_the_explicit_product():
+    adapter = load_adapter(GOLDEN / "mixtral-lora.gguf")
+    norms = adapter_norms(adapter, 0.5)
+    for name, (a, b) in adapter.tensors.items():
+        delta = 0.5 * adapter.scale(name) * (b @ a)                 # explicit, test only
+        expect = np.linalg.norm(delta.reshape(-1, *delta.shape[-2:]), axis=(1, 2))
+        np.testing.assert_allclose(norms[name]["delta"], expect, rtol=1e-5)
+        assert len(norms[name]["a"]) == (a.shape[0] if a.ndim == 3 else 1)
+
+
+def test_routing_counts_are_reported_per_moe_layer():
+    model = load_model(GOLDEN / "deepseek-f32.gguf")                # layer 0 is dense
+    batch = _text_batch()
+    _, stats, _ = model.loss_and_grads(model.params(training=True), batch.tokens, batch.labels,
+                                       checkpoint_interval=1)
+    assert list(stats["routing"]) == [1]
+    assert stats["routing"][1].sum() == batch.tokens.size * model.config.n_expert_used
