@@ -76,7 +76,7 @@ def run_one(model_path: str, mode: str, rank: int, targets: str, ctx: int, steps
         t0 = time.perf_counter()
         session.model.loss(session.params, batch.tokens, batch.labels)
         t1 = time.perf_counter()
-        loss, acc, n, grads = session._accumulate([batch])
+        grads = session._accumulate([batch]).grads
         t2 = time.perf_counter()
         session.optimizer.step(grads)
         t3 = time.perf_counter()

@@ -8,8 +8,8 @@ queues or threads; the run loop (reporting, evaluation, checkpoints) builds on i
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -68,6 +68,15 @@ class StepMetrics:
     tokens: int
     tokens_per_s: float
     skipped: bool = False
+    routing: dict = field(default_factory=dict, repr=False)  # MoE layer -> slots per expert
+
+
+class Accumulated(NamedTuple):
+    loss: float
+    accuracy: float
+    tokens: int
+    grads: dict
+    routing: dict
 
 
 def full_trainable_names(model: Model, targets: Sequence[str] | None) -> list[str]:
@@ -146,13 +155,16 @@ class TrainSession:
                                          batch.token_weights, batch.positions, batch.segments,
                                          c.checkpoint_interval, c.vocab_chunk)
 
-    def _accumulate(self, micro_batches: Sequence[Batch]):
+    def _accumulate(self, micro_batches: Sequence[Batch]) -> "Accumulated":
         """Gradient of the loss over all micro-batches, normalised by their total token count."""
         acc = GradAccumulator(average=True)
         loss_sum = correct = tokens = 0.0
+        routing: dict[int, np.ndarray] = {}
         for i, batch in enumerate(micro_batches):
             self.params.dropout_seed = (self.config.seed, self.step_count, i)
             loss, stats, grads = self.loss_and_grads(batch)
+            for layer, counts in stats["routing"].items():
+                routing[layer] = routing.get(layer, 0) + counts
             n = stats["n_tokens"]
             if n:
                 acc.add(grads, weight=n)
@@ -161,7 +173,7 @@ class TrainSession:
                 tokens += n
         if not tokens:
             raise ConfigError("The batch has no trained tokens (every label is masked).")
-        return loss_sum / tokens, correct / tokens, int(tokens), acc.result()
+        return Accumulated(loss_sum / tokens, correct / tokens, int(tokens), acc.result(), routing)
 
     def step(self, micro_batches: Sequence[Batch]) -> StepMetrics:
         """One optimizer step over the micro-batches (gradient accumulation)."""
@@ -171,20 +183,20 @@ class TrainSession:
             evaluations = []  # L-BFGS evaluates several times; report the first, as for AdamW
 
             def closure():
-                loss, acc, tokens, grads = self._accumulate(micro_batches)
-                evaluations.append((loss, acc, tokens))
-                return loss, grads
+                evaluations.append(self._accumulate(micro_batches))
+                return evaluations[-1].loss, evaluations[-1].grads
             self.optimizer.step(closure)
-            loss, acc, tokens = evaluations[0]
+            result = evaluations[0]
             grad_norm, clipped, skipped = float("nan"), 0.0, False
         else:
-            loss, acc, tokens, grads = self._accumulate(micro_batches)
-            stats = self.optimizer.step(grads, lr=lr)
+            result = self._accumulate(micro_batches)
+            stats = self.optimizer.step(result.grads, lr=lr)
             grad_norm, clipped, skipped = stats.grad_norm, stats.clipped_fraction, stats.skipped
         self.step_count += 1
         elapsed = time.perf_counter() - t0
-        return StepMetrics(self.step_count, float(loss), float(acc), lr, float(grad_norm),
-                           float(clipped), tokens, tokens / elapsed if elapsed else 0.0, skipped)
+        return StepMetrics(self.step_count, float(result.loss), float(result.accuracy), lr,
+                           float(grad_norm), float(clipped), result.tokens,
+                           result.tokens / elapsed if elapsed else 0.0, skipped, result.routing)
 
     def evaluate(self, batches: Sequence[Batch]) -> tuple[float, float]:
         """(loss, token accuracy) over batches, forward only."""

@@ -78,8 +78,8 @@ def test_accumulating_micro_batches_equals_one_packed_batch():
                          lr=1e-2, max_steps=1)
     session = TrainSession(model, config)
     session.step([pack([s1, s2])])                    # make B non-zero so every grad is non-trivial
-    loss_a, _, tokens_a, grads_a = session._accumulate([pack([s1]), pack([s2])])
-    loss_b, _, tokens_b, grads_b = session._accumulate([pack([s1, s2])])
+    loss_a, _, tokens_a, grads_a, _ = session._accumulate([pack([s1]), pack([s2])])
+    loss_b, _, tokens_b, grads_b, _ = session._accumulate([pack([s1, s2])])
     assert tokens_a == tokens_b == 60 and loss_a == pytest.approx(loss_b, rel=1e-5)
     for name in grads_b:
         scale = np.abs(grads_b[name]).max()
