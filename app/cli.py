@@ -50,6 +50,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text", required=True)
     p.add_argument("--no-special", action="store_true", help="do not add BOS/EOS")
     p.add_argument("--parse-special", action="store_true", help="parse <special> token texts")
+    p = sub.add_parser("lint", help="check a JSONL dataset against a model's tokenizer")
+    p.add_argument("data", help="JSONL dataset")
+    p.add_argument("--model", "-m", required=True, help="GGUF model (or vocab) file")
+    p.add_argument("--ctx", type=int, default=None,
+                   help="context in tokens (default 512, capped at the model's)")
+    p.add_argument("--format", default="auto",
+                   choices=["auto", "text", "completion", "chat", "alpaca", "sharegpt"])
+    p.add_argument("--overflow", default="truncate", choices=["truncate", "split", "drop"],
+                   help="rows longer than the context (default truncate)")
+    p.add_argument("--weights", help="reward weights file (numbers, or JSONL with ids)")
+    p.add_argument("--normalize", default="none", choices=["none", "mean-std", "min-max", "clip"])
+    p.add_argument("--clip", type=float, nargs=2, metavar=("LO", "HI"), help="range for --normalize clip")
+    p.add_argument("--allow-negative", action="store_true", help="allow negative weights")
+    p.add_argument("--completion-as-chat", action="store_true",
+                   help="render prompt/completion rows with the chat template")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+
     p = sub.add_parser("new-model", help="write a freshly initialised small model (train from scratch)")
     p.add_argument("--tokenizer", required=True, help="GGUF file whose tokenizer is copied")
     p.add_argument("--out", "-o", required=True, help="output GGUF file")
@@ -64,6 +81,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--tied", action="store_true", help="tie the output head to the embedding")
     p.add_argument("--seed", type=int, default=0)
+
+    p = sub.add_parser("queue", help="the training job queue: add, list, cancel, pause, resume, "
+                                     "retry, reorder, worker")
+    qsub = p.add_subparsers(dest="queue_command", required=True, metavar="ACTION")
+    qp = {name: qsub.add_parser(name, help=text) for name, text in (
+        ("add", "queue a run directory (it must hold config.json)"),
+        ("list", "list the jobs with their progress"),
+        ("cancel", "cancel a job (a running job stops after its current step)"),
+        ("pause", "pause a job (a running job saves a checkpoint and stops after its step)"),
+        ("resume", "resume a paused job (it continues from its last checkpoint)"),
+        ("retry", "queue a failed or cancelled job again (from its last checkpoint)"),
+        ("reorder", "move a queued or paused job to POSITION (1 = next)"),
+        ("worker", "run queued jobs in this process, one after another"))}
+    for q in qp.values():
+        q.add_argument("--queue", metavar="PATH",
+                       help="queue database (default: $WORKBENCH_QUEUE, else the user data dir)")
+    qp["add"].add_argument("run_dir", help="run directory holding config.json")
+    qp["add"].add_argument("--priority", type=int, default=0,
+                           help="higher goes ahead of queued jobs with a lower priority")
+    qp["list"].add_argument("--state", action="append", help="only jobs in this state (repeatable)")
+    qp["list"].add_argument("--json", action="store_true", help="print JSON")
+    for name in ("cancel", "pause", "resume", "retry", "reorder"):
+        qp[name].add_argument("id", type=int, help="job id (see: workbench queue list)")
+    qp["reorder"].add_argument("position", type=int, help="new place among queued jobs (1 = next)")
+    qp["worker"].add_argument("--once", action="store_true",
+                              help="exit when no job is queued instead of waiting for more")
+
+    p = sub.add_parser("runs", help="inspect run directories: list, show")
+    rsub = p.add_subparsers(dest="runs_command", required=True, metavar="ACTION")
+    r = rsub.add_parser("list", help="the runs under a folder")
+    r.add_argument("dir", nargs="?", help="folder of runs (default: the user data dir's runs/)")
+    r.add_argument("--json", action="store_true", help="print JSON")
+    r = rsub.add_parser("show", help="a run's config, status, final and best metrics")
+    r.add_argument("run_dir")
+    r.add_argument("--json", action="store_true", help="print JSON")
     return parser
 
 
@@ -150,8 +202,155 @@ def cmd_tokenize(args) -> int:
     return 0
 
 
-COMMANDS = {"info": cmd_info, "generate": cmd_generate, "logits": cmd_logits,
-            "tokenize": cmd_tokenize, "new-model": cmd_new_model}
+def cmd_lint(args) -> int:
+    from app.engine.data import DataConfig
+    from app.engine.lint import lint_file
+
+    config = DataConfig(format=args.format, overflow=args.overflow, weights_path=args.weights,
+                        normalize=args.normalize, clip_range=tuple(args.clip) if args.clip else None,
+                        allow_negative_weights=args.allow_negative,
+                        completion_as_chat=args.completion_as_chat)
+    report = lint_file(args.data, args.model, config, context=args.ctx)
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(errors="replace")   # dataset text on a console that lacks its characters
+    print(json.dumps(report.to_dict(), ensure_ascii=False) if args.json else report.to_text())
+    return 0
+
+
+def _fmt_seconds(s) -> str:
+    if not isinstance(s, (int, float)) or s != s or s < 0:
+        return "?"
+    s = int(round(s))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def _fmt_progress(status: dict) -> str:
+    parts = []
+    if status.get("step") is not None:
+        total = status.get("total_steps")
+        parts.append(f"step {status['step']}" + (f"/{total}" if total else ""))
+    if isinstance(status.get("loss"), (int, float)):
+        parts.append(f"loss {status['loss']:.4f}")
+    if status.get("eta_s") is not None and status.get("state") == "running":
+        parts.append(f"eta {_fmt_seconds(status['eta_s'])}")
+    return ", ".join(parts)
+
+
+def _run_status(run_dir) -> dict:
+    from app.engine.rundir import RunDir
+
+    try:
+        return RunDir(run_dir).status()
+    except EngineError as e:
+        return {"problem": e.message}
+
+
+def cmd_queue(args) -> int:
+    from app.engine.jobs import JobQueue
+
+    queue = JobQueue(args.queue)
+    action = args.queue_command
+    if action == "add":
+        job_id = queue.add(args.run_dir, priority=args.priority)
+        print(f"queued job {job_id}: {queue.get(job_id).run_dir}")
+        return 0
+    if action == "list":
+        jobs = queue.list(args.state)
+        if args.json:
+            print(json.dumps([{**j.to_dict(), "status": _run_status(j.run_dir)} for j in jobs],
+                             indent=2))
+            return 0
+        if not jobs:
+            print(f"no jobs in {queue.path}")
+            return 0
+        print(f"{'ID':>4}  {'STATE':<22}  {'RUN':<30}  PROGRESS")
+        for j in jobs:
+            state = j.state + (f" ({j.requested_action} requested)"
+                               if j.requested_action != "none" else "")
+            status = _run_status(j.run_dir)
+            info = (f"{j.error_kind}: {j.error_message}" if j.state == "failed"
+                    else status.get("problem") or _fmt_progress(status))
+            name = j.run_dir if len(j.run_dir) <= 30 else "..." + j.run_dir[-27:]
+            print(f"{j.id:>4}  {state:<22}  {name:<30}  {info}")
+        return 0
+    if action == "worker":
+        import logging
+        import threading
+
+        from app.engine.worker import install_stop_signals, restore_signals, run_worker
+
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                            format="%(asctime)s %(levelname)s %(message)s")
+        stop = threading.Event()
+        previous = install_stop_signals(stop)
+        try:
+            n = run_worker(queue, once=args.once, stop_event=stop)
+        finally:
+            restore_signals(previous)
+        print(f"worker stopped after {n} job(s)", file=sys.stderr)
+        return 0
+    if action == "reorder":
+        job = queue.reorder(args.id, args.position)
+    else:
+        job = getattr(queue, action)(args.id)
+    note = f", {job.requested_action} requested" if job.requested_action != "none" else ""
+    print(f"job {job.id}: {job.state}{note}")
+    return 0
+
+
+def cmd_runs(args) -> int:
+    from app.engine.rundir import RunDir, list_runs
+
+    if args.runs_command == "list":
+        runs = list_runs(args.dir)
+        rows = [{"run_dir": str(r.path), "name": r.name, "status": _run_status(r.path)}
+                for r in runs]
+        if args.json:
+            print(json.dumps(rows, indent=2))
+        elif not rows:
+            print("no runs found")
+        else:
+            width = max(len(r["name"]) for r in rows)
+            for r in rows:
+                st = r["status"]
+                print(f"{r['name']:<{width}}  {st.get('state', 'new'):<10}  "
+                      f"{st.get('problem') or _fmt_progress(st)}")
+        return 0
+    run = RunDir(args.run_dir)
+    run.config()  # not a run directory: a clear error
+    summary = run.summary()
+    if args.json:
+        print(json.dumps(summary, indent=2, default=str))
+        return 0
+    print(f"run      {summary['run_dir']}")
+    cfg = summary["config"] or {}
+    simple = {k: v for k, v in cfg.items() if isinstance(v, (str, int, float, bool)) or v is None}
+    if simple:
+        print("config   " + ", ".join(f"{k}={v}" for k, v in simple.items()))
+    st = summary["status"]
+    print(f"state    {st.get('state', 'new')}" + (f"  ({_fmt_progress(st)})" if _fmt_progress(st)
+                                                  else ""))
+    if st.get("error"):
+        print(f"error    {st['error'].get('kind')}: {st['error'].get('message')}")
+        if st["error"].get("hint"):
+            print(f"hint     {st['error']['hint']}")
+    skip = {"type", "time"}
+    for label, events in (("final", summary["final"]), ("best", summary["best"])):
+        for kind, ev in events.items():
+            if kind in ("step", "eval"):
+                values = ", ".join(f"{k}={v:.5g}" if isinstance(v, float) else f"{k}={v}"
+                                   for k, v in ev.items()
+                                   if k not in skip and isinstance(v, (int, float, str)))
+                print(f"{label + ' ' + kind:<13}{values}")
+    print(f"events   {summary['events']} in metrics.jsonl")
+    for problem in summary["problems"]:
+        print(f"problem  {problem}")
+    return 0
+
+
+COMMANDS = {"lint": cmd_lint, "info": cmd_info, "generate": cmd_generate, "logits": cmd_logits,
+            "tokenize": cmd_tokenize, "new-model": cmd_new_model,
+            "queue": cmd_queue, "runs": cmd_runs}
 
 
 def run_cli(argv: list[str]) -> int:

@@ -1,0 +1,441 @@
+"""A run directory: everything about one training run, and the API between GUI, CLI and worker.
+
+```
+RUN_DIR/
+  config.json      the run as submitted (plus resolved defaults); written once, atomically
+  status.json      state, step, total_steps, epoch, loss, eta_s, updated_at, error...; atomic
+  metrics.jsonl    one JSON object per line (step, eval, norms, routing, log events); appended
+  log.txt          human-readable log lines; appended
+  checkpoints/     step-N/ directories (written by app.engine.checkpoint)
+  exports/         adapters and merged models
+```
+
+Whole files are replaced atomically (temporary file in the same directory, fsync, `os.replace`),
+so a reader never sees a half-written `config.json` or `status.json` and a crash keeps the old
+file. Appended files are written one line per `write` call on an O_APPEND descriptor; a reader
+tailing `metrics.jsonl` with `read_metrics(offset)` only ever returns complete lines.
+
+`atomic_write_bytes` / `atomic_write_json` / `read_json` are shared with the checkpoint code.
+Bad files raise EngineErrors (never a bare OSError or JSONDecodeError); a full disk raises
+`DiskFullError` and leaves the previous files intact.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+from app.engine.errors import ConfigError, EngineError
+
+CONFIG = "config.json"
+STATUS = "status.json"
+METRICS = "metrics.jsonl"
+LOG = "log.txt"
+CHECKPOINTS = "checkpoints"
+EXPORTS = "exports"
+
+_DISK_FULL_ERRNOS = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+
+
+class StorageError(EngineError):
+    """A file could not be read or written, or its content is corrupt."""
+
+    kind = "storage"
+
+
+class DiskFullError(StorageError):
+    """The disk (or the user's quota) is full."""
+
+    kind = "disk_full"
+
+
+# --------------------------------------------------------------------------- atomic file helpers
+
+
+def _json_default(obj: Any) -> Any:
+    """numpy scalars and arrays (and anything with .item()/.tolist()) as plain JSON values."""
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    if hasattr(obj, "item"):
+        return obj.item()
+    if isinstance(obj, Path):
+        return str(obj)
+    if isinstance(obj, (set, frozenset, tuple)):
+        return list(obj)
+    raise TypeError(f"{type(obj).__name__} is not JSON serializable")
+
+
+def to_json(obj: Any, indent: int | None = None) -> str:
+    return json.dumps(obj, indent=indent, default=_json_default, ensure_ascii=False)
+
+
+def storage_error(exc: OSError, path: str | os.PathLike, action: str = "write") -> StorageError:
+    """The EngineError for an OSError while reading or writing `path`."""
+    path = Path(path)
+    if exc.errno in _DISK_FULL_ERRNOS:
+        return DiskFullError(
+            f"The disk is full: could not {action} {path}.",
+            f"Free some space on the disk that holds {path.parent} (for example delete old "
+            "checkpoints, exports or runs), then resume or retry the run. The previous files "
+            "were kept intact.")
+    if isinstance(exc, PermissionError):
+        return StorageError(f"Permission denied: could not {action} {path}.",
+                            "Check the file's and the folder's permissions.")
+    return StorageError(f"Could not {action} {path}: {exc.strerror or exc}.",
+                        "Check that the disk is mounted and writable.")
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make a rename in `directory` durable (best effort: not every platform allows it)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, fsync: bool = True) -> None:
+    """Replace `path` with `data` atomically: temp file in the same directory, fsync, os.replace.
+
+    Readers see the old or the new content, never a mix; if anything fails (a crash, a full
+    disk) the old file stays as it was and the temporary file is removed. OSErrors become
+    StorageError / DiskFullError.
+    """
+    path = Path(path)
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            view = memoryview(data)
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        tmp = None
+        if fsync:
+            _fsync_dir(path.parent)
+    except OSError as e:
+        raise storage_error(e, path) from e
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any, *, fsync: bool = True) -> None:
+    """`obj` as indented JSON (numpy values converted), written with `atomic_write_bytes`."""
+    atomic_write_bytes(path, (to_json(obj, indent=2) + "\n").encode("utf-8"), fsync=fsync)
+
+
+def read_json(path: str | os.PathLike, *, what: str = "file",
+              error_cls: type[EngineError] = StorageError, missing_ok: bool = False) -> Any:
+    """Parse a JSON file; missing, unreadable or corrupt files raise `error_cls` with a hint.
+
+    With `missing_ok`, a missing file returns None.
+    """
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        if missing_ok:
+            return None
+        raise error_cls(f"The {what} {path} does not exist.",
+                        "Check the path; the run directory may be incomplete.") from None
+    except OSError as e:
+        err = storage_error(e, path, "read")
+        raise error_cls(err.message, err.hint) from e
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise error_cls(f"The {what} {path} is corrupt (not valid JSON: {e}).",
+                        "Restore it from a backup or recreate the run; the workbench always "
+                        "writes it atomically, so another program may have changed it.") from e
+
+
+def _read_at(fd: int, offset: int) -> bytes:
+    if hasattr(os, "pread"):
+        return os.pread(fd, 1, offset)
+    os.lseek(fd, offset, os.SEEK_SET)  # Windows: O_APPEND writes still go to the end
+    return os.read(fd, 1)
+
+
+def append_line(path: str | os.PathLike, line: str) -> None:
+    """Append one line (a newline is added) with a single write on an O_APPEND descriptor.
+
+    If the file ends in a torn line (a crash or a full disk in the middle of a write), that
+    line is terminated first so the new line stays parseable.
+    """
+    path = Path(path)
+    data = line.encode("utf-8") + b"\n"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            size = os.fstat(fd).st_size
+            if size and _read_at(fd, size - 1) != b"\n":
+                data = b"\n" + data
+            view = memoryview(data)
+            while view:  # one write for a regular file; the loop only guards short writes
+                n = os.write(fd, view)
+                view = view[n:]
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise storage_error(e, path, "append to") from e
+
+
+# --------------------------------------------------------------------------- the run directory
+
+
+class RunDir:
+    """One run's directory. Cheap to construct; nothing is read until asked."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path).expanduser().absolute()
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.path)!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RunDir) and other.path == self.path
+
+    def __hash__(self) -> int:
+        return hash(self.path)
+
+    # ---------------------------------------------------------------- layout
+    @property
+    def config_path(self) -> Path:
+        return self.path / CONFIG
+
+    @property
+    def status_path(self) -> Path:
+        return self.path / STATUS
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.path / METRICS
+
+    @property
+    def log_path(self) -> Path:
+        return self.path / LOG
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.path / CHECKPOINTS
+
+    @property
+    def exports_dir(self) -> Path:
+        return self.path / EXPORTS
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def exists(self) -> bool:
+        """True when the directory holds a config.json (is a run directory)."""
+        return self.config_path.is_file()
+
+    # ---------------------------------------------------------------- creation and config
+    @classmethod
+    def create(cls, path: str | os.PathLike, config: dict, *, exist_ok: bool = False) -> "RunDir":
+        """Make the directory (and checkpoints/, exports/) and write config.json atomically.
+
+        An existing run (a config.json already there) raises ConfigError unless `exist_ok`,
+        in which case the config is replaced.
+        """
+        if not isinstance(config, dict):
+            raise ConfigError(f"A run's config must be a JSON object, got {type(config).__name__}.")
+        run = cls(path)
+        if run.config_path.exists() and not exist_ok:
+            raise ConfigError(f"{run.path} already holds a run (config.json exists).",
+                              "Choose another output folder, or resume that run.")
+        try:
+            for d in (run.path, run.checkpoints_dir, run.exports_dir):
+                d.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise storage_error(e, run.path, "create") from e
+        run.write_config(config)
+        return run
+
+    def write_config(self, config: dict) -> None:
+        atomic_write_json(self.config_path, config)
+
+    def config(self) -> dict:
+        """config.json as a dict; missing or corrupt raises ConfigError with a hint."""
+        if not self.path.is_dir():
+            raise ConfigError(f"The run directory {self.path} does not exist.",
+                              "Check the path, or create the run first (workbench train --out).")
+        if not self.config_path.exists():
+            raise ConfigError(f"{self.path} is not a run directory: it has no {CONFIG}.",
+                              "Create the run first (workbench train --queue writes it).")
+        cfg = read_json(self.config_path, what="run config", error_cls=ConfigError)
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"The run config {self.config_path} is not a JSON object.",
+                              "Recreate the run.")
+        return cfg
+
+    # ---------------------------------------------------------------- status
+    def status(self) -> dict:
+        """status.json as a dict ({} before the first write); corrupt raises StorageError."""
+        st = read_json(self.status_path, what="run status", missing_ok=True)
+        if st is None:
+            return {}
+        if not isinstance(st, dict):
+            raise StorageError(f"The run status {self.status_path} is not a JSON object.",
+                               "Delete status.json; the worker rewrites it.")
+        return st
+
+    def write_status(self, *, replace: bool = False, fsync: bool = True, **fields) -> dict:
+        """Merge `fields` into status.json (or replace it) and stamp `updated_at`; atomic.
+
+        A corrupt previous status is overwritten rather than refused (status is derived state).
+        Returns the status written.
+        """
+        st: dict = {}
+        if not replace:
+            try:
+                st = self.status()
+            except StorageError:
+                st = {}
+        st.update(fields)
+        st["updated_at"] = time.time()
+        atomic_write_json(self.status_path, st, fsync=fsync)
+        return st
+
+    # ---------------------------------------------------------------- metrics and log
+    def append_metrics(self, event: dict) -> dict:
+        """Append one event as a JSON line. `type` defaults to "step", `time` to now.
+
+        Returns the event as written (with type and time). Non-JSON values (numpy scalars and
+        arrays) are converted; anything else unserialisable raises TypeError (a bug).
+        """
+        ev = dict(event)
+        ev.setdefault("type", "step")
+        ev.setdefault("time", time.time())
+        line = to_json(ev)
+        append_line(self.metrics_path, line)
+        return ev
+
+    def read_metrics(self, since_offset: int = 0) -> tuple[list[dict], int]:
+        """Complete events after byte `since_offset`, and the offset to pass next time.
+
+        A trailing line without its newline (being written, or torn by a crash) is not
+        returned and the offset stays before it. Lines that are not JSON objects (a torn line
+        terminated later) are skipped. If the file shrank below the offset (replaced), reading
+        restarts at 0. A missing file gives ([], 0).
+        """
+        try:
+            with open(self.metrics_path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if since_offset > size:
+                    since_offset = 0
+                f.seek(since_offset)
+                data = f.read(size - since_offset)
+        except FileNotFoundError:
+            return [], 0
+        except OSError as e:
+            raise storage_error(e, self.metrics_path, "read") from e
+        end = data.rfind(b"\n")
+        if end < 0:
+            return [], since_offset
+        events = []
+        for raw in data[:end].split(b"\n"):
+            if not raw.strip():
+                continue
+            try:
+                ev = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, ValueError):
+                continue
+            if isinstance(ev, dict):
+                events.append(ev)
+        return events, since_offset + end + 1
+
+    def metrics(self) -> list[dict]:
+        """Every complete event in metrics.jsonl."""
+        return self.read_metrics(0)[0]
+
+    def log(self, line: str) -> None:
+        """Append a timestamped line to log.txt (multi-line text is kept together)."""
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        append_line(self.log_path, f"{stamp} {line.rstrip()}")
+
+    # ---------------------------------------------------------------- summary
+    def summary(self) -> dict:
+        """What `workbench runs show` prints: config, status, final and best metrics.
+
+        `final[type]` is the last event of each type; `best[type]` is the event with the
+        lowest finite `loss` among events of that type (step, eval). Never raises for a
+        broken run: problems are reported under `problems`.
+        """
+        out: dict = {"run_dir": str(self.path), "config": None, "status": {}, "final": {},
+                     "best": {}, "events": 0, "problems": []}
+        try:
+            out["config"] = self.config()
+        except EngineError as e:
+            out["problems"].append(e.message)
+        try:
+            out["status"] = self.status()
+        except EngineError as e:
+            out["problems"].append(e.message)
+        try:
+            events = self.metrics()
+        except EngineError as e:
+            out["problems"].append(e.message)
+            events = []
+        out["events"] = len(events)
+        out["final"], out["best"] = summarize_metrics(events)
+        return out
+
+
+def summarize_metrics(events: Iterable[dict]) -> tuple[dict, dict]:
+    """(last event per type, lowest-loss event per type for types that carry a loss)."""
+    final: dict[str, dict] = {}
+    best: dict[str, dict] = {}
+    for ev in events:
+        kind = str(ev.get("type", "step"))
+        final[kind] = ev
+        loss = ev.get("loss")
+        if isinstance(loss, (int, float)) and not isinstance(loss, bool) and math.isfinite(loss):
+            if kind not in best or loss < best[kind]["loss"]:
+                best[kind] = ev
+    return final, best
+
+
+def default_runs_dir() -> Path:
+    """`runs/` in the user data directory (where `workbench train` puts runs by default)."""
+    import platformdirs
+
+    return Path(platformdirs.user_data_dir("gguf-workbench")) / "runs"
+
+
+def list_runs(folder: str | os.PathLike | None = None) -> list[RunDir]:
+    """Run directories (holding a config.json) directly under `folder`, newest first."""
+    root = Path(folder) if folder is not None else default_runs_dir()
+    if not root.is_dir():
+        return []
+    runs = [RunDir(p) for p in root.iterdir() if p.is_dir() and (p / CONFIG).is_file()]
+
+    def mtime(r: RunDir) -> float:
+        try:
+            return max(r.config_path.stat().st_mtime,
+                       r.status_path.stat().st_mtime if r.status_path.exists() else 0.0)
+        except OSError:
+            return 0.0
+
+    return sorted(runs, key=lambda r: (-mtime(r), r.name))
