@@ -211,3 +211,21 @@ def adapter_norms(adapter: LoraAdapter, user_scale: float = 1.0) -> dict[str, di
                      "a": np.linalg.norm(a3.reshape(len(a3), -1), axis=1).tolist(),
                      "b": np.linalg.norm(b3.reshape(len(b3), -1), axis=1).tolist()}
     return out
+
+
+def save_adapter(adapter: LoraAdapter, path: str | os.PathLike, arch: str | None = None,
+                 name: str = "workbench LoRA adapter") -> None:
+    """Write the adapter in llama.cpp's GGUF LoRA format (F32 tensors, FLOAT32 alpha).
+
+    Shapes stay as stored (SPEC section 1.3), so `llama --lora` and `load_adapter` read it back.
+    """
+    from app.engine.gguf_io import write_gguf
+
+    arch = arch or adapter.arch
+    meta = {"general.architecture": arch, "general.type": "adapter", "general.name": name,
+            "adapter.type": "lora", "adapter.lora.alpha": float(adapter.alpha)}
+    tensors = {}
+    for base, (a, b) in adapter.tensors.items():
+        tensors[base + ".lora_a"] = np.asarray(a, np.float32)
+        tensors[base + ".lora_b"] = np.asarray(b, np.float32)
+    write_gguf(path, meta, tensors, value_types={"adapter.lora.alpha": (6, None)})

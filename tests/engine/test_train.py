@@ -9,7 +9,7 @@ from app.engine import load_model
 from app.engine.config import TrainConfig
 from app.engine.errors import ConfigError
 from app.engine.gguf_io import read_gguf
-from app.engine.lora import adapter_norms, load_adapter
+from app.engine.lora import adapter_norms, load_adapter, save_adapter
 from app.engine.model import Model
 from app.engine.train import Batch, TrainSession, pack
 from app.engine.weights import RowView
@@ -170,3 +170,16 @@ def test_routing_counts_are_reported_per_moe_layer():
                                        checkpoint_interval=1)
     assert list(stats["routing"]) == [1]
     assert stats["routing"][1].sum() == batch.tokens.size * model.config.n_expert_used
+
+
+def test_saved_adapter_reads_back_with_the_same_logits(tmp_path):
+    model = load_model(GOLDEN / "olmoe-q8_0.gguf")
+    session = TrainSession(model, TrainConfig(mode="lora", lora_targets=("attention", "experts",
+                                                                         "router"), lr=1e-2))
+    for _ in range(3):
+        session.step([_text_batch()])
+    save_adapter(session.adapter, tmp_path / "a.gguf")
+    again = load_adapter(tmp_path / "a.gguf")
+    assert again.arch == "olmoe" and again.alpha == session.adapter.alpha
+    tokens = _text_batch().tokens[:20]
+    np.testing.assert_array_equal(model.logits(tokens, again), model.logits(tokens, session.adapter))
