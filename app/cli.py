@@ -9,6 +9,7 @@ import traceback
 
 import numpy as np
 
+from app.cli_train import add_train_parsers, cmd_resume, cmd_train
 from app.engine.errors import ConfigError, EngineError
 
 
@@ -66,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--completion-as-chat", action="store_true",
                    help="render prompt/completion rows with the chat template")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+
+    add_train_parsers(sub)
 
     p = sub.add_parser("new-model", help="write a freshly initialised small model (train from scratch)")
     p.add_argument("--tokenizer", required=True, help="GGUF file whose tokenizer is copied")
@@ -350,7 +353,8 @@ def cmd_runs(args) -> int:
 
 COMMANDS = {"lint": cmd_lint, "info": cmd_info, "generate": cmd_generate, "logits": cmd_logits,
             "tokenize": cmd_tokenize, "new-model": cmd_new_model,
-            "queue": cmd_queue, "runs": cmd_runs}
+            "queue": cmd_queue, "runs": cmd_runs, "train": cmd_train,
+            "resume": cmd_resume}
 
 
 def run_cli(argv: list[str]) -> int:

@@ -5,7 +5,7 @@ died, then claims queued jobs and calls a *runner* for each, in this process's m
 A job that fails (an EngineError, or a bug) is stored on the job with kind, message, hint and
 traceback, and the worker continues with the next one: it never dies with a job.
 
-The runner contract (the default runner is `app.engine.train.run_job`)::
+The runner contract (the default runner is `app.engine.run.run_job`)::
 
     runner(run_dir: RunDir, control: JobControl) -> "done" | "paused" | "cancelled" | None
 
@@ -60,8 +60,8 @@ class WorkerAlreadyRunning(EngineError):
 
 
 def default_runner(run_dir: RunDir, control: "JobControl") -> str | None:
-    """The real training runner, `app.engine.train.run_job` (imported when first used)."""
-    from app.engine.train import run_job  # lazily: the engine's heavy imports, and optional
+    """The real training runner, `app.engine.run.run_job` (imported when first used)."""
+    from app.engine.run import run_job  # lazily: the engine's heavy imports, and optional
 
     return run_job(run_dir, control)
 

@@ -1,0 +1,260 @@
+"""`workbench train` and `workbench resume`: a run in the foreground (or queued), with progress.
+
+Builds a RunConfig from options (or a saved config.json / config.toml), creates the run
+directory, and runs `app.engine.run.train` with a reporter that appends every event to
+metrics.jsonl and prints a progress line as ggml-opt does (or JSON lines with --json).
+Ctrl-C pauses: the run saves a checkpoint and `workbench resume RUN_DIR` continues it exactly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+from app.engine.config import TrainConfig
+from app.engine.data import DataConfig
+from app.engine.errors import ConfigError
+
+TARGET_ALIASES = {"attn": "attention"}
+
+
+def add_train_parsers(sub) -> None:
+    p = sub.add_parser("train", help="train a LoRA adapter or fine-tune a model on a dataset")
+    p.add_argument("--model", "-m", help="GGUF model file")
+    p.add_argument("--data", "-d", help="JSONL dataset")
+    p.add_argument("--config", help="a run's config.json or a config.toml (options override it)")
+    p.add_argument("--out", "-o", help="run directory (default: a new folder under the runs dir)")
+    p.add_argument("--queue", nargs="?", const="", default=None, metavar="QUEUE",
+                   help="add the run to the job queue instead of running it here")
+    p.add_argument("--json", action="store_true", help="print events as JSON lines")
+    g = p.add_argument_group("what to train")
+    g.add_argument("--mode", choices=("lora", "full", "hybrid"))
+    g.add_argument("--rank", type=int)
+    g.add_argument("--alpha", type=float)
+    g.add_argument("--targets", help="comma list: attn, ffn, experts, shared, router, output")
+    g.add_argument("--full-targets", help="hybrid runs: norms, router, embeddings, output")
+    g.add_argument("--dropout", type=float, help="LoRA dropout")
+    g.add_argument("--adapter", help="continue training this GGUF LoRA adapter")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--optimizer", choices=("adamw", "sgd", "lbfgs"))
+    g.add_argument("--lr", type=float)
+    g.add_argument("--schedule", choices=("constant", "linear", "cosine"))
+    g.add_argument("--warmup", type=int, help="warmup steps")
+    g.add_argument("--epochs", type=int)
+    g.add_argument("--max-steps", type=int, help="cap on optimizer steps (--epochs 0: exactly)")
+    g.add_argument("--batch", type=int, help="windows per optimizer step (accumulated)")
+    g.add_argument("--grad-accum", type=int)
+    g.add_argument("--gclip", type=float, help="element-wise gradient clip (0: off)")
+    g.add_argument("--weight-decay", type=float)
+    g.add_argument("--checkpoint-interval", type=int, help="gradient checkpointing every N layers")
+    g.add_argument("--seed", type=int)
+    g.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    g = p.add_argument_group("data")
+    g.add_argument("--ctx", type=int, help="context (tokens per window)")
+    g.add_argument("--format", help="auto, text, completion, chat, alpaca, sharegpt")
+    g.add_argument("--val-split", type=float, help="validation fraction")
+    g.add_argument("--val-data", help="a separate validation file")
+    g.add_argument("--weights", help="reward-weights file")
+    g.add_argument("--normalize", choices=("none", "mean-std", "min-max", "clip"))
+    g.add_argument("--allow-negative", action="store_true", help="allow negative weights")
+    g.add_argument("--strict", action="store_true", help="refuse to start on any bad row")
+    g = p.add_argument_group("run")
+    g.add_argument("--eval-every", type=int)
+    g.add_argument("--save-every", type=int)
+    g.add_argument("--patience", type=int, help="early stopping (evaluations without gain)")
+
+    p = sub.add_parser("resume", help="continue an interrupted or finished run")
+    p.add_argument("run_dir")
+    p.add_argument("--extend-epochs", type=int, default=0, help="train this many more epochs")
+    p.add_argument("--json", action="store_true")
+
+
+def _read_config_file(path: str) -> dict:
+    text = Path(path).read_text()
+    if path.endswith(".toml"):
+        import tomllib
+
+        return tomllib.loads(text)
+    return json.loads(text)
+
+
+def run_config_from_args(args):
+    """A RunConfig from --config (if any) with the command-line options on top."""
+    from app.engine.run import RunConfig
+
+    base = _read_config_file(args.config) if args.config else {}
+    base.setdefault("train", {})
+    base.setdefault("data_config", {})
+    train, data = base["train"], base["data_config"]
+    for key, value in (("model", args.model), ("data", args.data), ("epochs", args.epochs),
+                       ("max_steps", args.max_steps),
+                       ("eval_every", args.eval_every), ("save_every", args.save_every),
+                       ("patience", args.patience), ("adapter", args.adapter)):
+        if value is not None:
+            base[key] = str(Path(value).resolve()) if key in ("model", "data", "adapter") else value
+    targets = lambda s: [TARGET_ALIASES.get(t.strip(), t.strip()) for t in s.split(",") if t]
+    options = {"mode": args.mode, "lora_rank": args.rank, "lora_alpha": args.alpha,
+               "lora_dropout": args.dropout, "optimizer": args.optimizer, "lr": args.lr,
+               "schedule": args.schedule, "warmup_steps": args.warmup, "gclip": args.gclip,
+               "weight_decay": args.weight_decay, "checkpoint_interval": args.checkpoint_interval,
+               "seed": args.seed,
+               "lora_targets": targets(args.targets) if args.targets else None,
+               "full_targets": targets(args.full_targets) if args.full_targets else None}
+    if args.batch or args.grad_accum:
+        options["grad_accum"] = (args.batch or 1) * (args.grad_accum or 1)
+    train.update({k: v for k, v in options.items() if v is not None})
+    data_options = {"context": args.ctx, "format": args.format, "val_fraction": args.val_split,
+                    "val_path": args.val_data, "weights_path": args.weights,
+                    "normalize": args.normalize, "seed": args.seed}
+    data.update({k: v for k, v in data_options.items() if v is not None})
+    if args.allow_negative:
+        data["allow_negative_weights"] = True
+    if args.strict:
+        data["strict"] = True
+    if "model" not in base or "data" not in base:
+        raise ConfigError("A run needs a model and a dataset.", "Pass --model and --data.")
+    config = RunConfig.from_dict(base)
+    config.validate()
+    return config
+
+
+class Progress:
+    """Prints events: a progress line per step (like ggml-opt's), or JSON lines."""
+
+    def __init__(self, as_json: bool, stream=sys.stdout):
+        self.as_json, self.stream = as_json, stream
+        self.tty = stream.isatty()
+        self.last_print = 0.0
+
+    def __call__(self, event: dict) -> None:
+        if self.as_json:
+            self.stream.write(json.dumps(event, default=float) + "\n")
+            self.stream.flush()
+            return
+        kind = event.get("type")
+        if kind == "step":
+            now = time.monotonic()
+            final = event["step"] == event["total_steps"]
+            if self.tty or final or now - self.last_print > 5.0:
+                end = "\r" if self.tty and not final else "\n"
+                self.stream.write(_progress_line(event) + end)
+                self.stream.flush()
+                self.last_print = now
+        elif kind == "eval":
+            self._line(f"eval   step {event['step']}: loss={event['loss']:.5f} "
+                       f"acc={100 * event['accuracy']:.2f}% ppl={event['perplexity']:.2f}"
+                       + ("  (best)" if event.get("best") else ""))
+        elif kind in ("log", "start", "done"):
+            text = event.get("message") or " ".join(
+                f"{k}={v}" for k, v in event.items() if k not in ("type", "time"))
+            self._line(f"{kind:<6} {text}")
+
+    def _line(self, text: str) -> None:
+        prefix = "\n" if self.tty else ""
+        self.stream.write(prefix + text + "\n")
+        self.stream.flush()
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    return f"{seconds // 3600:02d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+def _progress_line(e: dict) -> str:
+    cells = 8
+    filled = e["step"] / max(e["total_steps"], 1) * cells
+    full = int(filled)
+    partial = " ▏▎▍▌▋▊▉"[int((filled - full) * 8)] if full < cells else ""
+    bar = ("█" * full + partial).ljust(cells)
+    return (f"train: [{bar}] epoch {e['epoch']}/{e['epochs']} step {e['step']:>5}/"
+            f"{e['total_steps']} loss={e['epoch_loss']:.5f}±{e['epoch_loss_se']:.5f} "
+            f"acc={100 * e['epoch_accuracy']:.2f}±{100 * e['epoch_accuracy_se']:.2f}% "
+            f"lr={e['lr']:.2e} {e['tokens_per_s']:.0f} tok/s t={_clock(e['elapsed_s'])} "
+            f"ETA={_clock(e['eta_s'])}")
+
+
+def _execute(run_dir, as_json: bool) -> int:
+    """Run a run directory's config in this process, recording events in the run directory."""
+    from app.engine.run import RunConfig, train
+
+    from app.engine.worker import install_stop_signals, restore_signals
+
+    printer = Progress(as_json)
+    stop = threading.Event()  # Ctrl-C (or SIGTERM): checkpoint after this step and pause
+
+    def report(event: dict) -> None:
+        stored = run_dir.append_metrics(event)
+        if event.get("type") == "step":
+            run_dir.write_status(state="running", step=event["step"],
+                                 total_steps=event["total_steps"], epoch=event["epoch"],
+                                 loss=event["loss"], eta_s=event["eta_s"], fsync=False)
+        printer(stored)
+
+    def should_stop():
+        return "pause" if stop.is_set() else None
+
+    config = RunConfig.from_dict(run_dir.config())
+    run_dir.write_status(state="running")
+    previous = install_stop_signals(stop)
+    try:
+        result = train(config, report, should_stop, run_dir.checkpoints_dir)
+    except KeyboardInterrupt:  # a second Ctrl-C: stop now, the last checkpoint stays usable
+        run_dir.write_status(state="paused")
+        return 130
+    except BaseException as e:
+        from app.engine.errors import EngineError
+
+        info = e.to_dict() if isinstance(e, EngineError) else {"kind": "bug", "message": str(e)}
+        run_dir.write_status(state="failed", error=info)
+        raise
+    finally:
+        restore_signals(previous)
+    run_dir.write_status(state=result)
+    if result == "paused":
+        print(f"paused: continue with  workbench resume {run_dir.path}", file=sys.stderr)
+        return 130
+    print(f"run finished: {run_dir.path}", file=sys.stderr)
+    return 0
+
+
+def cmd_train(args) -> int:
+    from app.engine.rundir import RunDir, default_runs_dir
+
+    if args.device == "cuda":
+        from app.engine.backend import gpu_available
+
+        if not gpu_available():
+            raise ConfigError("No CUDA GPU is available (CuPy is not installed or finds no GPU).",
+                              "Install the gpu extra on a machine with an NVIDIA GPU, or use --device cpu.")
+    config = run_config_from_args(args)
+    out = Path(args.out) if args.out else Path(default_runs_dir()) / time.strftime(
+        f"%Y%m%d-%H%M%S-{Path(config.data).stem}")
+    run_dir = RunDir.create(out, config.to_dict())
+    if args.queue is not None:
+        from app.engine.jobs import JobQueue
+
+        job_id = JobQueue(args.queue or None).add(run_dir.path)
+        print(f"queued job {job_id}: {run_dir.path}")
+        return 0
+    print(f"run directory: {run_dir.path}", file=sys.stderr)
+    return _execute(run_dir, args.json)
+
+
+def cmd_resume(args) -> int:
+    from app.engine.rundir import RunDir
+    from app.engine.run import RunConfig
+
+    run_dir = RunDir(args.run_dir)
+    config = RunConfig.from_dict(run_dir.config())
+    if args.extend_epochs:
+        if not config.epochs:
+            raise ConfigError("--extend-epochs needs a run that counts epochs.",
+                              "Runs with --epochs 0 are extended by editing max_steps.")
+        config = dataclasses.replace(config, epochs=config.epochs + args.extend_epochs)
+        run_dir.write_config(config.to_dict())
+    return _execute(run_dir, args.json)

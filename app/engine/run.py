@@ -1,0 +1,263 @@
+"""The training run: epochs of steps over a dataset, evaluation, checkpoints, exact resume.
+
+`train(config, report, should_stop, run_dir)` knows nothing of queues or GUIs: it reports
+events (dicts) through `report` and asks `should_stop()` between steps. `run_job` adapts it to
+the worker's runner contract (app.engine.worker). Everything a run needs is in `RunConfig`,
+saved as the run directory's config.json, so a run can always be repeated or resumed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import resource
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from app.engine.checkpoint import (latest_checkpoint, load_checkpoint, prune_checkpoints,
+                                   save_checkpoint)
+from app.engine.config import TrainConfig
+from app.engine.data import DataConfig, load_dataset
+from app.engine.errors import ConfigError, DatasetError, EngineError
+from app.engine.lora import adapter_norms, load_adapter, save_adapter
+from app.engine.model import load_model
+from app.engine.train import TrainSession
+
+Report = Callable[[dict], None]
+ShouldStop = Callable[[], "str | None"]
+
+
+class TrainingDiverged(EngineError):
+    kind = "diverged"
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One run, completely: `epochs` passes over the data, capped at `max_steps` optimizer
+    steps when that is set (epochs 0: exactly max_steps steps, cycling through the data).
+    train.max_steps is derived from these (it sets the schedule's length)."""
+
+    model: str
+    data: str
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data_config: DataConfig = field(default_factory=DataConfig)
+    epochs: int = 1
+    max_steps: int = 0           # 0: no cap
+    eval_every: int = 0          # steps between evaluations (0: at the end of each epoch)
+    save_every: int = 0          # steps between checkpoints (0: at the end of each epoch)
+    keep_last: int = 2           # checkpoints kept, plus the best
+    patience: int = 0            # stop after this many evaluations without improvement (0: off)
+    norms_every: int = 10        # steps between LoRA-norm and routing events
+    max_bad_steps: int = 5       # consecutive NaN/Inf steps before the run stops
+    adapter: str | None = None   # start from an existing GGUF LoRA adapter
+
+    def validate(self) -> None:
+        self.train.validate()
+        self.data_config.validate()
+        for name in ("epochs", "max_steps", "eval_every", "save_every", "patience",
+                     "norms_every"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must not be negative.")
+        if not self.epochs and not self.max_steps:
+            raise ConfigError("A run needs a number of epochs or of steps.",
+                              "Set epochs, or max_steps with epochs 0.")
+        if self.keep_last < 1 or self.max_bad_steps < 1:
+            raise ConfigError("keep_last and max_bad_steps must be at least 1.")
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["train"] = {k: list(v) if isinstance(v, tuple) else v for k, v in d["train"].items()}
+        d["data_config"] = self.data_config.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RunConfig":
+        d = dict(d)
+        known = {f.name for f in dataclasses.fields(cls)}
+        if set(d) - known:
+            raise ConfigError(f"Unknown run settings: {', '.join(sorted(set(d) - known))}.")
+        train = dict(d.pop("train", {}))
+        train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
+        if set(train) - train_fields:
+            raise ConfigError(f"Unknown training settings: "
+                              f"{', '.join(sorted(set(train) - train_fields))}.")
+        for key in ("lora_targets", "full_targets"):
+            if key in train:
+                train[key] = tuple(train[key])
+        return cls(train=TrainConfig(**train),
+                   data_config=DataConfig.from_dict(d.pop("data_config", {})), **d)
+
+
+class _RunningStats:
+    """Mean loss and token accuracy of the epoch so far with standard errors, as ggml-opt."""
+
+    def __init__(self):
+        self.losses: list[float] = []
+        self.correct = self.tokens = 0
+
+    def add(self, loss: float, accuracy: float, tokens: int) -> None:
+        self.losses.append(loss)
+        self.correct += accuracy * tokens
+        self.tokens += tokens
+
+    def summary(self) -> dict:
+        n = len(self.losses)
+        loss = float(np.mean(self.losses)) if n else math.nan
+        loss_se = float(np.std(self.losses, ddof=1) / math.sqrt(n)) if n > 1 else 0.0
+        acc = self.correct / self.tokens if self.tokens else 0.0
+        acc_se = math.sqrt(acc * (1 - acc) / (self.tokens - 1)) if self.tokens > 1 else 0.0
+        return {"epoch_loss": loss, "epoch_loss_se": loss_se, "epoch_accuracy": acc,
+                "epoch_accuracy_se": acc_se}
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def train(config: RunConfig, report: Report, should_stop: ShouldStop,
+          checkpoints: str | Path | None = None) -> str:
+    """Run (or resume, from the newest checkpoint in `checkpoints`) a training run.
+
+    Returns "done", "paused" or "cancelled". Events: "start", "step", "eval", "norms",
+    "routing", "checkpoint", "log", "done". Raises EngineError subclasses for bad input and
+    TrainingDiverged after `max_bad_steps` consecutive non-finite steps.
+    """
+    config.validate()
+    t_start = time.perf_counter()
+    model = load_model(config.model)
+    report({"type": "log", "message": f"tokenizing {Path(config.data).name}"})
+    dataset = load_dataset(config.data, model.tokenizer, config.data_config,
+                           should_stop=lambda: bool(should_stop()))
+    tc = config.train
+    steps_per_epoch = dataset.steps_per_epoch(tc.grad_accum)
+    if steps_per_epoch == 0:
+        raise DatasetError(f"{Path(config.data).name} gives no training windows.",
+                           "Check the linter's report: every row may have been rejected.")
+    total = config.epochs * steps_per_epoch if config.epochs else config.max_steps
+    if config.max_steps:
+        total = min(total, config.max_steps)
+    n_epochs = config.epochs or math.ceil(total / steps_per_epoch)
+    adapter = load_adapter(config.adapter) if config.adapter else None
+    session = TrainSession(model, dataclasses.replace(tc, max_steps=total), adapter)
+    state = {"epoch": 0, "step_in_epoch": 0, "best_loss": math.inf, "best_step": 0,
+             "evals_without_gain": 0, "bad_streak": 0, "skipped_steps": 0}
+    ckpt_dir = Path(checkpoints) if checkpoints else None
+    if ckpt_dir is not None and latest_checkpoint(ckpt_dir) is not None:
+        ckpt = load_checkpoint(latest_checkpoint(ckpt_dir))
+        session.load_state_dict(ckpt.state)
+        state.update(ckpt.meta.get("run", {}))
+        report({"type": "log", "message": f"resumed from step {session.step_count}"})
+    stats = dataset.stats
+    report({"type": "start", "total_steps": total, "epochs": n_epochs,
+            "steps_per_epoch": steps_per_epoch, "trainable": session.n_trainable,
+            "train_rows": stats.train_rows, "val_rows": stats.val_rows,
+            "skipped_rows": stats.rejected, "resumed_at": session.step_count})
+    has_val = bool(dataset.val_batches())
+
+    def save(tag: str = "") -> None:
+        if ckpt_dir is None:
+            return
+        save_checkpoint(ckpt_dir, session.step_count, session.state_dict(), {"run": dict(state)})
+        prune_checkpoints(ckpt_dir, config.keep_last, keep=(state["best_step"],))
+        report({"type": "checkpoint", "step": session.step_count, "tag": tag})
+
+    def evaluate() -> bool:
+        """Evaluate; True when early stopping says stop."""
+        if not has_val:
+            return False
+        loss, acc = session.evaluate(dataset.val_batches())
+        improved = loss < state["best_loss"]
+        if improved:
+            state.update(best_loss=loss, best_step=session.step_count, evals_without_gain=0)
+        else:
+            state["evals_without_gain"] += 1
+        report({"type": "eval", "step": session.step_count, "loss": loss, "accuracy": acc,
+                "perplexity": math.exp(min(loss, 700.0)), "best": improved})
+        if improved and ckpt_dir is not None:
+            save("best")
+        return bool(config.patience and state["evals_without_gain"] >= config.patience)
+
+    routing_window: dict[int, np.ndarray] = {}
+    stop_reason = None
+    session_start_step, t_loop = session.step_count, time.perf_counter()
+    while session.step_count < total and stop_reason is None:
+        epoch = state["epoch"]
+        running = _RunningStats()
+        for micro in dataset.train_batches(epoch, tc.grad_accum, state["step_in_epoch"]):
+            if session.step_count >= total:
+                break
+            metrics = session.step(micro)
+            state["step_in_epoch"] += 1
+            bad = metrics.skipped or not math.isfinite(metrics.loss)
+            state["bad_streak"] = state["bad_streak"] + 1 if bad else 0
+            state["skipped_steps"] += int(bad)
+            if state["bad_streak"] >= config.max_bad_steps:
+                raise TrainingDiverged(
+                    f"The loss or gradients were NaN/Inf for {state['bad_streak']} steps in a "
+                    f"row (step {session.step_count}).",
+                    "Lower the learning rate, set gclip (e.g. 1.0), or check the data.")
+            if not bad:
+                running.add(metrics.loss, metrics.accuracy, metrics.tokens)
+            for layer, counts in metrics.routing.items():
+                routing_window[layer] = routing_window.get(layer, 0) + counts
+            done_steps = session.step_count - session_start_step
+            elapsed = time.perf_counter() - t_loop
+            eta = elapsed / done_steps * (total - session.step_count) if done_steps else 0.0
+            report({"type": "step", "step": session.step_count, "total_steps": total,
+                    "epoch": epoch + 1, "epochs": n_epochs, "loss": metrics.loss,
+                    "accuracy": metrics.accuracy, "lr": metrics.lr,
+                    "grad_norm": metrics.grad_norm, "clipped_fraction": metrics.clipped_fraction,
+                    "tokens": metrics.tokens, "tokens_per_s": metrics.tokens_per_s,
+                    "skipped": bad, "elapsed_s": time.perf_counter() - t_start, "eta_s": eta,
+                    "rss_mb": _peak_rss_mb(), **running.summary()})
+            step = session.step_count
+            if config.norms_every and step % config.norms_every == 0:
+                _report_norms(report, session, routing_window, step)
+                routing_window = {}
+            stop_early = bool(config.eval_every and step % config.eval_every == 0) and evaluate()
+            if config.save_every and step % config.save_every == 0:
+                save()
+            if stop_early:
+                stop_reason = "early_stop"
+                break
+            requested = should_stop()
+            if requested:
+                stop_reason = "cancelled" if requested == "cancel" else "paused"
+                break
+        else:  # the epoch ran out
+            state.update(epoch=epoch + 1, step_in_epoch=0)
+            if not config.eval_every and evaluate():
+                stop_reason = "early_stop"
+            if not config.save_every:
+                save("epoch")
+    if stop_reason in ("paused", "cancelled"):
+        save(stop_reason)
+        return stop_reason
+    if config.eval_every and session.step_count % config.eval_every:
+        evaluate()
+    save("final")
+    if session.adapter is not None and ckpt_dir is not None:
+        save_adapter(session.adapter, ckpt_dir.parent / "adapter.gguf", model.config.arch)
+    report({"type": "done", "step": session.step_count, "reason": stop_reason or "finished",
+            "best_step": state["best_step"], "best_loss": state["best_loss"],
+            "skipped_steps": state["skipped_steps"], "elapsed_s": time.perf_counter() - t_start})
+    return "done"
+
+
+def _report_norms(report: Report, session: TrainSession, routing: dict, step: int) -> None:
+    if session.adapter is not None:
+        report({"type": "norms", "step": step, "tensors": adapter_norms(session.adapter)})
+    if routing:
+        report({"type": "routing", "step": step,
+                "layers": {str(layer): (counts / max(counts.sum(), 1)).tolist()
+                           for layer, counts in sorted(routing.items())}})
+
+
+def run_job(run_dir, control) -> str:
+    """The worker's runner: train the run directory's config, resuming from its checkpoints."""
+    config = RunConfig.from_dict(run_dir.config())
+    return train(config, control.report, control.should_stop, run_dir.checkpoints_dir)

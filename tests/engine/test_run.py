@@ -1,0 +1,113 @@
+"""The training run loop: events, checkpoints, exact pause/resume, extension, NaN, early stop."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from app.engine.config import TrainConfig
+from app.engine.data import DataConfig
+from app.engine.jobs import JobQueue
+from app.engine.lora import load_adapter
+from app.engine.run import RunConfig, TrainingDiverged, train
+from app.engine.rundir import RunDir
+from app.engine.train import TrainSession
+from app.engine.worker import run_worker
+from tests.conftest import GOLDEN
+
+
+@pytest.fixture
+def data_file(tmp_path):
+    rows = [{"text": f"Expert {i % 4} routes token {i}; the router learns."} for i in range(40)]
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def _config(data_file, **kw):
+    train_cfg = TrainConfig(mode="lora", lr=1e-2, lora_targets=("attention", "experts", "router"),
+                            lora_dropout=0.1, schedule=kw.pop("schedule", "cosine"))
+    return RunConfig(model=str(GOLDEN / "mixtral-q8_0.gguf"), data=str(data_file), train=train_cfg,
+                     data_config=DataConfig(context=48, val_fraction=0.2), epochs=2,
+                     norms_every=3, eval_every=4, **kw)
+
+
+def _steps(events):
+    return [e["loss"] for e in events if e["type"] == "step"]
+
+
+def test_run_reports_learns_and_saves(tmp_path, data_file):
+    events = []
+    assert train(_config(data_file), events.append, lambda: None, tmp_path / "ck") == "done"
+    kinds = [e["type"] for e in events]
+    assert kinds[1] == "start" and kinds[-1] == "done"
+    assert {"step", "eval", "norms", "routing", "checkpoint"} <= set(kinds)
+    losses = _steps(events)
+    assert len(losses) == events[1]["total_steps"] and np.mean(losses[-5:]) < np.mean(losses[:5])
+    routing = next(e for e in events if e["type"] == "routing")
+    assert all(abs(sum(v) - 1.0) < 1e-6 for v in routing["layers"].values())
+    norms = next(e for e in events if e["type"] == "norms")["tensors"]
+    assert len(norms["blk.0.ffn_up_exps.weight"]["delta"]) == 4          # per expert
+    assert load_adapter(tmp_path / "adapter.gguf").arch == "llama"
+
+
+@pytest.mark.parametrize("pause_after", [1, 5, 9])
+def test_pause_and_resume_is_bit_identical(tmp_path, data_file, pause_after):
+    straight = []
+    train(_config(data_file), straight.append, lambda: None, tmp_path / "a")
+    first, calls = [], {"n": 0}
+
+    def pause_once():
+        calls["n"] += 1
+        return "pause" if calls["n"] == pause_after else None
+    assert train(_config(data_file), first.append, pause_once, tmp_path / "b") == "paused"
+    resumed = []
+    assert train(_config(data_file), resumed.append, lambda: None, tmp_path / "b") == "done"
+    assert _steps(first) + _steps(resumed) == _steps(straight)
+
+
+def test_extend_a_finished_run_by_an_epoch(tmp_path, data_file):
+    two = []
+    train(_config(data_file, schedule="constant"), two.append, lambda: None, tmp_path / "a")
+    one = dataclasses.replace(_config(data_file, schedule="constant"), epochs=1)
+    first, more = [], []
+    train(one, first.append, lambda: None, tmp_path / "b")
+    train(dataclasses.replace(one, epochs=2), more.append, lambda: None, tmp_path / "b")
+    assert _steps(first) + _steps(more) == _steps(two)
+
+
+def test_non_finite_steps_stop_the_run(tmp_path, data_file, monkeypatch):
+    real_step = TrainSession.step
+
+    def nan_step(self, micro):
+        m = real_step(self, micro)
+        return dataclasses.replace(m, loss=float("nan"), skipped=True)
+    monkeypatch.setattr(TrainSession, "step", nan_step)
+    with pytest.raises(TrainingDiverged, match="NaN/Inf for 5 steps"):
+        train(_config(data_file), lambda e: None, lambda: None, tmp_path / "ck")
+
+
+def test_early_stopping_keeps_the_best_checkpoint(tmp_path, data_file, monkeypatch):
+    losses = iter([3.0, 2.0, 2.5, 2.6, 2.7])
+    monkeypatch.setattr(TrainSession, "evaluate", lambda self, b: (next(losses), 0.5))
+    events = []
+    config = dataclasses.replace(_config(data_file), eval_every=2, patience=2, keep_last=1)
+    train(config, events.append, lambda: None, tmp_path / "ck")
+    done = events[-1]
+    assert done["reason"] == "early_stop" and done["best_step"] == 4
+    assert (tmp_path / "ck" / "step-4").is_dir()                       # the best is kept
+
+
+def test_worker_runs_a_real_training_job(tmp_path, data_file):
+    config = dataclasses.replace(_config(data_file), epochs=1)
+    run_dir = RunDir.create(tmp_path / "run", config.to_dict())
+    queue = JobQueue(tmp_path / "q.sqlite3")
+    job = queue.add(run_dir.path)
+    assert run_worker(queue, once=True, poll_s=0.01) == 1
+    assert queue.get(job).state == "done"
+    assert (tmp_path / "run" / "adapter.gguf").exists()
+    assert RunConfig.from_dict(run_dir.config()) == config
+    assert any(e["type"] == "eval" for e in run_dir.metrics())
