@@ -22,7 +22,7 @@ from app.engine.checkpoint import (latest_checkpoint, load_checkpoint, prune_che
                                    save_checkpoint)
 from app.engine.config import TrainConfig
 from app.engine.data import DataConfig, load_dataset
-from app.engine.errors import ConfigError, DatasetError, EngineError
+from app.engine.errors import ConfigError, DatasetError, EngineError, OutOfMemoryError
 from app.engine.lora import adapter_norms, load_adapter, save_adapter
 from app.engine.model import load_model
 from app.engine.train import TrainSession
@@ -190,7 +190,15 @@ def train(config: RunConfig, report: Report, should_stop: ShouldStop,
         for micro in dataset.train_batches(epoch, tc.grad_accum, state["step_in_epoch"]):
             if session.step_count >= total:
                 break
-            metrics = session.step(micro)
+            try:
+                metrics = session.step(micro)
+            except MemoryError:
+                raise OutOfMemoryError(
+                    f"Out of memory at step {session.step_count + 1} (peak resident memory "
+                    f"{_peak_rss_mb():.0f} MB).",
+                    "Lower the context or the batch, set checkpoint-interval 1 (gradient "
+                    "checkpointing), use LoRA instead of full fine-tuning, or a smaller rank."
+                ) from None
             state["step_in_epoch"] += 1
             bad = metrics.skipped or not math.isfinite(metrics.loss)
             state["bad_streak"] = state["bad_streak"] + 1 if bad else 0

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from app.engine.config import TrainConfig
 from app.engine.data import DataConfig
+from app.engine.errors import OutOfMemoryError
 from app.engine.jobs import JobQueue
 from app.engine.lora import load_adapter
 from app.engine.run import RunConfig, TrainingDiverged, train
@@ -111,3 +117,41 @@ def test_worker_runs_a_real_training_job(tmp_path, data_file):
     assert (tmp_path / "run" / "adapter.gguf").exists()
     assert RunConfig.from_dict(run_dir.config()) == config
     assert any(e["type"] == "eval" for e in run_dir.metrics())
+
+
+def test_out_of_memory_is_a_clear_error(tmp_path, data_file, monkeypatch):
+    def no_memory(self, micro):
+        raise MemoryError
+    monkeypatch.setattr(TrainSession, "step", no_memory)
+    with pytest.raises(OutOfMemoryError, match="at step 1") as err:
+        train(_config(data_file), lambda e: None, lambda: None, tmp_path / "ck")
+    assert "checkpoint" in err.value.hint
+
+
+def test_kill_9_mid_run_then_resume_gives_the_uninterrupted_losses(tmp_path, data_file):
+    """A worker process killed with SIGKILL mid-training: the next worker recovers the job,
+    resumes from the newest complete checkpoint, and every step's loss equals a run that was
+    never interrupted."""
+    config = dataclasses.replace(_config(data_file), save_every=2)
+    straight = []
+    train(config, straight.append, lambda: None, tmp_path / "straight")
+    run_dir = RunDir.create(tmp_path / "run", config.to_dict())
+    queue_path = tmp_path / "q.sqlite3"
+    JobQueue(queue_path).add(run_dir.path)
+    worker = subprocess.Popen([sys.executable, "-m", "app", "queue", "worker", "--queue",
+                               str(queue_path)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, cwd=Path(__file__).parents[2])
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:                     # wait for a checkpoint and more steps
+        steps = [e for e in run_dir.metrics() if e["type"] == "step"]
+        if len(steps) >= 7:
+            break
+        time.sleep(0.02)
+    worker.send_signal(signal.SIGKILL)
+    worker.wait(timeout=30)
+    assert 7 <= len(steps) < len(_steps(straight)), "the worker finished before the kill"
+    assert run_worker(JobQueue(queue_path), once=True, poll_s=0.01, stale_after_s=0) == 1
+    job = JobQueue(queue_path).list()[0]
+    assert job.state == "done" and job.attempts == 1
+    by_step = {e["step"]: e["loss"] for e in run_dir.metrics() if e["type"] == "step"}
+    assert [by_step[i + 1] for i in range(len(by_step))] == _steps(straight)
