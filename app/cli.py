@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-negative", action="store_true", help="allow negative weights")
     p.add_argument("--completion-as-chat", action="store_true",
                    help="render prompt/completion rows with the chat template")
+    p.add_argument("--parse-special", action="store_true",
+                   help="in text/completion rows, turn special-token texts into their tokens")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
 
     add_train_parsers(sub)
@@ -212,7 +214,8 @@ def cmd_lint(args) -> int:
     config = DataConfig(format=args.format, overflow=args.overflow, weights_path=args.weights,
                         normalize=args.normalize, clip_range=tuple(args.clip) if args.clip else None,
                         allow_negative_weights=args.allow_negative,
-                        completion_as_chat=args.completion_as_chat)
+                        completion_as_chat=args.completion_as_chat,
+                        parse_special=args.parse_special)
     report = lint_file(args.data, args.model, config, context=args.ctx)
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="replace")   # dataset text on a console that lacks its characters
