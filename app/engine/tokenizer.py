@@ -37,6 +37,7 @@ import json
 import re
 import threading
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -518,6 +519,21 @@ class Tokenizer:
             v = self._vocab
             ids = ([v.bos_id] if v.add_bos else []) + ids + ([v.eos_id] if v.add_eos else [])
         return ids
+
+    def encode_batch_with_offsets(self, texts, parse_special: bool = False):
+        """[(ids (n,) int32, offsets (n, 2) int64 character [start, end))] per text, tokenized as
+        `encode(text, add_special=False, parse_special=...)`, in one parallel batch (the data
+        pipeline maps rendered character spans to tokens with these offsets)."""
+        with self._lock:
+            self._backend.encode_special_tokens = not parse_special
+            encodings = self._backend.encode_batch(list(texts), add_special_tokens=False)
+        out = []
+        for enc in encodings:
+            ids = np.array(enc.ids, dtype=np.int32)
+            flat = np.fromiter(chain.from_iterable(enc.offsets), np.int64, count=2 * len(ids))
+            offsets = flat.reshape(len(ids), 2)
+            out.append((ids, offsets))
+        return out
 
     # -- decoding --
     def decode(self, ids, skip_special: bool = False) -> str:
