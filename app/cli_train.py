@@ -8,7 +8,6 @@ Ctrl-C pauses: the run saves a checkpoint and `workbench resume RUN_DIR` continu
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
@@ -16,8 +15,6 @@ import threading
 import time
 from pathlib import Path
 
-from app.engine.config import TrainConfig
-from app.engine.data import DataConfig
 from app.engine.errors import ConfigError
 
 TARGET_ALIASES = {"attn": "attention"}
