@@ -60,6 +60,13 @@ def add_train_parsers(sub) -> None:
     g.add_argument("--normalize", choices=("none", "mean-std", "min-max", "clip"))
     g.add_argument("--allow-negative", action="store_true", help="allow negative weights")
     g.add_argument("--strict", action="store_true", help="refuse to start on any bad row")
+    g.add_argument("--overflow", choices=("truncate", "split", "drop"), help="rows longer than ctx")
+    g.add_argument("--packing", choices=("pack", "pad", "none"))
+    g.add_argument("--chat-loss", choices=("assistant", "last"), help="which assistant turns train")
+    g.add_argument("--completion-as-chat", action="store_true",
+                   help="render prompt/completion rows with the chat template")
+    g.add_argument("--parse-special", action="store_true",
+                   help="special-token texts in text/completion rows become their tokens")
     g = p.add_argument_group("run")
     g.add_argument("--eval-every", type=int)
     g.add_argument("--save-every", type=int)
@@ -107,12 +114,14 @@ def run_config_from_args(args):
     train.update({k: v for k, v in options.items() if v is not None})
     data_options = {"context": args.ctx, "format": args.format, "val_fraction": args.val_split,
                     "val_path": args.val_data, "weights_path": args.weights,
-                    "normalize": args.normalize, "seed": args.seed}
+                    "normalize": args.normalize, "seed": args.seed, "overflow": args.overflow,
+                    "packing": args.packing, "chat_loss": args.chat_loss}
     data.update({k: v for k, v in data_options.items() if v is not None})
     if args.allow_negative:
         data["allow_negative_weights"] = True
-    if args.strict:
-        data["strict"] = True
+    for flag in ("strict", "completion_as_chat", "parse_special"):
+        if getattr(args, flag):
+            data[flag] = True
     if "model" not in base or "data" not in base:
         raise ConfigError("A run needs a model and a dataset.", "Pass --model and --data.")
     config = RunConfig.from_dict(base)
