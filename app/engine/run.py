@@ -251,7 +251,8 @@ def train(config: RunConfig, report: Report, should_stop: ShouldStop,
     if session.adapter is not None and ckpt_dir is not None:
         save_adapter(session.adapter, ckpt_dir.parent / "adapter.gguf", model.config.arch)
     report({"type": "done", "step": session.step_count, "reason": stop_reason or "finished",
-            "best_step": state["best_step"], "best_loss": state["best_loss"],
+            "best_step": state["best_step"],
+            "best_loss": state["best_loss"] if math.isfinite(state["best_loss"]) else None,
             "skipped_steps": state["skipped_steps"], "elapsed_s": time.perf_counter() - t_start})
     return "done"
 
