@@ -252,6 +252,7 @@ class TrainConfig:
     or "hybrid" (adapters plus the unquantized tensors named by `full_targets`).
     full_targets: tensor kinds or groups for hybrid runs: "norms", "router", "embeddings",
     "output", or kinds such as "attn_q".
+    weight_decay: decoupled, on matrices only; 1-D tensors (norms, biases) are never decayed.
     """
 
     mode: str = "lora"

@@ -196,8 +196,9 @@ class _ElementwiseOptimizer:
     kind = ""
     _moments: tuple[str, ...] = ()  # names of the per-parameter state arrays
 
-    def __init__(self, params, lr, weight_decay, gclip, max_grad_norm):
+    def __init__(self, params, lr, weight_decay, gclip, max_grad_norm, no_decay=()):
         self.params = _check_params(params)
+        self.no_decay = frozenset(no_decay)  # names exempt from weight decay (norms, biases)
         self.lr = _check_lr(lr)
         self.weight_decay = _number("weight_decay", weight_decay,
                                     hint="use 0 (off) or a small value such as 0.01")
@@ -209,7 +210,7 @@ class _ElementwiseOptimizer:
         self._scratch = _Scratch()
 
     # -- subclass hooks
-    def _constants(self, lr: float) -> tuple:
+    def _constants(self, lr: float, weight_decay: float) -> tuple:
         raise NotImplementedError
 
     def _kernel(self, w, g, moments, tmp, c) -> None:
@@ -248,11 +249,12 @@ class _ElementwiseOptimizer:
             scale = self.max_grad_norm / norm
 
         self.step_count += 1
-        c = self._constants(lr)
+        c = self._constants(lr, self.weight_decay)
+        c_no_decay = self._constants(lr, 0.0)
         clipped = 0
         for name, w, g in pairs:
             moments = [self.state[k][name] for k in self._moments]
-            clipped += self._update(w, g, moments, scale, c)
+            clipped += self._update(w, g, moments, scale, c_no_decay if name in self.no_decay else c)
         return StepStats(grad_norm=norm, clipped_fraction=clipped / n_params if n_params else 0.0,
                          lr=lr, n_params=n_params)
 
@@ -332,22 +334,22 @@ class AdamW(_ElementwiseOptimizer):
     _moments = ("m", "v")
 
     def __init__(self, params, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
-                 gclip=0.0, max_grad_norm=0.0):
+                 gclip=0.0, max_grad_norm=0.0, no_decay=()):
         self.beta1 = _number("beta1", beta1, hi=1.0, hi_open=True, hint="the usual value is 0.9")
         self.beta2 = _number("beta2", beta2, hi=1.0, hi_open=True, hint="the usual value is 0.999")
         self.eps = _number("eps", eps, lo_open=True, hint="the usual value is 1e-8")
-        super().__init__(params, lr, weight_decay, gclip, max_grad_norm)
+        super().__init__(params, lr, weight_decay, gclip, max_grad_norm, no_decay)
 
     def hyperparameters(self) -> dict[str, float]:
         return {"lr": self.lr, "beta1": self.beta1, "beta2": self.beta2, "eps": self.eps,
                 "weight_decay": self.weight_decay, "gclip": self.gclip,
                 "max_grad_norm": self.max_grad_norm}
 
-    def _constants(self, lr: float) -> tuple:
+    def _constants(self, lr: float, weight_decay: float) -> tuple:
         t = self.step_count
         b1h = 1.0 / (1.0 - self.beta1 ** t)
         b2h = 1.0 / (1.0 - self.beta2 ** t)
-        keep = 1.0 - lr * self.weight_decay
+        keep = 1.0 - lr * weight_decay
         return (self.beta1, 1.0 - self.beta1, self.beta2, 1.0 - self.beta2, b2h, self.eps,
                 lr * b1h, keep)
 
@@ -378,15 +380,15 @@ class SGD(_ElementwiseOptimizer):
     kind = "sgd"
     _moments = ()
 
-    def __init__(self, params, lr, weight_decay=0.0, gclip=0.0, max_grad_norm=0.0):
-        super().__init__(params, lr, weight_decay, gclip, max_grad_norm)
+    def __init__(self, params, lr, weight_decay=0.0, gclip=0.0, max_grad_norm=0.0, no_decay=()):
+        super().__init__(params, lr, weight_decay, gclip, max_grad_norm, no_decay)
 
     def hyperparameters(self) -> dict[str, float]:
         return {"lr": self.lr, "weight_decay": self.weight_decay, "gclip": self.gclip,
                 "max_grad_norm": self.max_grad_norm}
 
-    def _constants(self, lr: float) -> tuple:
-        return (lr, 1.0 - lr * self.weight_decay)
+    def _constants(self, lr: float, weight_decay: float) -> tuple:
+        return (lr, 1.0 - lr * weight_decay)
 
     def _kernel(self, w, g, moments, tmp, c) -> None:
         lr, keep = c

@@ -117,11 +117,12 @@ class TrainSession:
 
     def _make_optimizer(self):
         c = self.config
+        no_decay = [n for n, a in self.trainable.items() if a.ndim < 2]  # norms and biases
         if c.optimizer == "adamw":
             return AdamW(self.trainable, c.lr, c.beta1, c.beta2, c.eps, c.weight_decay, c.gclip,
-                         c.max_grad_norm)
+                         c.max_grad_norm, no_decay)
         if c.optimizer == "sgd":
-            return SGD(self.trainable, c.lr, c.weight_decay, c.gclip, c.max_grad_norm)
+            return SGD(self.trainable, c.lr, c.weight_decay, c.gclip, c.max_grad_norm, no_decay)
         return LBFGS(self.trainable, lr=c.lr if c.lr > 0 else 1.0)
 
     def state_dict(self) -> dict:

@@ -572,3 +572,11 @@ def test_accumulator_feeds_optimizer_like_one_big_batch():
 def test_step_stats_is_a_dataclass():
     s = StepStats(grad_norm=1.0, clipped_fraction=0.0, lr=1e-3, n_params=3)
     assert s.skipped is False
+
+
+def test_no_decay_names_skip_weight_decay():
+    w = {"matrix": np.ones((2, 2), np.float32), "norm": np.ones(2, np.float32)}
+    opt = SGD(w, lr=0.1, weight_decay=0.5, no_decay=["norm"])
+    opt.step({"matrix": np.zeros((2, 2), np.float32), "norm": np.zeros(2, np.float32)})
+    np.testing.assert_allclose(w["matrix"], 0.95)
+    np.testing.assert_array_equal(w["norm"], 1.0)
