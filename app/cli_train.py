@@ -132,9 +132,9 @@ def run_config_from_args(args):
 class Progress:
     """Prints events: a progress line per step (like ggml-opt's), or JSON lines."""
 
-    def __init__(self, as_json: bool, stream=sys.stdout):
-        self.as_json, self.stream = as_json, stream
-        self.tty = stream.isatty()
+    def __init__(self, as_json: bool, stream=None):
+        self.as_json, self.stream = as_json, stream or sys.stdout
+        self.tty = self.stream.isatty()
         self.last_print = 0.0
 
     def __call__(self, event: dict) -> None:

@@ -1,0 +1,55 @@
+"""`workbench train` / `resume` on the bundled sample model and data."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from app.cli import run_cli
+from app.engine.jobs import JobQueue
+from app.engine.rundir import RunDir
+
+SAMPLE = Path(__file__).parent.parent / "sample_data"
+
+
+def _train(out, *extra):
+    return run_cli(["train", "-m", str(SAMPLE / "tiny-moe.gguf"), "-d", str(SAMPLE / "chat.jsonl"),
+                    "--rank", "8", "--alpha", "16", "--targets", "attn,experts,router",
+                    "--lr", "5e-3", "--val-split", "0.1", "-o", str(out), *extra])
+
+
+def test_train_on_sample_data_lowers_the_loss(tmp_path, capsys):
+    assert _train(tmp_path / "run", "--epochs", "1", "--eval-every", "10", "--json") == 0
+    lines = [json.loads(l) for l in capsys.readouterr().out.splitlines() if l.startswith("{")]
+    steps = [e for e in lines if e["type"] == "step"]
+    assert {"type", "step", "loss", "lr", "grad_norm", "tokens_per_s"} <= set(steps[0])
+    evals = [e["loss"] for e in lines if e["type"] == "eval"]
+    assert len(evals) >= 3 and evals[-1] < 0.8 * evals[0]
+    run = RunDir(tmp_path / "run")
+    assert run.status()["state"] == "done"
+    assert (tmp_path / "run" / "adapter.gguf").exists()
+    assert run_cli(["runs", "show", str(tmp_path / "run")]) == 0
+
+
+def test_resume_extends_a_finished_run(tmp_path, capsys):
+    assert _train(tmp_path / "run", "--epochs", "1", "--max-steps", "4") == 0
+    capsys.readouterr()
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    config["max_steps"] = 0                                   # let the extension run whole epochs
+    (tmp_path / "run" / "config.json").write_text(json.dumps(config))
+    assert run_cli(["resume", str(tmp_path / "run"), "--extend-epochs", "1", "--json"]) == 0
+    steps = [json.loads(l) for l in capsys.readouterr().out.splitlines() if l.startswith("{")]
+    steps = [e["step"] for e in steps if e["type"] == "step"]
+    assert steps[0] == 5 and steps[-1] == 2 * 29                # chat.jsonl: 29 steps per epoch
+
+
+def test_train_into_the_queue(tmp_path, capsys):
+    queue = tmp_path / "q.sqlite3"
+    assert _train(tmp_path / "run", "--epochs", "1", "--queue", str(queue)) == 0
+    [job] = JobQueue(queue).list()
+    assert job.state == "queued" and Path(job.run_dir) == tmp_path / "run"
+
+
+def test_train_without_data_is_a_clear_error(tmp_path, capsys):
+    assert run_cli(["train", "-m", str(SAMPLE / "tiny-moe.gguf"), "-o", str(tmp_path / "r")]) == 2
+    assert "needs a model and a dataset" in capsys.readouterr().err
