@@ -232,11 +232,9 @@ def cmd_train(args) -> int:
     from app.engine.rundir import RunDir, default_runs_dir
 
     if args.device == "cuda":
-        from app.engine.backend import gpu_available
-
-        if not gpu_available():
-            raise ConfigError("No CUDA GPU is available (CuPy is not installed or finds no GPU).",
-                              "Install the gpu extra on a machine with an NVIDIA GPU, or use --device cpu.")
+        raise ConfigError("Training on a CUDA GPU is not available yet: the kernels run on CuPy "
+                          "arrays, but the model and the trainer still keep their state in host "
+                          "memory.", "Use --device cpu (the default).")
     config = run_config_from_args(args)
     out = Path(args.out) if args.out else Path(default_runs_dir()) / time.strftime(
         f"%Y%m%d-%H%M%S-{Path(config.data).stem}")

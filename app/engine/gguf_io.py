@@ -397,3 +397,41 @@ def write_gguf(path: str | os.PathLike, metadata: dict[str, Any], tensors: dict[
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+# ---- quantizing (for writing) ------------------------------------------------------------------
+
+def quantize(array, ggml_type: int) -> np.ndarray:
+    """Float values in NumPy shape -> raw uint8 rows (*shape[:-1], row_bytes) of `ggml_type`,
+    ready for `write_gguf` as `(raw, ggml_type)`.
+
+    F32 and F16 are plain casts; BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (and the other types the
+    `gguf` package implements) are bit-exact with ggml's reference quantizers. Types `gguf`
+    cannot produce (K-quants, IQ*) and rows whose length is not a multiple of the type's block
+    size raise UnsupportedModelError.
+    """
+    import gguf
+
+    arr = np.ascontiguousarray(array, dtype=np.float32)
+    if ggml_type not in BLOCK_SIZES:
+        raise UnsupportedModelError(f"Unknown ggml type {ggml_type}.")
+    block_elems, block_bytes = BLOCK_SIZES[ggml_type]
+    if arr.ndim == 0 or arr.shape[-1] % block_elems:
+        raise UnsupportedModelError(
+            f"Rows of {arr.shape[-1] if arr.ndim else 0} values cannot be stored as "
+            f"{type_name(ggml_type)} (blocks of {block_elems}).",
+            "Pick a type whose block size divides the row length, e.g. F16.")
+    if ggml_type == 0:
+        out = arr
+    elif ggml_type == 1:
+        out = arr.astype(np.float16)
+    else:
+        try:
+            out = gguf.quants.quantize(arr, gguf.GGMLQuantizationType(ggml_type))
+        except (NotImplementedError, gguf.quants.QuantError, ValueError):
+            raise UnsupportedModelError(
+                f"The gguf package cannot quantize to {type_name(ggml_type)}.",
+                "Use Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, F16 or BF16 (llama-quantize makes K-quants)."
+            ) from None
+    row_bytes = arr.shape[-1] // block_elems * block_bytes
+    return np.ascontiguousarray(out).view(np.uint8).reshape(*arr.shape[:-1], row_bytes)
