@@ -111,6 +111,7 @@ TARGET_GROUPS: dict[str, tuple[str, ...]] = {
     "shared": ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"),
     "router": ("ffn_gate_inp",),
     "output": ("output",),
+    "embeddings": ("token_embd",),
 }
 DEFAULT_TARGETS = ("attention", "ffn", "experts", "shared")
 
@@ -165,7 +166,8 @@ def lora_targets(shapes: dict[str, tuple[int, ...]], config: LoraConfig) -> list
 
 def init_adapter(shapes: dict[str, tuple[int, ...]], arch: str, config: LoraConfig) -> LoraAdapter:
     """A fresh adapter: A ~ U(-1/sqrt(in), 1/sqrt(in)) (PEFT's kaiming-uniform bound), B = 0,
-    so training starts exactly at the base model. Float32, seeded."""
+    so training starts exactly at the base model (the token embedding, as PEFT: A = 0 and B
+    random). Float32, seeded."""
     config.validate()
     targets = lora_targets(shapes, config)
     if not targets:
@@ -174,10 +176,15 @@ def init_adapter(shapes: dict[str, tuple[int, ...]], arch: str, config: LoraConf
     rng = np.random.default_rng(config.seed)
     adapter = LoraAdapter(alpha=config.stored_alpha, arch=arch)
     for name in targets:
-        *experts, out_dim, in_dim = shapes[name]
-        bound = 1.0 / np.sqrt(in_dim)
-        a = rng.uniform(-bound, bound, (*experts, config.rank, in_dim)).astype(np.float32)
-        b = np.zeros((*experts, out_dim, config.rank), np.float32)
+        if name == "token_embd.weight":    # PEFT's embedding init: A = 0, B ~ N(0, 1)
+            n_vocab, n_embd = shapes[name]
+            a = np.zeros((n_vocab, config.rank), np.float32)
+            b = rng.standard_normal((n_embd, config.rank)).astype(np.float32)
+        else:
+            *experts, out_dim, in_dim = shapes[name]
+            bound = 1.0 / np.sqrt(in_dim)
+            a = rng.uniform(-bound, bound, (*experts, config.rank, in_dim)).astype(np.float32)
+            b = np.zeros((*experts, out_dim, config.rank), np.float32)
         adapter.tensors[name] = (a, b)
     return adapter
 

@@ -208,11 +208,17 @@ class Model:
         cfg = self.config
         h, _ = rmsnorm_forward(x, params.weight("output_norm.weight"), cfg.rms_eps)
         head = self.head_name
-        logits, _ = linear_forward(h, params.weight(head), lora=params.lora(head))   # (T, V)
+        logits, _ = linear_forward(h, params.weight(head), lora=self._head_lora(params))  # (T, V)
         if cfg.final_logit_softcap:
             cap = np.float32(cfg.final_logit_softcap)
             logits = cap * np.tanh(logits / cap)
         return logits.astype(np.float32, copy=False)
+
+    def _head_lora(self, params: Params):
+        """The output head's LoRA. A tied head is the token embedding, whose adapter has the
+        embedding layout (A per token row) and adapts the lookup only: it is not applied to the
+        head (llama.cpp would try to, by tensor name, and fail on the shapes)."""
+        return None if self.config.tied_output else params.lora(self.head_name)
 
     @property
     def head_name(self) -> str:
@@ -228,7 +234,7 @@ class Model:
         h, _ = rmsnorm_forward(x, params.weight("output_norm.weight"), self.config.rms_eps)
         head = self.head_name
         loss, stats, _ = cross_entropy_forward(h, params.row_view(head), np.asarray(labels),
-                                               token_weights, params.lora(head),
+                                               token_weights, self._head_lora(params),
                                                self.config.final_logit_softcap, vocab_chunk)
         return loss, {**stats, "routing": ctx.routing}
 
@@ -260,7 +266,7 @@ class Model:
         h, norm_cache = rmsnorm_forward(x, params.weight("output_norm.weight"), cfg.rms_eps)
         head = self.head_name
         loss, stats, loss_cache = cross_entropy_forward(
-            h, params.row_view(head), np.asarray(labels), token_weights, params.lora(head),
+            h, params.row_view(head), np.asarray(labels), token_weights, self._head_lora(params),
             cfg.final_logit_softcap, vocab_chunk)
         dh, dw, dlora = cross_entropy_backward(loss_cache, need_dw=params.trains(head))
         del loss_cache

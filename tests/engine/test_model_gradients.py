@@ -12,6 +12,7 @@ import pytest
 
 from app.engine import load_adapter, load_model
 from app.engine.kernels.gradcheck import directional_check
+from app.engine.lora import LoraConfig, init_adapter
 from tests.conftest import GOLDEN, GOLDEN_MODELS
 
 REL_TOL = 1e-5
@@ -137,3 +138,17 @@ def test_train_loss_equals_inference_cross_entropy():
     assert loss == pytest.approx(expect, rel=1e-5)
     assert stats["n_tokens"] == mask.sum()
     assert stats["n_correct"] == (logits[mask].argmax(1) == labels[mask]).sum()
+
+
+@pytest.mark.parametrize("name", ["qwen2", "llama"])                  # tied / untied output head
+def test_embedding_and_output_head_lora_gradients(name):
+    model = load_model(GOLDEN / f"{name}-f32.gguf")
+    targets = ("embeddings", "output") if not model.config.tied_output else ("embeddings",)
+    adapter = init_adapter(model.tensor_shapes, model.config.arch,
+                           LoraConfig(rank=3, targets=targets))
+    rng = np.random.default_rng(5)
+    for base, (a, b) in list(adapter.tensors.items()):
+        adapter.tensors[base] = (rng.standard_normal(a.shape), rng.standard_normal(b.shape) * 0.1)
+    make, names, arrays = _lora_params(model, adapter)
+    err, worst = _check(model, make, names, arrays, *_batch(name))
+    assert err < REL_TOL, worst

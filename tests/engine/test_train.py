@@ -183,3 +183,17 @@ def test_saved_adapter_reads_back_with_the_same_logits(tmp_path):
     assert again.arch == "olmoe" and again.alpha == session.adapter.alpha
     tokens = _text_batch().tokens[:20]
     np.testing.assert_array_equal(model.logits(tokens, again), model.logits(tokens, session.adapter))
+
+
+def test_token_embedding_adapter_on_a_tied_model_adapts_the_lookup_only():
+    model = load_model(GOLDEN / "qwen2-f32.gguf")                      # tied output head
+    session = TrainSession(model, TrainConfig(mode="lora", lora_targets=("attention", "embeddings"),
+                                              lr=1e-2))
+    assert "token_embd.weight.lora_a" in session.trainable
+    batch = _text_batch()
+    base = model.logits(batch.tokens[:10])
+    np.testing.assert_array_equal(model.logits(batch.tokens[:10], session.adapter), base)  # A = 0
+    for _ in range(2):
+        session.step([batch])                                        # trains without a crash
+    assert np.abs(session.adapter.tensors["token_embd.weight"][0]).max() > 0
+    assert np.abs(model.logits(batch.tokens[:10], session.adapter) - base).max() > 1e-4
