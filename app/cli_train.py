@@ -254,6 +254,12 @@ def cmd_resume(args) -> int:
     from app.engine.run import RunConfig
 
     run_dir = RunDir(args.run_dir)
+    if run_dir.config().get("kind") == "grpo":
+        from app.cli_grpo import execute_grpo
+
+        if args.extend_epochs:
+            raise ConfigError("--extend-epochs does not apply to GRPO runs (they count steps).")
+        return execute_grpo(run_dir, args.json)
     config = RunConfig.from_dict(run_dir.config())
     if args.extend_epochs:
         if not config.epochs:

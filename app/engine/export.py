@@ -132,7 +132,13 @@ def source_from_run(run_dir: str | os.PathLike, step: int | None = None,
     from app.engine.rundir import RunDir
 
     run = RunDir(run_dir)
-    config = RunConfig.from_dict(run.config())
+    raw = run.config()
+    if raw.get("kind") == "grpo":  # same model/train/adapter fields as an SFT run
+        from app.engine.grpo import GrpoConfig
+
+        config = GrpoConfig.from_dict(raw)
+    else:
+        config = RunConfig.from_dict(raw)
     model_path = str(model_path or config.model)
     if step is not None:
         ckpt = run.checkpoints_dir / f"step-{step}"

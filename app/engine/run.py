@@ -267,6 +267,17 @@ def _report_norms(report: Report, session: TrainSession, routing: dict, step: in
 
 
 def run_job(run_dir, control) -> str:
-    """The worker's runner: train the run directory's config, resuming from its checkpoints."""
-    config = RunConfig.from_dict(run_dir.config())
+    """The worker's runner: train the run directory's config, resuming from its checkpoints.
+    config.json's "kind" picks the run type: "grpo" (app.engine.grpo), else "sft" (absent)."""
+    raw = dict(run_dir.config())
+    kind = raw.get("kind", "sft")
+    if kind == "grpo":
+        from app.engine.grpo import run_grpo_job
+
+        return run_grpo_job(run_dir, control)
+    if kind != "sft":
+        raise ConfigError(f"Unknown run kind {kind!r} in {run_dir.config_path}.",
+                          'Use "sft" (or no kind) or "grpo".')
+    raw.pop("kind", None)
+    config = RunConfig.from_dict(raw)
     return train(config, control.report, control.should_stop, run_dir.checkpoints_dir)

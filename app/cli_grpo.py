@@ -1,0 +1,249 @@
+"""`workbench grpo`: a GRPO-style run (sample, score with rewards, reward-weighted SFT step).
+
+Builds a GrpoConfig from options (or a saved config.json / config.toml), creates the run
+directory (config.json with "kind": "grpo") and runs `app.engine.grpo.train_grpo` in the
+foreground with a progress line (or JSON lines with --json), or adds it to the job queue.
+Ctrl-C pauses with a checkpoint; `workbench grpo --resume RUN_DIR` continues exactly.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from pathlib import Path
+
+from app.cli_train import TARGET_ALIASES, Progress, _clock, _read_config_file
+from app.engine.errors import ConfigError
+
+REWARD_HELP = ("reward function, repeatable, weight after the last colon (default 1): "
+               "exact[:tag=T][:W], numeric[:tol=X][:tag=T][:W], regex:PATTERN[:W], "
+               "format[:TAG][:W], length[:TARGET][:W], FILE.py[:W] (a Python file defining "
+               "reward(prompt, completion, **row) -> float, run in a separate process)")
+
+
+def add_grpo_parser(sub) -> None:
+    p = sub.add_parser("grpo", help="GRPO-style training from prompts and reward functions")
+    p.add_argument("--model", "-m", help="GGUF model file")
+    p.add_argument("--prompts", "-d", help='JSONL of prompts: {"messages": [...]} or '
+                                           '{"prompt": "..."}, optional "answer"')
+    p.add_argument("--reward", "-r", action="append", metavar="SPEC", help=REWARD_HELP)
+    p.add_argument("--config", help="a GRPO run's config.json or a config.toml (options override it)")
+    p.add_argument("--out", "-o", help="run directory (default: a new folder under the runs dir)")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue a paused or interrupted GRPO run")
+    p.add_argument("--queue", nargs="?", const="", default=None, metavar="QUEUE",
+                   help="add the run to the job queue instead of running it here")
+    p.add_argument("--json", action="store_true", help="print events as JSON lines")
+    g = p.add_argument_group("sampling and rewards")
+    g.add_argument("--group-size", "-G", type=int, help="completions per prompt (default 8)")
+    g.add_argument("--prompts-per-step", "-P", type=int, help="prompts per step (default 4)")
+    g.add_argument("--temperature", "-t", type=float, help="sampling temperature (default 1.0)")
+    g.add_argument("--top-p", type=float, help="nucleus sampling (default 1.0)")
+    g.add_argument("--max-new-tokens", "-n", type=int,
+                   help="tokens per completion, end-of-turn included (default 64)")
+    g.add_argument("--advantage", choices=("group-std", "no-std", "batch-std"),
+                   help="advantage normalisation (default group-std)")
+    g.add_argument("--kl", type=float, help="KL penalty coefficient against the base model (default 0)")
+    g.add_argument("--answer-field", help='row field with the reference answer (default "answer")')
+    g.add_argument("--reward-timeout", type=float, help="seconds per custom reward call (default 10)")
+    g.add_argument("--val-split", type=float,
+                   help="fraction of prompts held out for greedy evaluation (default 0)")
+    g.add_argument("--eval-every", type=int, help="steps between evaluations (0: start and end)")
+    g.add_argument("--eval-samples", type=int,
+                   help="also sample this many completions per held-out prompt at each evaluation")
+    g.add_argument("--samples-every", type=int, help="steps between sampled-completion events")
+    g.add_argument("--parse-special", action="store_true",
+                   help="plain prompts: special-token texts become their tokens")
+    g = p.add_argument_group("training")
+    g.add_argument("--rank", type=int)
+    g.add_argument("--alpha", type=float)
+    g.add_argument("--targets", help="comma list: attn, ffn, experts, shared, router, output")
+    g.add_argument("--dropout", type=float, help="LoRA dropout (default 0)")
+    g.add_argument("--adapter", help="continue training this GGUF LoRA adapter")
+    g.add_argument("--optimizer", choices=("adamw", "sgd"))
+    g.add_argument("--lr", type=float)
+    g.add_argument("--schedule", choices=("constant", "linear", "cosine"))
+    g.add_argument("--warmup", type=int, help="warmup steps")
+    g.add_argument("--max-steps", type=int, help="optimizer steps (default 100)")
+    g.add_argument("--gclip", type=float, help="element-wise gradient clip (0: off)")
+    g.add_argument("--max-grad-norm", type=float, help="global gradient-norm clip (0: off)")
+    g.add_argument("--weight-decay", type=float)
+    g.add_argument("--checkpoint-interval", type=int, help="gradient checkpointing every N layers")
+    g.add_argument("--save-every", type=int, help="steps between checkpoints (default 25)")
+    g.add_argument("--seed", type=int)
+
+
+def grpo_config_from_args(args):
+    """A GrpoConfig from --config (if any) with the command-line options on top."""
+    from app.engine.grpo import GrpoConfig
+    from app.engine.reward_functions import parse_reward
+
+    base = _read_config_file(args.config) if args.config else {}
+    base.pop("kind", None)
+    train = base.setdefault("train", {})
+    for key, value in (("model", args.model), ("prompts", args.prompts),
+                       ("adapter", args.adapter)):
+        if value is not None:
+            base[key] = str(Path(value).resolve())
+    options = {"group_size": args.group_size, "prompts_per_step": args.prompts_per_step,
+               "temperature": args.temperature, "top_p": args.top_p,
+               "max_new_tokens": args.max_new_tokens, "advantage": args.advantage, "kl": args.kl,
+               "answer_field": args.answer_field, "reward_timeout": args.reward_timeout,
+               "val_split": args.val_split, "eval_every": args.eval_every,
+               "eval_samples": args.eval_samples,
+               "samples_every": args.samples_every, "max_steps": args.max_steps,
+               "save_every": args.save_every}
+    base.update({k: v for k, v in options.items() if v is not None})
+    if args.parse_special:
+        base["parse_special"] = True
+    if args.reward:
+        specs = []
+        for text in args.reward:
+            spec = parse_reward(text)
+            if spec.kind == "file":
+                spec = type(spec)(**{**spec.to_dict(), "arg": str(Path(spec.arg).resolve())})
+            specs.append(spec.to_dict())
+        base["rewards"] = specs
+    targets = lambda s: [TARGET_ALIASES.get(t.strip(), t.strip()) for t in s.split(",") if t]
+    train_options = {"lora_rank": args.rank, "lora_alpha": args.alpha,
+                     "lora_dropout": args.dropout, "optimizer": args.optimizer, "lr": args.lr,
+                     "schedule": args.schedule, "warmup_steps": args.warmup, "gclip": args.gclip,
+                     "max_grad_norm": args.max_grad_norm, "weight_decay": args.weight_decay,
+                     "checkpoint_interval": args.checkpoint_interval, "seed": args.seed,
+                     "lora_targets": targets(args.targets) if args.targets else None}
+    train.update({k: v for k, v in train_options.items() if v is not None})
+    if "model" not in base or "prompts" not in base:
+        raise ConfigError("A GRPO run needs a model and a prompt file.",
+                          "Pass --model and --prompts.")
+    if "rewards" not in base:
+        raise ConfigError("A GRPO run needs at least one reward function.",
+                          "Pass --reward exact (or regex:PATTERN, numeric, a .py file, ...).")
+    config = GrpoConfig.from_dict(base)
+    config.validate()
+    return config
+
+
+class GrpoProgress(Progress):
+    """Progress for GRPO events: a progress line per step with the reward, eval and sample lines."""
+
+    def __call__(self, event: dict) -> None:
+        kind = event.get("type")
+        if kind == "start" and not self.as_json:
+            rewards = ", ".join(f"{r['name']} x{r['weight']:g}" for r in event["rewards"])
+            return self._line(
+                f"start  grpo: {event['total_steps']} steps of {event['prompts_per_step']} prompts "
+                f"x {event['group_size']} completions; {event['train_prompts']} training prompts, "
+                f"{event['val_prompts']} held out, {event['skipped_rows']} skipped; rewards "
+                f"{rewards}; advantage {event['advantage']}, kl {event['kl']:g}; "
+                f"{event['trainable']:,} trainable parameters"
+                + (f"; resumed at step {event['resumed_at']}" if event["resumed_at"] else ""))
+        if self.as_json or kind not in ("step", "eval", "samples"):
+            return super().__call__(event)
+        if kind == "step":
+            now = time.monotonic()
+            final = event["step"] == event["total_steps"]
+            if self.tty or final or now - self.last_print > 5.0:
+                end = "\r" if self.tty and not final else "\n"
+                self.stream.write(grpo_progress_line(event) + end)
+                self.stream.flush()
+                self.last_print = now
+        elif kind == "eval":
+            parts = " ".join(f"{n}={v['mean']:.3f}" for n, v in event["rewards"].items())
+            text = (f"eval   step {event['step']}: reward={event['reward_mean']:.3f} ({parts}) "
+                    f"greedy on {event['prompts']} held-out prompts")
+            if event.get("sampled"):
+                s = event["sampled"]
+                text += (f"; sampled reward={s['reward_mean']:.3f} ({s['samples']} per prompt, "
+                         f"T={s['temperature']:g})")
+            self._line(text)
+        else:
+            items = event["items"]
+            lines = [f"samples step {event['step']}:"]
+            for it in items[:6]:
+                lines.append(f"  {it['prompt'][:40]!r} -> {it['completion'][:40]!r} "
+                             f"reward={it['reward']:.2f}")
+            self._line("\n".join(lines))
+
+
+def grpo_progress_line(e: dict) -> str:
+    cells = 8
+    filled = e["step"] / max(e["total_steps"], 1) * cells
+    full = int(filled)
+    partial = " ▏▎▍▌▋▊▉"[int((filled - full) * 8)] if full < cells else ""
+    bar = ("█" * full + partial).ljust(cells)
+    per = " ".join(f"{n}={v['mean']:.2f}" for n, v in e["rewards"].items()) \
+        if len(e["rewards"]) > 1 else ""
+    kl = f" kl={e['kl']:.4f}" if e.get("kl") is not None else ""
+    return (f"grpo: [{bar}] step {e['step']:>5}/{e['total_steps']} "
+            f"reward={e['reward_mean']:.3f}±{e['reward_std']:.3f} {per}{' ' if per else ''}"
+            f"len={e['completion_len_mean']:.1f} clip={100 * e['completion_clipped_fraction']:.0f}% "
+            f"flat={100 * e['zero_spread_fraction']:.0f}% loss={e['loss']:+.4f}{kl} "
+            f"lr={e['lr']:.2e} {e['step_s']:.2f}s/step t={_clock(e['elapsed_s'])} "
+            f"ETA={_clock(e['eta_s'])}")
+
+
+def execute_grpo(run_dir, as_json: bool) -> int:
+    """Run a GRPO run directory in this process, recording events in the run directory."""
+    from app.engine.grpo import GrpoConfig, train_grpo
+    from app.engine.worker import install_stop_signals, restore_signals
+
+    printer = GrpoProgress(as_json)
+    stop = threading.Event()  # Ctrl-C (or SIGTERM): checkpoint after this step and pause
+
+    def report(event: dict) -> None:
+        stored = run_dir.append_metrics(event)
+        if event.get("type") == "step":
+            run_dir.write_status(state="running", step=event["step"],
+                                 total_steps=event["total_steps"], epoch=event["epoch"],
+                                 loss=event["loss"], reward_mean=event["reward_mean"],
+                                 eta_s=event["eta_s"], fsync=False)
+        printer(stored)
+
+    def should_stop():
+        return "pause" if stop.is_set() else None
+
+    config = GrpoConfig.from_dict(run_dir.config())
+    run_dir.write_status(state="running")
+    previous = install_stop_signals(stop)
+    try:
+        result = train_grpo(config, report, should_stop, run_dir.checkpoints_dir)
+    except KeyboardInterrupt:  # a second Ctrl-C: stop now, the last checkpoint stays usable
+        run_dir.write_status(state="paused")
+        return 130
+    except BaseException as e:
+        from app.engine.errors import EngineError
+
+        info = e.to_dict() if isinstance(e, EngineError) else {"kind": "bug", "message": str(e)}
+        run_dir.write_status(state="failed", error=info)
+        raise
+    finally:
+        restore_signals(previous)
+    run_dir.write_status(state=result)
+    if result == "paused":
+        print(f"paused: continue with  workbench grpo --resume {run_dir.path}", file=sys.stderr)
+        return 130
+    print(f"run finished: {run_dir.path}", file=sys.stderr)
+    return 0
+
+
+def cmd_grpo(args) -> int:
+    from app.engine.rundir import RunDir, default_runs_dir
+
+    if args.resume:
+        run_dir = RunDir(args.resume)
+        if run_dir.config().get("kind") != "grpo":
+            raise ConfigError(f"{run_dir.path} is not a GRPO run.",
+                              "Resume training runs with: workbench resume RUN_DIR")
+        return execute_grpo(run_dir, args.json)
+    config = grpo_config_from_args(args)
+    out = Path(args.out) if args.out else Path(default_runs_dir()) / time.strftime(
+        f"%Y%m%d-%H%M%S-grpo-{Path(config.prompts).stem}")
+    run_dir = RunDir.create(out, config.to_dict())
+    if args.queue is not None:
+        from app.engine.jobs import JobQueue
+
+        job_id = JobQueue(args.queue or None).add(run_dir.path)
+        print(f"queued job {job_id}: {run_dir.path}")
+        return 0
+    print(f"run directory: {run_dir.path}", file=sys.stderr)
+    return execute_grpo(run_dir, args.json)
