@@ -10,6 +10,7 @@ import traceback
 import numpy as np
 
 from app.cli_train import add_train_parsers, cmd_resume, cmd_train
+from app.cli_grpo import add_grpo_parser, cmd_grpo
 from app.engine.errors import ConfigError, EngineError
 
 
@@ -71,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
 
     add_train_parsers(sub)
+    add_grpo_parser(sub)
 
     p = sub.add_parser("new-model", help="write a freshly initialised small model (train from scratch)")
     p.add_argument("--tokenizer", required=True, help="GGUF file whose tokenizer is copied")
@@ -121,6 +123,26 @@ def build_parser() -> argparse.ArgumentParser:
     r = rsub.add_parser("show", help="a run's config, status, final and best metrics")
     r.add_argument("run_dir")
     r.add_argument("--json", action="store_true", help="print JSON")
+
+    p = sub.add_parser("export", help="export a run (or an adapter) as a GGUF LoRA adapter, a "
+                                      "merged GGUF, a PEFT adapter or an Ollama Modelfile; verified")
+    p.add_argument("run_dir", nargs="?", help="run directory (its newest checkpoint)")
+    p.add_argument("--to", required=True, choices=("gguf-lora", "merged", "peft", "ollama"))
+    p.add_argument("--out", "-o", help="output file (gguf-lora, merged) or folder (peft, ollama); "
+                                       "default: RUN_DIR/exports/")
+    p.add_argument("--type", default="f32", choices=("f32", "f16", "bf16", "q8_0"),
+                   help="adapter tensor type (PEFT: f32 or f16; default f32)")
+    p.add_argument("--fallback-type", default="q8_0", choices=("q8_0", "f16", "bf16"),
+                   help="merged: type for tensors whose own type gguf cannot write (e.g. Q4_K)")
+    p.add_argument("--scale", "-s", type=float, default=1.0,
+                   help="adapter user scale, folded into the export (default 1.0)")
+    p.add_argument("--adapter", "-a", help="export this adapter (GGUF LoRA file or PEFT folder) "
+                                           "instead of a run; needs --model")
+    p.add_argument("--model", "-m", help="base GGUF model (default: the run's)")
+    p.add_argument("--step", type=int, help="export this checkpoint step instead of the newest")
+    p.add_argument("--no-llamacpp", action="store_true",
+                   help="skip the llama.cpp comparison even if llama-cpp-python is installed")
+    p.add_argument("--json", action="store_true", help="print the verification report as JSON")
     return parser
 
 
@@ -354,10 +376,34 @@ def cmd_runs(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from app.engine.export import export, source_from_adapter, source_from_run
+
+    if args.run_dir and args.adapter:
+        raise ConfigError("Give a run directory or --adapter, not both.")
+    if args.run_dir:
+        source = source_from_run(args.run_dir, step=args.step, model_path=args.model)
+    elif args.adapter:
+        if not args.model:
+            raise ConfigError("--adapter needs the base model (--model).")
+        source = source_from_adapter(args.adapter, args.model)
+    else:
+        raise ConfigError("Nothing to export.", "Give a run directory, or --adapter and --model.")
+    report = export(source, args.to, args.out, adapter_type=args.type,
+                    fallback_type=args.fallback_type, scale=args.scale,
+                    llamacpp=False if args.no_llamacpp else None)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.to_text())
+    if not report.ok:
+        print(f"error: the export at {report.path} failed verification; do not use it.",
+              file=sys.stderr)
+        return 3
+    return 0
+
+
 COMMANDS = {"lint": cmd_lint, "info": cmd_info, "generate": cmd_generate, "logits": cmd_logits,
             "tokenize": cmd_tokenize, "new-model": cmd_new_model,
             "queue": cmd_queue, "runs": cmd_runs, "train": cmd_train,
-            "resume": cmd_resume}
+            "resume": cmd_resume, "export": cmd_export, "grpo": cmd_grpo}
 
 
 def run_cli(argv: list[str]) -> int:
