@@ -9,7 +9,6 @@ Ctrl-C pauses with a checkpoint; `workbench grpo --resume RUN_DIR` continues exa
 from __future__ import annotations
 
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -184,46 +183,14 @@ def grpo_progress_line(e: dict) -> str:
 
 def execute_grpo(run_dir, as_json: bool) -> int:
     """Run a GRPO run directory in this process, recording events in the run directory."""
+    from app.cli_train import run_in_foreground
     from app.engine.grpo import GrpoConfig, train_grpo
-    from app.engine.worker import install_stop_signals, restore_signals
-
-    printer = GrpoProgress(as_json)
-    stop = threading.Event()  # Ctrl-C (or SIGTERM): checkpoint after this step and pause
-
-    def report(event: dict) -> None:
-        stored = run_dir.append_metrics(event)
-        if event.get("type") == "step":
-            run_dir.write_status(state="running", step=event["step"],
-                                 total_steps=event["total_steps"], epoch=event["epoch"],
-                                 loss=event["loss"], reward_mean=event["reward_mean"],
-                                 eta_s=event["eta_s"], fsync=False)
-        printer(stored)
-
-    def should_stop():
-        return "pause" if stop.is_set() else None
 
     config = GrpoConfig.from_dict(run_dir.config())
-    run_dir.write_status(state="running")
-    previous = install_stop_signals(stop)
-    try:
-        result = train_grpo(config, report, should_stop, run_dir.checkpoints_dir)
-    except KeyboardInterrupt:  # a second Ctrl-C: stop now, the last checkpoint stays usable
-        run_dir.write_status(state="paused")
-        return 130
-    except BaseException as e:
-        from app.engine.errors import EngineError
-
-        info = e.to_dict() if isinstance(e, EngineError) else {"kind": "bug", "message": str(e)}
-        run_dir.write_status(state="failed", error=info)
-        raise
-    finally:
-        restore_signals(previous)
-    run_dir.write_status(state=result)
-    if result == "paused":
-        print(f"paused: continue with  workbench grpo --resume {run_dir.path}", file=sys.stderr)
-        return 130
-    print(f"run finished: {run_dir.path}", file=sys.stderr)
-    return 0
+    runner = lambda report, should_stop, checkpoints: train_grpo(config, report, should_stop,
+                                                                  checkpoints)
+    return run_in_foreground(run_dir, runner, GrpoProgress(as_json),
+                             status_keys=("loss", "reward_mean"))
 
 
 def cmd_grpo(args) -> int:

@@ -184,37 +184,32 @@ def _progress_line(e: dict) -> str:
             f"ETA={_clock(e['eta_s'])}")
 
 
-def _execute(run_dir, as_json: bool) -> int:
-    """Run a run directory's config in this process, recording events in the run directory."""
-    from app.engine.run import RunConfig, train
-
+def run_in_foreground(run_dir, runner, printer, status_keys=("loss",)) -> int:
+    """Run `runner(report, should_stop, checkpoints)` (a train or train_grpo closure) here,
+    recording every event in the run directory; Ctrl-C (or SIGTERM) pauses after the step."""
+    from app.engine.errors import EngineError
     from app.engine.worker import install_stop_signals, restore_signals
 
-    printer = Progress(as_json)
-    stop = threading.Event()  # Ctrl-C (or SIGTERM): checkpoint after this step and pause
+    stop = threading.Event()
 
     def report(event: dict) -> None:
         stored = run_dir.append_metrics(event)
         if event.get("type") == "step":
             run_dir.write_status(state="running", step=event["step"],
                                  total_steps=event["total_steps"], epoch=event["epoch"],
-                                 loss=event["loss"], eta_s=event["eta_s"], fsync=False)
+                                 eta_s=event["eta_s"], fsync=False,
+                                 **{k: event[k] for k in status_keys})
         printer(stored)
 
-    def should_stop():
-        return "pause" if stop.is_set() else None
-
-    config = RunConfig.from_dict(run_dir.config())
     run_dir.write_status(state="running")
     previous = install_stop_signals(stop)
     try:
-        result = train(config, report, should_stop, run_dir.checkpoints_dir)
+        result = runner(report, lambda: "pause" if stop.is_set() else None,
+                        run_dir.checkpoints_dir)
     except KeyboardInterrupt:  # a second Ctrl-C: stop now, the last checkpoint stays usable
         run_dir.write_status(state="paused")
         return 130
     except BaseException as e:
-        from app.engine.errors import EngineError
-
         info = e.to_dict() if isinstance(e, EngineError) else {"kind": "bug", "message": str(e)}
         run_dir.write_status(state="failed", error=info)
         raise
@@ -226,6 +221,16 @@ def _execute(run_dir, as_json: bool) -> int:
         return 130
     print(f"run finished: {run_dir.path}", file=sys.stderr)
     return 0
+
+
+def _execute(run_dir, as_json: bool) -> int:
+    """Run a training run directory's config in this process."""
+    from app.engine.run import RunConfig, train
+
+    config = RunConfig.from_dict(run_dir.config())
+    runner = lambda report, should_stop, checkpoints: train(config, report, should_stop,
+                                                             checkpoints)
+    return run_in_foreground(run_dir, runner, Progress(as_json))
 
 
 def cmd_train(args) -> int:
