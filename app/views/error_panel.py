@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import traceback
 
-from PySide6.QtCore import Qt
+from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QFontDatabase
 from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QPlainTextEdit, QSizePolicy, QStyle,
                                QToolButton, QVBoxLayout, QWidget)
@@ -28,10 +28,15 @@ def describe_error(error: BaseException) -> tuple[str, str, str]:
 
 
 class ErrorPanel(QWidget):
-    """An inline error card; `show_error` fills it. Sits where the content it replaces was."""
+    """An inline error card; `show_error` fills it. Sits where the content it replaces was, or,
+    `closable`, as a banner above a screen (`present` fills and shows it, the x hides it)."""
 
-    def __init__(self, parent: QWidget | None = None):
+    dismissed = Signal()
+
+    def __init__(self, parent: QWidget | None = None, *, margins: int = 28,
+                 closable: bool = False):
         super().__init__(parent)
+        self.error: BaseException | None = None
         card = QFrame(objectName="errorCard")
         icon = QLabel()
         icon.setPixmap(self.style().standardIcon(QStyle.SP_MessageBoxCritical).pixmap(32, 32))
@@ -62,13 +67,20 @@ class ErrorPanel(QWidget):
         row.setSpacing(16)
         row.addWidget(icon, 0, Qt.AlignTop)
         row.addWidget(text_box, 1)
+        if closable:
+            close = QToolButton(text="\u2715", objectName="errorClose", autoRaise=True)
+            close.setToolTip("Dismiss")
+            close.clicked.connect(self.dismiss)
+            row.addWidget(close, 0, Qt.AlignTop)
         outer = QVBoxLayout(self)
-        outer.setContentsMargins(28, 28, 28, 28)
+        outer.setContentsMargins(margins, margins, margins, margins)
         outer.addWidget(card)
-        outer.addStretch(1)
+        if not closable:
+            outer.addStretch(1)
 
     def show_error(self, title: str, error: BaseException, context: str = "") -> None:
         """Show `error` under `title`; `context` (e.g. the full path) leads the details."""
+        self.error = error
         message, hint, details = describe_error(error)
         self.title_label.setText(title)
         self.message_label.setText(message)
@@ -79,6 +91,15 @@ class ErrorPanel(QWidget):
         lines = min(text.count("\n") + 1, 16)      # fit short details, scroll long tracebacks
         self.details_view.setFixedHeight(lines * self.details_view.fontMetrics().lineSpacing() + 16)
         self.details_button.setChecked(False)
+
+    def present(self, title: str, error: BaseException, context: str = "") -> None:
+        """`show_error` and make the panel visible."""
+        self.show_error(title, error, context)
+        self.show()
+
+    def dismiss(self) -> None:
+        self.hide()
+        self.dismissed.emit()
 
     def _toggle_details(self, expanded: bool) -> None:
         self.details_button.setArrowType(Qt.DownArrow if expanded else Qt.RightArrow)

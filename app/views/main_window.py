@@ -1,135 +1,315 @@
-"""The main window: a model picker on the left, the model card (or the error panel) on the right."""
+"""The shell: a navigation list on the left, the screens in a stack, the worker in the status bar.
+
+Screens (all built as `Screen(ctx, parent)` around one `AppContext`): New run, Runs, Monitor,
+Experts, Playground, Export. They talk through the context (run_selected, model_selected,
+runs_changed, navigate, error_reported); errors reach the user through one banner (the
+ErrorPanel) above the screens.
+
+Closing the window never stops training: the engine worker is its own process and the queue
+and run directories are the state. Opening the window again reattaches: the running job (or
+the last selected run) is selected, so Monitor and Experts follow it.
+"""
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Callable
 
-from PySide6.QtCore import QSettings, Qt
-from PySide6.QtGui import QAction, QKeySequence
-from PySide6.QtWidgets import (QFileDialog, QFrame, QHBoxLayout, QLabel, QLineEdit, QListWidget,
-                               QListWidgetItem, QMainWindow, QPushButton, QStackedWidget,
+from PySide6.QtCore import QSettings, Qt, QTimer, QUrl
+from PySide6.QtGui import QAction, QDesktopServices, QKeySequence
+from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QListWidget, QListWidgetItem,
+                               QMainWindow, QMessageBox, QPushButton, QStackedWidget,
                                QVBoxLayout, QWidget)
 
 from app.engine.model_info import ModelCard, describe_model
+from app.views.context import SCREENS, AppContext
 from app.views.error_panel import ErrorPanel
-from app.views.model_card import ModelCardView
 
 APP_NAME = "GGUF Workbench"
 RECENT_KEY = "recent/models"
 MAX_RECENT = 10
+LAST_RUN_KEY = "window/last_run"
+SCREEN_TITLES = {"new_run": "New run", "runs": "Runs", "monitor": "Monitor",
+                 "experts": "Experts", "playground": "Playground", "export": "Export"}
+# key -> (module, class): the other screens are imported lazily, with a placeholder if missing
+SCREEN_CLASSES = {"runs": ("app.views.runs_view", "RunsView"),
+                  "monitor": ("app.views.monitor", "MonitorView"),
+                  "experts": ("app.views.experts", "ExpertsView"),
+                  "playground": ("app.views.playground", "PlaygroundView"),
+                  "export": ("app.views.export_view", "ExportView")}
+STATUS_INTERVAL_MS = 1000
+MESSAGE_MS = 10_000
+
+
+def default_context(settings: QSettings | None = None) -> AppContext:
+    """A context on the default queue ($WORKBENCH_QUEUE or the user data directory)."""
+    from app.engine.jobs import JobQueue
+
+    return AppContext(JobQueue(os.environ.get("WORKBENCH_QUEUE") or None), settings)
+
+
+class Placeholder(QWidget):
+    """Stands in for a screen whose module is missing or failed to build."""
+
+    def __init__(self, title: str, reason: str, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.reason = reason
+        head = QLabel(title, objectName="pageTitle", alignment=Qt.AlignCenter)
+        text = QLabel(reason, objectName="pageSubtitle", alignment=Qt.AlignCenter, wordWrap=True)
+        layout = QVBoxLayout(self)
+        layout.addStretch(1)
+        layout.addWidget(head)
+        layout.addWidget(text)
+        layout.addStretch(2)
 
 
 class MainWindow(QMainWindow):
-    """`settings` holds the recent-files list (default: the application's QSettings);
-    `read_model` reads a card from a path (default: the engine's describe_model)."""
+    """The workbench window. `ctx` defaults to the default queue and the app's QSettings;
+    `read_model` and `lint` are passed to the New run screen (tests replace them)."""
 
-    def __init__(self, settings: QSettings | None = None,
-                 read_model: Callable[[str], ModelCard] = describe_model):
-        super().__init__()
-        self.settings = settings if settings is not None else QSettings()
+    def __init__(self, ctx: AppContext | None = None, parent: QWidget | None = None, *,
+                 read_model: Callable[[str], ModelCard] = describe_model,
+                 lint: Callable | None = None, discover: Callable | None = None):
+        super().__init__(parent)
+        self.ctx = ctx if ctx is not None else default_context()
         self.setWindowTitle(APP_NAME)
-        self.card_view = ModelCardView(read_model)
-        self.card_view.card_loaded.connect(self._on_card_loaded)
-        self.card_view.load_failed.connect(self._on_load_failed)
-        self.error_panel = ErrorPanel()
-        self._content = QStackedWidget(objectName="content")
-        self._content.addWidget(self.card_view)
-        self._content.addWidget(self.error_panel)
+        self.screens: dict[str, QWidget] = {}
+        self.error_banner = ErrorPanel(margins=10, closable=True)
+        self.error_banner.hide()
+        self.stack = QStackedWidget(objectName="content")
+        self.nav = QListWidget(objectName="navList")
 
+        from app.views.new_run import NewRunView
+
+        kwargs = {"read_model": read_model}
+        if lint is not None:
+            kwargs["lint"] = lint
+        if discover is not None:
+            kwargs["discover"] = discover
+        self.new_run = NewRunView(self.ctx, **kwargs)
+        self._add_screen("new_run", self.new_run)
+        for key in SCREENS[1:]:
+            self._add_screen(key, self._build_screen(key))
+        self.nav.currentRowChanged.connect(self.stack.setCurrentIndex)
+
+        body = QWidget()
+        bl = QVBoxLayout(body)
+        bl.setContentsMargins(0, 0, 0, 0)
+        bl.setSpacing(0)
+        bl.addWidget(self.error_banner)
+        bl.addWidget(self.stack, 1)
         central = QWidget()
         layout = QHBoxLayout(central)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.setSpacing(0)
-        layout.addWidget(self._build_sidebar())
-        layout.addWidget(self._content, 1)
+        layout.addWidget(self._nav_panel())
+        layout.addWidget(body, 1)
         self.setCentralWidget(central)
+
+        self.worker_label = QLabel(objectName="workerState")
+        self.start_worker_button = QPushButton("Start worker", flat=True)
+        self.start_worker_button.clicked.connect(self._start_worker)
+        self.start_worker_button.hide()
+        self.run_label = QLabel(objectName="currentRun")
+        self.message_label = QLabel(objectName="statusMessage")
+        self._message_timer = QTimer(self, singleShot=True, interval=MESSAGE_MS)
+        self._message_timer.timeout.connect(self.message_label.clear)
+        self.statusBar().addWidget(self.worker_label)
+        self.statusBar().addWidget(self.start_worker_button)
+        self.statusBar().addWidget(self.message_label, 1)
+        self.statusBar().addPermanentWidget(self.run_label)
         self._build_menu()
-        self._refresh_recent()
 
+        self.ctx.navigate.connect(self.show_screen)
+        self.ctx.error_reported.connect(self.show_error)
+        self.ctx.status_message.connect(self.show_message)
+        self.ctx.run_selected.connect(self._on_run_selected)
+        self.ctx.model_selected.connect(self._on_model_selected)
+        self._status_timer = QTimer(self, interval=STATUS_INTERVAL_MS)
+        self._status_timer.timeout.connect(self.refresh_status)
+        self._status_timer.start()
+        self.show_screen("new_run")
+        self.reattach()
+        self.refresh_status()
+
+    # ---------------------------------------------------------------- screens
+    def _build_screen(self, key: str) -> QWidget:
+        module_name, class_name = SCREEN_CLASSES[key]
+        title = SCREEN_TITLES[key]
+        try:
+            cls = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError) as e:
+            return Placeholder(title, f"This screen is not available yet ({e}).")
+        try:
+            return cls(self.ctx)
+        except Exception as e:                  # noqa: BLE001 -- keep the window usable
+            self.show_error(f"The {title} screen failed to open", e)
+            return Placeholder(title, f"This screen failed to open: {type(e).__name__}: {e}")
+
+    def _add_screen(self, key: str, widget: QWidget) -> None:
+        self.screens[key] = widget
+        self.stack.addWidget(widget)
+        item = QListWidgetItem(SCREEN_TITLES[key])
+        item.setData(Qt.UserRole, key)
+        self.nav.addItem(item)
+
+    def _nav_panel(self) -> QWidget:
+        panel = QFrame(objectName="navPanel")
+        panel.setFixedWidth(170)
+        layout = QVBoxLayout(panel)
+        layout.setContentsMargins(10, 16, 10, 10)
+        layout.setSpacing(10)
+        layout.addWidget(QLabel("GGUF\nWorkbench", objectName="appTitle"))
+        layout.addWidget(self.nav, 1)
+        self.nav.setFixedWidth(150)
+        return panel
+
+    def screen(self, key: str) -> QWidget:
+        return self.screens[key]
+
+    def show_screen(self, key: str) -> None:
+        if key in self.screens:
+            self.nav.setCurrentRow(list(self.screens).index(key))
+
+    def current_screen_key(self) -> str:
+        return list(self.screens)[self.stack.currentIndex()]
+
+    def placeholders(self) -> list[str]:
+        """Keys of the screens shown as placeholders."""
+        return [k for k, w in self.screens.items() if isinstance(w, Placeholder)]
+
+    # ---------------------------------------------------------------- compatibility helpers
     def open_model(self, path: str) -> None:
-        """Show the card of the GGUF file at `path` (read in the background)."""
-        path = os.path.abspath(os.path.expanduser(path))
-        self.path_field.setText(path)
-        self.recent_list.clearSelection()
-        self._content.setCurrentWidget(self.card_view)
-        self.setWindowTitle(f"{os.path.basename(path)} \u2014 {APP_NAME}")
-        self.card_view.load(path)
+        """Open a model in New run (the command line's `workbench MODEL` lands here)."""
+        self.show_screen("new_run")
+        self.new_run.open_model(path)
 
-    def choose_model(self) -> None:
-        start = os.path.dirname(self.path_field.text()) or os.path.expanduser("~")
-        path, _ = QFileDialog.getOpenFileName(self, "Open model", start,
-                                              "GGUF models (*.gguf);;All files (*)")
-        if path:
-            self.open_model(path)
+    @property
+    def card_view(self):
+        return self.new_run.card_view
 
     def recent_models(self) -> list[str]:
-        """Paths of recently opened models, most recent first."""
-        return list(self.settings.value(RECENT_KEY, [], type=list))
+        return self.new_run.picker.recent_models()
+
+    # ---------------------------------------------------------------- errors and status
+    def show_error(self, title: str, error: BaseException, context: str = "") -> None:
+        self.error_banner.present(title, error, context)
+
+    def show_message(self, text: str) -> None:
+        """A short message in the status bar, beside the worker's state (cleared after 10 s)."""
+        self.message_label.setText(text)
+        self._message_timer.start()
 
     def error_shown(self) -> bool:
-        return self._content.currentWidget() is self.error_panel
+        return self.error_banner.isVisibleTo(self)
 
-    def _on_card_loaded(self, card: ModelCard) -> None:
-        recent = [card.path] + [p for p in self.recent_models() if p != card.path]
-        self.settings.setValue(RECENT_KEY, recent[:MAX_RECENT])
-        self._refresh_recent()
+    def worker_state(self) -> dict:
+        """{"running": bool, "pid": int | None, "jobs": {state: count}} from the queue."""
+        running = self.ctx.worker_running()
+        counts: dict[str, int] = {}
+        for job in self.ctx.queue.list(("running", "queued", "paused")):
+            counts[job.state] = counts.get(job.state, 0) + 1
+        return {"running": running, "pid": self.ctx.worker_pid() if running else None,
+                "jobs": counts}
 
-    def _on_load_failed(self, path: str, error: BaseException) -> None:
-        self.error_panel.show_error(f"Could not open {os.path.basename(path)}", error,
-                                    context=f"File: {path}")
-        self._content.setCurrentWidget(self.error_panel)
+    def refresh_status(self) -> None:
+        try:
+            state = self.worker_state()
+        except Exception as e:                  # noqa: BLE001 -- the queue is unreadable
+            self.worker_label.setText(f"Queue unavailable: {getattr(e, 'message', e)}")
+            return
+        jobs = state["jobs"]
+        queued = jobs.get("queued", 0)
+        detail = ", ".join(f"{n} {s}" for s, n in jobs.items()) or "no jobs waiting"
+        if state["running"]:
+            pid = f" (pid {state['pid']})" if state["pid"] else ""
+            self.worker_label.setText(f"\u25cf Worker running{pid} \u00b7 {detail}")
+            self.worker_label.setProperty("state", "running")
+        else:
+            self.worker_label.setText(f"\u25cb Worker stopped \u00b7 {detail}")
+            self.worker_label.setProperty("state", "stopped")
+        self.worker_label.style().polish(self.worker_label)
+        self.start_worker_button.setVisible(not state["running"] and queued > 0)
 
-    def _open_field_path(self) -> None:
-        if self.path_field.text().strip():
-            self.open_model(self.path_field.text().strip())
+    def _start_worker(self) -> None:
+        try:
+            self.ctx.ensure_worker()
+        except Exception as e:                  # noqa: BLE001
+            self.show_error("Could not start the worker", e)
+        self.refresh_status()
 
-    def _open_recent(self, item: QListWidgetItem) -> None:
-        self.open_model(item.data(Qt.UserRole))
+    def _on_run_selected(self, path: str) -> None:
+        self.ctx.settings.setValue(LAST_RUN_KEY, path)
+        self.run_label.setText(f"Run: {os.path.basename(path.rstrip(os.sep))}")
+        self.run_label.setToolTip(path)
 
-    def _refresh_recent(self) -> None:
-        self.recent_list.clear()
-        for path in self.recent_models():
-            item = QListWidgetItem(os.path.basename(path))
-            item.setData(Qt.UserRole, path)
-            item.setToolTip(path)
-            self.recent_list.addItem(item)
-            item.setSelected(self.card_view.card is not None and path == self.card_view.card.path)
-        self.recent_list.setVisible(self.recent_list.count() > 0)
-        self._recent_empty.setVisible(self.recent_list.count() == 0)
+    def _on_model_selected(self, path: str) -> None:
+        self.setWindowTitle(f"{os.path.basename(path)} \u2014 {APP_NAME}")
 
-    def _build_sidebar(self) -> QWidget:
-        self.path_field = QLineEdit(placeholderText="Path to a .gguf file", clearButtonEnabled=True)
-        self.path_field.returnPressed.connect(self._open_field_path)
-        open_button = QPushButton("Open model\u2026", objectName="primaryButton")
-        open_button.clicked.connect(self.choose_model)
-        self.recent_list = QListWidget(objectName="recentList")
-        self.recent_list.itemClicked.connect(self._open_recent)
-        self.recent_list.itemActivated.connect(self._open_recent)
-        self._recent_empty = QLabel("Models you open appear here.", objectName="sidebarHint",
-                                    wordWrap=True)
+    def reattach(self) -> None:
+        """Follow the running job, else the last run selected in a previous session."""
+        try:
+            running = self.ctx.queue.list("running")
+        except Exception:                       # noqa: BLE001 -- shown by refresh_status
+            running = []
+        last = self.ctx.settings.value(LAST_RUN_KEY, "", type=str)
+        if running:
+            self.ctx.select_run(running[0].run_dir)
+            self.show_screen("monitor")
+        elif last and os.path.isfile(os.path.join(last, "config.json")):
+            self.ctx.select_run(last)
 
-        sidebar = QFrame(objectName="sidebar")
-        sidebar.setFixedWidth(300)
-        layout = QVBoxLayout(sidebar)
-        layout.setContentsMargins(18, 20, 18, 18)
-        layout.setSpacing(8)
-        layout.addWidget(QLabel("MODEL", objectName="sectionHeader"))
-        layout.addWidget(self.path_field)
-        layout.addWidget(open_button)
-        layout.addSpacing(18)
-        layout.addWidget(QLabel("RECENT", objectName="sectionHeader"))
-        layout.addWidget(self._recent_empty)
-        layout.addWidget(self.recent_list, 1)
-        layout.addStretch(0)            # takes the space while the list is hidden
-        return sidebar
-
+    # ---------------------------------------------------------------- menu and closing
     def _build_menu(self) -> None:
-        menu = self.menuBar().addMenu("&File")
-        open_action = QAction("&Open model\u2026", self, shortcut=QKeySequence.Open)
-        open_action.triggered.connect(self.choose_model)
+        file_menu = self.menuBar().addMenu("&File")
+        for text, shortcut, slot in (
+                ("&Open model\u2026", QKeySequence.Open, self.new_run.picker.choose),
+                ("Open &dataset\u2026", None, self.new_run.dataset.choose),
+                ("&Load settings\u2026", None, self.new_run._load_dialog),
+                ("&Save settings\u2026", None, self.new_run._save_dialog),
+                ("Open runs &folder", None, self._open_runs_folder)):
+            action = QAction(text, self)
+            if shortcut is not None:
+                action.setShortcut(shortcut)
+            action.triggered.connect(slot)
+            file_menu.addAction(action)
+        file_menu.addSeparator()
         quit_action = QAction("&Quit", self, shortcut=QKeySequence.Quit)
         quit_action.triggered.connect(self.close)
-        menu.addAction(open_action)
-        menu.addSeparator()
-        menu.addAction(quit_action)
+        file_menu.addAction(quit_action)
+        view = self.menuBar().addMenu("&View")
+        for i, key in enumerate(self.screens):
+            action = QAction(SCREEN_TITLES[key], self, shortcut=QKeySequence(f"Ctrl+{i + 1}"))
+            action.triggered.connect(lambda _=False, k=key: self.show_screen(k))
+            view.addAction(action)
+        help_menu = self.menuBar().addMenu("&Help")
+        guide = QAction("User &guide", self)
+        guide.triggered.connect(self._open_guide)
+        about = QAction("&About", self)
+        about.triggered.connect(lambda: QMessageBox.about(
+            self, APP_NAME, f"{APP_NAME}\nFine-tune GGUF models (MoE first) on your workstation."
+                            "\nTraining runs in its own process: closing this window does not "
+                            "stop it."))
+        help_menu.addAction(guide)
+        help_menu.addAction(about)
+
+    def _open_runs_folder(self) -> None:
+        root = self.ctx.runs_root()
+        root.mkdir(parents=True, exist_ok=True)
+        QDesktopServices.openUrl(QUrl.fromLocalFile(str(root)))
+
+    def _open_guide(self) -> None:
+        from app.views.context import REPO_ROOT
+
+        QDesktopServices.openUrl(QUrl.fromLocalFile(str(REPO_ROOT / "docs" / "USER_GUIDE.md")))
+
+    def closeEvent(self, event) -> None:         # noqa: N802 -- Qt override
+        """Close the window only: the worker keeps training (reopening reattaches)."""
+        self._status_timer.stop()
+        self.ctx.settings.setValue("window/geometry", self.saveGeometry())
+        for widget in self.screens.values():
+            shutdown = getattr(widget, "shutdown", None)
+            if callable(shutdown):
+                shutdown()
+        super().closeEvent(event)

@@ -16,11 +16,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from PySide6.QtCore import QObject, QRunnable, Qt, QThreadPool, Signal
-from PySide6.QtWidgets import (QFrame, QGridLayout, QHBoxLayout, QLabel, QProgressBar,
+from PySide6.QtCore import QObject, QRunnable, QSettings, Qt, QThreadPool, Signal
+from PySide6.QtWidgets import (QFileDialog, QFrame, QGridLayout, QHBoxLayout, QLabel, QLineEdit,
+                               QListWidget, QListWidgetItem, QProgressBar, QPushButton,
                                QScrollArea, QStackedWidget, QVBoxLayout, QWidget)
 
-from app.engine.model_info import ModelCard, describe_model
+from app.engine.model_info import ModelCard, describe_model, human_bytes
 
 LABEL_WIDTH = 190                       # long labels wrap rather than push the values right
 
@@ -300,3 +301,112 @@ def discover_models(home: str | os.PathLike | None = None,
         except OSError:
             continue
     return found
+
+
+# ---------------------------------------------------------------- the picker
+RECENT_KEY = "recent/models"
+MAX_RECENT = 10
+
+
+class ModelPicker(QFrame):
+    """A path field, "Open model...", the models found on this computer and the recent ones.
+    `model_chosen(path)` when the user picks one; `remember(path)` after it opened."""
+
+    model_chosen = Signal(str)
+
+    def __init__(self, settings: QSettings, parent: QWidget | None = None, *,
+                 discover: Callable[[], list[FoundModel]] = discover_models):
+        super().__init__(parent, objectName="sidebar")
+        from app.views.context import Background
+
+        self.settings = settings
+        self.found: list[FoundModel] = []
+        self._bg = Background(self, max_threads=1)
+        self.path_field = QLineEdit(placeholderText="Path to a .gguf file", clearButtonEnabled=True)
+        self.path_field.returnPressed.connect(self._field_entered)
+        open_button = QPushButton("Open model\u2026", objectName="primaryButton")
+        open_button.clicked.connect(self.choose)
+        self.found_list = QListWidget(objectName="recentList")
+        self.recent_list = QListWidget(objectName="recentList")
+        for lst in (self.found_list, self.recent_list):
+            lst.setSizeAdjustPolicy(QListWidget.AdjustToContents)   # no empty list area
+            lst.itemClicked.connect(self._picked)
+            lst.itemActivated.connect(self._picked)
+        self.found_hint = QLabel("Looking in llama.cpp, LM Studio and Ollama folders\u2026",
+                                 objectName="sidebarHint", wordWrap=True)
+        self.recent_hint = QLabel("Models you open appear here.", objectName="sidebarHint",
+                                  wordWrap=True)
+        self.setFixedWidth(290)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(16, 16, 16, 16)
+        layout.setSpacing(8)
+        layout.addWidget(QLabel("MODEL", objectName="sectionHeader"))
+        layout.addWidget(self.path_field)
+        layout.addWidget(open_button)
+        layout.addSpacing(12)
+        layout.addWidget(QLabel("RECENT", objectName="sectionHeader"))
+        layout.addWidget(self.recent_hint)
+        layout.addWidget(self.recent_list)
+        layout.addSpacing(12)
+        layout.addWidget(QLabel("ON THIS COMPUTER", objectName="sectionHeader"))
+        layout.addWidget(self.found_hint)
+        layout.addWidget(self.found_list, 1)
+        layout.addStretch(1)
+        self._refresh_recent()
+        self._bg.run("discover", discover, on_done=self._show_found,
+                     on_error=lambda e: self._show_found([]))
+
+    def choose(self) -> None:
+        start = os.path.dirname(self.path_field.text()) or os.path.expanduser("~")
+        path, _ = QFileDialog.getOpenFileName(self, "Open model", start,
+                                              "GGUF models (*.gguf);;All files (*)")
+        if path:
+            self.model_chosen.emit(path)
+
+    def set_current(self, path: str) -> None:
+        self.path_field.setText(path)
+        for lst in (self.recent_list, self.found_list):
+            for i in range(lst.count()):
+                item = lst.item(i)
+                item.setSelected(item.data(Qt.UserRole) == path)
+
+    def recent_models(self) -> list[str]:
+        """Paths of recently opened models, most recent first."""
+        return list(self.settings.value(RECENT_KEY, [], type=list))
+
+    def remember(self, path: str) -> None:
+        recent = [path] + [p for p in self.recent_models() if p != path]
+        self.settings.setValue(RECENT_KEY, recent[:MAX_RECENT])
+        self._refresh_recent()
+        self.set_current(path)
+
+    def _field_entered(self) -> None:
+        if self.path_field.text().strip():
+            self.model_chosen.emit(self.path_field.text().strip())
+
+    def _picked(self, item: QListWidgetItem) -> None:
+        self.model_chosen.emit(item.data(Qt.UserRole))
+
+    def _refresh_recent(self) -> None:
+        self.recent_list.clear()
+        for path in self.recent_models():
+            item = QListWidgetItem(os.path.basename(path))
+            item.setData(Qt.UserRole, path)
+            item.setToolTip(path)
+            self.recent_list.addItem(item)
+            item.setSelected(path == self.path_field.text())
+        self.recent_list.setVisible(self.recent_list.count() > 0)
+        self.recent_hint.setVisible(self.recent_list.count() == 0)
+
+    def _show_found(self, found: list[FoundModel]) -> None:
+        self.found = list(found)
+        self.found_list.clear()
+        for m in self.found:
+            item = QListWidgetItem(f"{m.name}\n{m.source} \u00b7 {human_bytes(m.size)}")
+            item.setData(Qt.UserRole, m.path)
+            item.setToolTip(m.path)
+            self.found_list.addItem(item)
+        self.found_list.setVisible(bool(self.found))
+        self.found_hint.setText("" if self.found else
+                                "No models in llama.cpp's cache, LM Studio or Ollama folders.")
+        self.found_hint.setVisible(not self.found)

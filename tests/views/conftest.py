@@ -1,3 +1,50 @@
+"""Fixtures for the GUI tests: Qt offscreen, a private context (queue, runs root, settings).
+
+QT_QPA_PLATFORM=offscreen is set before Qt is imported. Every test gets its own job queue,
+runs folder and settings file under tmp_path, so nothing touches the user's real state.
+"""
+
 import os
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+SAMPLE_MODEL = REPO / "sample_data" / "tiny-moe.gguf"
+SAMPLE_CHAT = REPO / "sample_data" / "chat.jsonl"
+GOLDEN = REPO / "tests" / "data" / "golden"
+
+
+@pytest.fixture
+def settings(tmp_path):
+    from PySide6.QtCore import QSettings
+
+    return QSettings(str(tmp_path / "settings.ini"), QSettings.IniFormat)
+
+
+@pytest.fixture
+def ctx(tmp_path, settings, qapp):
+    """An AppContext on a private queue and runs folder; `ensure_worker` is recorded, not run
+    (tests that want the real worker process use `real_worker_ctx`)."""
+    from app.engine.jobs import JobQueue
+    from app.views.context import AppContext
+
+    context = AppContext(JobQueue(tmp_path / "queue.sqlite3"), settings,
+                         runs_root=tmp_path / "runs")
+    context.worker_starts = []
+    context.ensure_worker = lambda: context.worker_starts.append(1)
+    return context
+
+
+@pytest.fixture
+def no_discovery(monkeypatch):
+    """The model picker finds nothing on this machine (tests do not scan the home folder)."""
+    import app.views.model_card as model_card
+
+    monkeypatch.setattr(model_card, "discover_models", lambda *a, **k: [])
+    import app.views.new_run as new_run
+
+    monkeypatch.setattr(new_run, "discover_models", lambda *a, **k: [])

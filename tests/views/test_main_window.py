@@ -1,4 +1,5 @@
-"""The main window: picking a model, its card, the error funnel, recent files.
+"""The shell: navigation, the screens, the error funnel, the worker in the status bar,
+reattaching; and the model picker with its card (New run's first tab).
 
 QT_QPA_PLATFORM=offscreen is set in conftest.py.
 """
@@ -11,40 +12,136 @@ import pytest
 import shiboken6
 from PySide6.QtCore import QSettings, Qt
 
-from app.engine.errors import ModelFormatError
+from app.engine.errors import ConfigError, ModelFormatError
 from app.engine.model_info import describe_model
+from app.engine.rundir import RunDir
+from app.views import main_window as mw
 from app.views.app import sample_model_path
-from app.views.main_window import MAX_RECENT, MainWindow
+from app.views.context import SCREENS
+from app.views.main_window import MAX_RECENT, MainWindow, Placeholder
 
 GOLDEN = Path(__file__).resolve().parents[1] / "data" / "golden"
 MIXTRAL = str(GOLDEN / "mixtral-q4_0.gguf")
 DEEPSEEK = str(GOLDEN / "deepseek-f32.gguf")
 DENSE = str(GOLDEN / "llama-f32.gguf")
+SAMPLE = sample_model_path()
 
 
-@pytest.fixture
-def settings(tmp_path):
-    return QSettings(str(tmp_path / "settings.ini"), QSettings.IniFormat)
-
-
-@pytest.fixture
-def window(qtbot, settings):
-    win = MainWindow(settings)
+def make_window(qtbot, ctx, **kwargs):
+    win = MainWindow(ctx, discover=lambda: [], **kwargs)
     qtbot.addWidget(win)
     win.resize(1100, 720)
     win.show()
     return win
 
 
+@pytest.fixture
+def window(qtbot, ctx):
+    win = make_window(qtbot, ctx)
+    wait_card(qtbot, win)                            # the sample model opens first
+    return win
+
+
+def wait_card(qtbot, win):
+    qtbot.waitUntil(lambda: win.new_run.card is not None or win.new_run.model_error_shown(),
+                    timeout=10_000)
+
+
 def open_and_wait(qtbot, win, path):
     win.open_model(path)
-    qtbot.waitUntil(lambda: win.card_view.card is not None or win.error_shown(), timeout=10_000)
+    wait_card(qtbot, win)
 
 
-def test_shows_placeholder_before_a_model_is_picked(window):
-    assert window.card_view.card is None
-    assert window.card_view.shown_rows() == []
+# ---------------------------------------------------------------- the shell
+def test_navigation_lists_every_screen_and_switches(qtbot, window, ctx):
+    titles = [window.nav.item(i).text() for i in range(window.nav.count())]
+    assert titles == ["New run", "Runs", "Monitor", "Experts", "Playground", "Export"]
+    assert list(window.screens) == list(SCREENS)
+    assert window.placeholders() == []               # every real screen is there
+    assert type(window.screen("runs")).__name__ == "RunsView"
+    assert type(window.screen("monitor")).__name__ == "MonitorView"
+    assert type(window.screen("experts")).__name__ == "ExpertsView"
+    assert window.current_screen_key() == "new_run"
+    rect = window.nav.visualItemRect(window.nav.item(4))
+    qtbot.mouseClick(window.nav.viewport(), Qt.LeftButton, pos=rect.center())
+    assert window.current_screen_key() == "playground"
+    assert window.stack.currentWidget() is window.screen("playground")
+    ctx.show_screen("monitor")                       # screens ask the shell through ctx
+    assert window.current_screen_key() == "monitor"
+
+
+def test_a_missing_screen_module_shows_a_placeholder(qtbot, ctx, monkeypatch):
+    monkeypatch.setitem(mw.SCREEN_CLASSES, "runs", ("app.views.no_such_module", "RunsView"))
+    win = make_window(qtbot, ctx)
+    assert win.placeholders() == ["runs"]
+    assert isinstance(win.screen("runs"), Placeholder)
+    assert "not available" in win.screen("runs").reason
+
+
+def test_errors_from_any_screen_reach_the_one_banner(qtbot, window, ctx):
     assert not window.error_shown()
+    ctx.report_error("Could not queue the run", ConfigError("The disk is read-only.",
+                                                            "Pick another runs folder."))
+    banner = window.error_banner
+    assert window.error_shown()
+    assert banner.title_label.text() == "Could not queue the run"
+    assert banner.message_label.text() == "The disk is read-only."
+    assert banner.hint_label.text() == "Pick another runs folder."
+    assert not banner.details_view.isVisible()
+    banner.details_button.setChecked(True)
+    assert banner.details_view.isVisible()
+    try:
+        {}["missing"]
+    except KeyError as e:                            # a bug: its traceback in the details
+        ctx.report_error("Oops", e)
+    assert "bug" in banner.hint_label.text()
+    assert "Traceback" in banner.details_view.toPlainText()
+    banner.dismiss()
+    assert not window.error_shown()
+
+
+def test_status_bar_shows_the_worker_and_offers_to_start_it(qtbot, window, ctx, tmp_path):
+    assert "Worker stopped" in window.worker_label.text()
+    assert not window.start_worker_button.isVisible()
+    run = RunDir.create(tmp_path / "runs" / "r1", {"model": "m", "data": "d"})
+    ctx.queue.add(run.path, check=False)
+    window.refresh_status()
+    assert "1 queued" in window.worker_label.text()
+    assert window.start_worker_button.isVisible()
+    qtbot.mouseClick(window.start_worker_button, Qt.LeftButton)
+    assert ctx.worker_starts == [1]
+
+
+def test_closing_never_stops_training_and_reopening_reattaches(qtbot, ctx, tmp_path):
+    run = RunDir.create(tmp_path / "runs" / "live", {"model": "m", "data": "d"})
+    job_id = ctx.queue.add(run.path, check=False)
+    ctx.queue.claim_next("some-worker")              # a worker process is training it
+    win = make_window(qtbot, ctx)
+    assert ctx.current_run == str(run.path)          # reattached to the running job
+    assert win.current_screen_key() == "monitor"
+    assert win.screen("monitor").run_path == str(run.path)
+    win.close()
+    assert ctx.queue.get(job_id).state == "running"  # closing requested nothing
+    assert ctx.queue.get(job_id).requested_action == "none"
+
+
+def test_reopening_selects_the_last_run(qtbot, ctx, tmp_path):
+    run = RunDir.create(tmp_path / "runs" / "old", {"model": "m", "data": "d"})
+    first = make_window(qtbot, ctx)
+    ctx.select_run(str(run.path))
+    assert "old" in first.run_label.text()
+    first.close()
+    ctx.current_run = None
+    make_window(qtbot, ctx)
+    assert ctx.current_run == str(run.path)
+
+
+# ---------------------------------------------------------------- model picker and card
+def test_opens_with_the_sample_model(window):
+    assert SAMPLE and window.new_run.card is not None
+    assert window.new_run.card.path == SAMPLE
+    assert window.card_view.badges() == ["llama", "MoE"]
+    assert "tiny-moe.gguf" in window.windowTitle()
 
 
 def test_mixtral_card(qtbot, window):
@@ -55,7 +152,7 @@ def test_mixtral_card(qtbot, window):
     assert rows["File"] == "mixtral-q4_0.gguf"
     assert window.card_view.badges() == ["llama", "MoE"]
     assert "mixtral-q4_0.gguf" in window.windowTitle()
-    assert window.path_field.text() == MIXTRAL
+    assert window.new_run.picker.path_field.text() == MIXTRAL
 
 
 def test_deepseek_and_dense_badges(qtbot, window):
@@ -71,8 +168,9 @@ def test_corrupt_file_shows_the_error_panel(qtbot, window, tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(os.urandom(100))
     open_and_wait(qtbot, window, str(bad))
-    panel = window.error_panel
-    assert window.error_shown() and window.isVisible()
+    new_run = window.new_run
+    panel = new_run.model_error
+    assert new_run.model_error_shown() and window.isVisible()
     assert "bad.gguf" in panel.title_label.text()
     assert "bad.gguf" in panel.message_label.text()
     assert panel.hint_label.text()
@@ -80,39 +178,40 @@ def test_corrupt_file_shows_the_error_panel(qtbot, window, tmp_path):
     panel.details_button.setChecked(True)
     assert panel.details_view.isVisible()
     assert str(bad) in panel.details_view.toPlainText()
-    assert window.recent_models() == []             # failed opens are not remembered
-    open_and_wait(qtbot, window, MIXTRAL)            # the window recovers
-    assert not window.error_shown()
+    assert str(bad) not in window.recent_models()        # failed opens are not remembered
+    assert not new_run.start_button.isEnabled()          # no model, no run
+    open_and_wait(qtbot, window, MIXTRAL)                # the window recovers
+    assert not new_run.model_error_shown()
     assert dict(window.card_view.shown_rows())["Architecture"] == "llama"
 
 
-def test_a_bug_shows_its_traceback(qtbot, settings):
+def test_a_bug_shows_its_traceback(qtbot, ctx):
     def broken(path):
         raise KeyError("general.architecture")
 
-    win = MainWindow(settings, read_model=broken)
-    qtbot.addWidget(win)
-    open_and_wait(qtbot, win, MIXTRAL)
-    assert win.error_shown()
-    assert "KeyError" in win.error_panel.message_label.text()
-    assert "bug" in win.error_panel.hint_label.text()
-    details = win.error_panel.details_view.toPlainText()
+    win = make_window(qtbot, ctx, read_model=broken)
+    wait_card(qtbot, win)
+    assert win.new_run.model_error_shown()
+    panel = win.new_run.model_error
+    assert "KeyError" in panel.message_label.text()
+    assert "bug" in panel.hint_label.text()
+    details = panel.details_view.toPlainText()
     assert "Traceback" in details and "in broken" in details
 
 
-def test_engine_error_from_the_reader_goes_to_the_funnel(qtbot, settings):
+def test_engine_error_from_the_reader_goes_to_the_funnel(qtbot, ctx):
     def unreadable(path):
         raise ModelFormatError(f"{os.path.basename(path)} is truncated.", "Download it again.")
 
-    win = MainWindow(settings, read_model=unreadable)
-    qtbot.addWidget(win)
+    win = make_window(qtbot, ctx, read_model=unreadable)
     open_and_wait(qtbot, win, MIXTRAL)
-    assert win.error_panel.message_label.text() == "mixtral-q4_0.gguf is truncated."
-    assert win.error_panel.hint_label.text() == "Download it again."
-    assert "Traceback" not in win.error_panel.details_view.toPlainText()
+    panel = win.new_run.model_error
+    assert panel.message_label.text() == "mixtral-q4_0.gguf is truncated."
+    assert panel.hint_label.text() == "Download it again."
+    assert "Traceback" not in panel.details_view.toPlainText()
 
 
-def test_reading_runs_off_the_gui_thread(qtbot, settings):
+def test_reading_runs_off_the_gui_thread(qtbot, ctx):
     release = threading.Event()
 
     def slow(path):
@@ -120,63 +219,62 @@ def test_reading_runs_off_the_gui_thread(qtbot, settings):
         release.wait(10)
         return describe_model(path)
 
-    win = MainWindow(settings, read_model=slow)
-    qtbot.addWidget(win)
+    win = make_window(qtbot, ctx, read_model=slow)
     win.open_model(MIXTRAL)
     assert win.card_view.is_reading()                # the GUI thread is free meanwhile
     qtbot.wait(50)
     assert win.card_view.is_reading() and win.card_view.card is None
     release.set()
-    qtbot.waitUntil(lambda: win.card_view.card is not None, timeout=10_000)
+    qtbot.waitUntil(lambda: win.card_view.card is not None and
+                    win.card_view.card.path == MIXTRAL, timeout=10_000)
     assert not win.card_view.is_reading()
 
 
-def test_recent_files(qtbot, settings):
-    win = MainWindow(settings)
-    qtbot.addWidget(win)
+def test_recent_files(qtbot, ctx, settings):
+    win = make_window(qtbot, ctx)
+    wait_card(qtbot, win)
     for path in (MIXTRAL, DEEPSEEK, MIXTRAL):
         open_and_wait(qtbot, win, path)
-    assert win.recent_models() == [MIXTRAL, DEEPSEEK]          # most recent first, no dupes
-    assert [win.recent_list.item(i).text() for i in range(win.recent_list.count())] == [
-        "mixtral-q4_0.gguf", "deepseek-f32.gguf"]
+    assert win.recent_models() == [MIXTRAL, DEEPSEEK, SAMPLE]   # most recent first, no dupes
+    picker = win.new_run.picker
+    assert [picker.recent_list.item(i).text() for i in range(picker.recent_list.count())] == [
+        "mixtral-q4_0.gguf", "deepseek-f32.gguf", "tiny-moe.gguf"]
 
-    reopened = MainWindow(QSettings(settings.fileName(), QSettings.IniFormat))
-    qtbot.addWidget(reopened)                                   # persisted across windows
-    reopened.show()
-    assert reopened.recent_list.count() == 2
-    rect = reopened.recent_list.visualItemRect(reopened.recent_list.item(1))
-    qtbot.mouseClick(reopened.recent_list.viewport(), Qt.LeftButton, pos=rect.center())
-    qtbot.waitUntil(lambda: reopened.card_view.card is not None, timeout=10_000)
-    assert reopened.card_view.card.path == DEEPSEEK
+    ctx.settings = QSettings(settings.fileName(), QSettings.IniFormat)
+    reopened = make_window(qtbot, ctx)                          # persisted across windows
+    wait_card(qtbot, reopened)
+    recent = reopened.new_run.picker.recent_list
+    assert recent.count() == 3
+    rect = recent.visualItemRect(recent.item(1))
+    qtbot.mouseClick(recent.viewport(), Qt.LeftButton, pos=rect.center())
+    qtbot.waitUntil(lambda: reopened.card_view.card is not None and
+                    reopened.card_view.card.path == DEEPSEEK, timeout=10_000)
     assert reopened.recent_models()[0] == DEEPSEEK
 
 
-def test_recent_files_keep_the_last_ten(qtbot, settings, tmp_path):
-    win = MainWindow(settings)
-    qtbot.addWidget(win)
+def test_recent_files_keep_the_last_ten(qtbot, window, tmp_path):
     copies = []
     for i in range(MAX_RECENT + 2):
         copy = tmp_path / f"model-{i}.gguf"
         copy.write_bytes(Path(MIXTRAL).read_bytes())
         copies.append(str(copy))
-        open_and_wait(qtbot, win, str(copy))
-    assert win.recent_models() == copies[::-1][:MAX_RECENT]
-    assert win.recent_list.count() == MAX_RECENT
+        open_and_wait(qtbot, window, str(copy))
+    assert window.recent_models() == copies[::-1][:MAX_RECENT]
+    assert window.new_run.picker.recent_list.count() == MAX_RECENT
 
 
 def test_sample_model_path():
-    path = sample_model_path()
-    assert path is None or (os.path.isfile(path) and path.endswith("tiny-moe.gguf"))
+    assert SAMPLE is None or (os.path.isfile(SAMPLE) and SAMPLE.endswith("tiny-moe.gguf"))
 
 
-def test_closing_while_reading_is_safe(qtbot, settings):
+def test_closing_while_reading_is_safe(qtbot, ctx):
     release = threading.Event()
 
     def slow(path):
         release.wait(10)
         return describe_model(path)
 
-    win = MainWindow(settings, read_model=slow)
+    win = MainWindow(ctx, read_model=slow, discover=lambda: [])
     win.open_model(MIXTRAL)
     threading.Timer(0.1, release.set).start()
     shiboken6.delete(win)            # waits for the read; its result is dropped, nothing crashes

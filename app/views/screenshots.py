@@ -1,0 +1,134 @@
+"""Screenshots of every screen of the real app, for the docs.
+
+    QT_QPA_PLATFORM=offscreen python -m app.views.screenshots docs/screenshots
+
+Opens the window on a private queue, runs folder and settings (nothing of the user's is
+touched), with the bundled sample model and dataset; shoots the New run tabs; starts a short
+real run in a real worker process; shoots Runs, Monitor and Experts when it has finished;
+exports a GGUF adapter and generates in the Playground; shoots those and an error. The worker
+it started is stopped at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+SIZE = (1280, 820)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out_dir", help="folder for the PNG files")
+    parser.add_argument("--epochs", type=int, default=1, help="epochs of the sample run")
+    args = parser.parse_args(argv)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    from PySide6.QtCore import QDeadlineTimer, QSettings, QThread
+
+    from app.views.app import build_window, prepare_app
+
+    app = prepare_app([sys.argv[0]])
+
+    def pump(seconds: float = 0.3) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            app.processEvents()
+            QThread.msleep(10)
+
+    def wait(done, what: str, timeout_s: float = 120) -> None:
+        deadline = QDeadlineTimer(int(timeout_s * 1000))
+        while not done():
+            if deadline.hasExpired():
+                raise TimeoutError(f"timed out waiting for {what}")
+            app.processEvents()
+            QThread.msleep(20)
+
+    def shoot(name: str, settle: float = 0.4) -> None:
+        pump(settle)
+        path = out / f"{name}.png"
+        window.grab().save(str(path))
+        print(f"wrote {path}")
+
+    with tempfile.TemporaryDirectory(prefix="workbench-shots-") as tmp:
+        settings = QSettings(os.path.join(tmp, "settings.ini"), QSettings.IniFormat)
+        window = build_window(settings, os.path.join(tmp, "queue.sqlite3"),
+                              os.path.join(tmp, "runs"))
+        ctx = window.ctx
+        window.resize(*SIZE)
+        window.show()
+        new_run = window.new_run
+        wait(lambda: new_run.card is not None and new_run.dataset.report is not None
+             and not new_run.dataset.is_busy() and new_run.memory_estimate is not None,
+             "the sample model and dataset")
+        try:
+            for i, name in enumerate(("new-run-model", "new-run-dataset", "new-run-training")):
+                new_run.tabs.setCurrentIndex(i)
+                shoot(name)
+
+            form = new_run.form
+            form["epochs"].setValue(args.epochs)
+            form["eval_every"].setValue(10)
+            form["save_every"].setValue(20)
+            form["norms_every"].setValue(4)
+            new_run.name_field.setText("first-run")
+            run = new_run.create_run(start=True)
+            wait(lambda: ctx.current_run == run, "the run to be queued", 30)
+            wait(ctx.worker_running, "the worker to start", 30)
+            monitor = window.screen("monitor")
+            curve = monitor.loss_curve
+            wait(lambda: curve.xData is not None and len(curve.xData) >= 8, "the first steps")
+            shoot("monitor-live")
+            runs = window.screen("runs")
+            wait(lambda: any(r.path == run and r.state == "done" for r in runs.rows),
+                 "the run to finish", 600)
+            pump(1.5)                                   # the last events reach the screens
+            for key in ("runs", "monitor", "experts"):
+                window.show_screen(key)
+                shoot(key, 0.8)
+
+            window.show_screen("export")
+            export = window.screen("export")
+            export.set_format("gguf-lora", "f16")
+            export.llamacpp_box.setChecked(False)
+            export.start_export()
+            wait(lambda: not export.is_busy(), "the export")
+            shoot("export")
+
+            window.show_screen("playground")
+            play = window.screen("playground")
+            play.prompt.setPlainText("Tell me a story about Ben.")
+            play.max_tokens.setValue(48)
+            play.generate()
+            wait(lambda: not play.is_generating(), "the generation")
+            shoot("playground")
+
+            window.show_screen("new_run")
+            new_run.tabs.setCurrentIndex(0)
+            bad = Path(tmp) / "broken-download.gguf"
+            bad.write_bytes(b"GGUF" + os.urandom(200))
+            new_run.open_model(str(bad))
+            wait(new_run.model_error_shown, "the error panel")
+            new_run.model_error.details_button.setChecked(True)
+            shoot("error")
+        finally:
+            pid = ctx.worker_pid()
+            if pid:
+                os.kill(pid, signal.SIGTERM)
+                end = time.monotonic() + 20
+                while ctx.worker_running() and time.monotonic() < end:
+                    time.sleep(0.1)
+            window.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

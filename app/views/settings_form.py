@@ -1,0 +1,475 @@
+"""The run's settings: what to train, the optimiser, lengths, evaluation, data and reward weights.
+
+`SettingsForm.values()` is the part of a RunConfig dict the form owns (everything but `model`
+and `data`); `set_values(d)` loads one (a saved settings file or a run's config.json). Problems
+are shown inline, under the field (`errors()` returns them), never as pop-ups. The targets'
+checkboxes show the trainable parameters each group adds for the current model and rank.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog, QFrame,
+                               QGridLayout, QGroupBox, QHBoxLayout, QLabel, QLineEdit,
+                               QPushButton, QScrollArea, QSpinBox, QVBoxLayout, QWidget)
+
+from app.engine.config import TrainConfig
+from app.engine.lora import TARGET_GROUPS
+from app.engine.model_info import ModelCard, human_count, lora_param_count
+
+GROUP_LABELS = {"attention": "Attention (q, k, v, out)", "ffn": "Dense FFN",
+                "experts": "Experts (MoE)", "shared": "Shared experts", "router": "Router",
+                "output": "Output head", "embeddings": "Token embeddings"}
+FULL_TARGETS = ("norms", "router", "embeddings", "output")
+FORMATS = ("auto", "text", "completion", "chat", "alpaca", "sharegpt")
+DATA_KEYS = ("context", "format", "overflow", "packing", "chat_loss", "weights_source",
+             "weight_field", "weights_path", "normalize", "clip_lo", "clip_hi",
+             "allow_negative", "val_split")     # changes that change the linter's report
+# field -> (RunConfig section ("" = top level), key, default of a first run)
+SIMPLE_FIELDS = {
+    "mode": ("train", "mode", "lora"), "rank": ("train", "lora_rank", 8),
+    "alpha": ("train", "lora_alpha", 16.0), "rslora": ("train", "rslora", False),
+    "dropout": ("train", "lora_dropout", 0.0), "optimizer": ("train", "optimizer", "adamw"),
+    "schedule": ("train", "schedule", "constant"), "warmup": ("train", "warmup_steps", 0),
+    "gclip": ("train", "gclip", 0.0), "weight_decay": ("train", "weight_decay", 0.0),
+    "seed": ("train", "seed", 0), "grad_accum": ("train", "grad_accum", 1),
+    "checkpoint_interval": ("train", "checkpoint_interval", 0), "epochs": ("", "epochs", 3),
+    "max_steps": ("", "max_steps", 0), "eval_every": ("", "eval_every", 30),
+    "save_every": ("", "save_every", 0), "patience": ("", "patience", 0),
+    "norms_every": ("", "norms_every", 5), "format": ("data_config", "format", "auto"),
+    "context": ("data_config", "context", 256),
+    "overflow": ("data_config", "overflow", "truncate"),
+    "packing": ("data_config", "packing", "pack"),
+    "chat_loss": ("data_config", "chat_loss", "assistant"),
+    "val_split": ("data_config", "val_fraction", 0.1),
+    "normalize": ("data_config", "normalize", "none"),
+    "allow_negative": ("data_config", "allow_negative_weights", False)}
+WEIGHT_SOURCES = (("row", "From each row's field"), ("file", "From a weights file"))
+
+
+def group_param_counts(card: ModelCard, rank: int) -> dict[str, int]:
+    """Trainable LoRA parameters per target group for `card`'s tensors at `rank`."""
+    shapes = card.tensor_shapes
+    out = {g: lora_param_count(shapes, rank, kinds) for g, kinds in TARGET_GROUPS.items()}
+    for group, kinds in TARGET_GROUPS.items():  # output, token_embd: not block tensors, which
+        for kind in kinds:                      # lora_param_count skips
+            shape = shapes.get(f"{kind}.weight")
+            if shape is not None and len(shape) == 2:
+                out[group] += rank * sum(shape)
+    return out
+
+
+def _spin(lo: int, hi: int, value: int, special: str = "") -> QSpinBox:
+    box = QSpinBox(minimum=lo, maximum=hi, value=value)
+    box.setFocusPolicy(Qt.StrongFocus)
+    if special:
+        box.setSpecialValueText(special)
+    return box
+
+
+def _dspin(lo: float, hi: float, value: float, decimals: int, step: float) -> QDoubleSpinBox:
+    box = QDoubleSpinBox(minimum=lo, maximum=hi, value=value, decimals=decimals, singleStep=step)
+    box.setFocusPolicy(Qt.StrongFocus)
+    return box
+
+
+def _combo(items) -> QComboBox:
+    box = QComboBox()
+    for item in items:
+        key, text = item if isinstance(item, tuple) else (item, item)
+        box.addItem(text, key)
+    box.setFocusPolicy(Qt.StrongFocus)
+    return box
+
+
+class SettingsForm(QWidget):
+    """Every training setting with inline validation. `changed(str)` names the field."""
+
+    changed = Signal(str)
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.fields: dict[str, QWidget] = {}
+        self.error_labels: dict[str, QLabel] = {}
+        self.target_boxes: dict[str, QCheckBox] = {}
+        self.full_boxes: dict[str, QCheckBox] = {}
+        self.card: ModelCard | None = None
+        self._loading = False
+        self._boxes: list[QGroupBox] = []
+        t = TrainConfig()
+
+        train = self._group("What to train")
+        self._row(train, "mode", "Mode", _combo([("lora", "LoRA adapters"),
+                                                  ("full", "Full fine-tuning"),
+                                                  ("hybrid", "LoRA + full (hybrid)")]))
+        self._row(train, "rank", "LoRA rank", _spin(1, 4096, 8))
+        self._row(train, "alpha", "LoRA alpha", _dspin(0, 100000, 16, 2, 1))
+        self._row(train, "rslora", "", QCheckBox("rsLoRA scaling (alpha / sqrt(rank))"))
+        self._row(train, "dropout", "LoRA dropout", _dspin(0, 0.95, t.lora_dropout, 2, 0.05))
+        targets = QWidget()
+        grid = QGridLayout(targets)
+        grid.setContentsMargins(0, 0, 0, 0)
+        grid.setVerticalSpacing(2)
+        self.target_counts: dict[str, QLabel] = {}
+        for i, group in enumerate(TARGET_GROUPS):
+            box = QCheckBox(GROUP_LABELS.get(group, group))
+            box.toggled.connect(lambda _=False, k="targets": self._changed(k))
+            count = QLabel("", objectName="paramCount")
+            count.setAlignment(Qt.AlignRight | Qt.AlignVCenter)
+            grid.addWidget(box, i, 0)
+            grid.addWidget(count, i, 1)
+            self.target_boxes[group], self.target_counts[group] = box, count
+        self._row(train, "targets", "Targets", targets)
+        self.trainable_label = QLabel(objectName="trainableTotal", wordWrap=True)
+        self._row(train, "trainable", "Trainable", self.trainable_label)
+        full = QWidget()
+        row = QHBoxLayout(full)
+        row.setContentsMargins(0, 0, 0, 0)
+        for name in FULL_TARGETS:
+            box = QCheckBox(name)
+            box.toggled.connect(lambda _=False, k="full_targets": self._changed(k))
+            row.addWidget(box)
+            self.full_boxes[name] = box
+        row.addStretch(1)
+        self._row(train, "full_targets", "Fully trained", full)
+
+        opt = self._group("Optimiser")
+        self._row(opt, "optimizer", "Optimiser", _combo([("adamw", "AdamW"), ("sgd", "SGD"),
+                                                          ("lbfgs", "L-BFGS")]))
+        self._row(opt, "lr", "Learning rate", QLineEdit("5e-3"))
+        self._row(opt, "schedule", "Schedule", _combo(["constant", "linear", "cosine"]))
+        self._row(opt, "warmup", "Warmup steps", _spin(0, 10**7, t.warmup_steps))
+        self._row(opt, "gclip", "Gradient clip", _dspin(0, 1e6, t.gclip, 3, 0.1))
+        self._row(opt, "weight_decay", "Weight decay", _dspin(0, 10, t.weight_decay, 4, 0.01))
+        self._row(opt, "seed", "Seed", _spin(0, 2**31 - 1, t.seed))
+
+        length = self._group("Length and batches")
+        self._row(length, "epochs", "Epochs", _spin(0, 100000, 3, "0 (use steps)"))
+        self._row(length, "max_steps", "Max steps", _spin(0, 10**8, 0, "no cap"))
+        self._row(length, "context", "Context (tokens)", _spin(8, 1 << 20, 256))
+        self._row(length, "batch", "Batch (windows)", _spin(1, 4096, 1))
+        self._row(length, "grad_accum", "Gradient accumulation", _spin(1, 4096, 1))
+        self._row(length, "checkpoint_interval", "Gradient checkpointing",
+                  _spin(0, 512, t.checkpoint_interval, "off"))
+        self.fields["checkpoint_interval"].setSuffix(" layers")
+
+        ev = self._group("Evaluation and saving")
+        self._row(ev, "val_split", "Validation split", _dspin(0, 0.9, 0.1, 2, 0.05))
+        self._row(ev, "eval_every", "Evaluate every", _spin(0, 10**7, 30, "end of epoch"))
+        self._row(ev, "save_every", "Save every", _spin(0, 10**7, 0, "end of epoch"))
+        self._row(ev, "patience", "Early-stop patience", _spin(0, 1000, 0, "off"))
+        self._row(ev, "norms_every", "Heatmap every", _spin(0, 10**6, 5, "off"))
+        for key in ("eval_every", "save_every", "norms_every"):
+            self.fields[key].setSuffix(" steps")
+
+        data = self._group("Data")
+        self._row(data, "format", "Format", _combo(FORMATS))
+        self._row(data, "overflow", "Rows longer than context",
+                  _combo(["truncate", "split", "drop"]))
+        self._row(data, "packing", "Packing", _combo(["pack", "pad", "none"]))
+        self._row(data, "chat_loss", "Chat turns trained",
+                  _combo([("assistant", "every assistant turn"), ("last", "last turn only")]))
+
+        rw = self._group("Reward weights")
+        self._row(rw, "weights_source", "Weights", _combo(WEIGHT_SOURCES))
+        self._row(rw, "weight_field", "Field", QLineEdit(placeholderText="weight or reward"))
+        path = QWidget()
+        prow = QHBoxLayout(path)
+        prow.setContentsMargins(0, 0, 0, 0)
+        self.weights_path = QLineEdit(placeholderText="weights .jsonl/.csv/.txt")
+        browse = QPushButton("Browse\u2026")
+        browse.clicked.connect(self._browse_weights)
+        prow.addWidget(self.weights_path, 1)
+        prow.addWidget(browse)
+        self.fields["weights_path_edit"] = self.weights_path
+        self._row(rw, "weights_path", "File", path)
+        self._row(rw, "normalize", "Normalisation", _combo(["none", "mean-std", "min-max", "clip"]))
+        clip = QWidget()
+        crow = QHBoxLayout(clip)
+        crow.setContentsMargins(0, 0, 0, 0)
+        self.clip_lo, self.clip_hi = _dspin(-1e6, 1e6, 0, 3, 0.1), _dspin(-1e6, 1e6, 1, 3, 0.1)
+        crow.addWidget(self.clip_lo)
+        crow.addWidget(QLabel("to"))
+        crow.addWidget(self.clip_hi)
+        self._row(rw, "clip", "Clip range", clip)
+        self._row(rw, "allow_negative", "", QCheckBox("Allow negative weights (unlikelihood)"))
+
+        for w in (self.weights_path, self.clip_lo, self.clip_hi):
+            self._connect(w, "weights_path" if w is self.weights_path else "clip")
+
+        body = QWidget(objectName="formBody")
+        cols = QHBoxLayout(body)
+        cols.setContentsMargins(16, 12, 16, 12)
+        cols.setSpacing(16)
+        for groups in ((train, ev, data), (opt, length, rw)):
+            col = QVBoxLayout()
+            col.setSpacing(12)
+            for g in groups:
+                col.addWidget(g.parentWidget())
+            col.addStretch(1)
+            cols.addLayout(col, 1)
+        scroll = QScrollArea(widgetResizable=True, frameShape=QFrame.NoFrame)
+        scroll.setWidget(body)
+        outer = QVBoxLayout(self)
+        outer.setContentsMargins(0, 0, 0, 0)
+        outer.addWidget(scroll)
+        self.set_values({})
+        self._update_visibility()
+
+    # ---------------------------------------------------------------- building
+    def _group(self, title: str) -> QGridLayout:
+        box = QGroupBox(title)
+        self._boxes.append(box)             # parented when the columns are laid out
+        grid = QGridLayout(box)
+        grid.setColumnStretch(1, 1)
+        grid.setHorizontalSpacing(10)
+        grid.setVerticalSpacing(4)
+        return grid
+
+    def _row(self, grid: QGridLayout, key: str, label: str, widget: QWidget) -> None:
+        r = grid.rowCount()
+        name = QLabel(label)
+        name.setObjectName("formLabel")
+        grid.addWidget(name, r, 0, Qt.AlignTop | Qt.AlignLeft)
+        grid.addWidget(widget, r, 1)
+        err = QLabel(objectName="fieldError", wordWrap=True, textFormat=Qt.PlainText)
+        err.hide()
+        grid.addWidget(err, r + 1, 1)
+        self.fields[key] = widget
+        self.error_labels[key] = err
+        widget.setProperty("formLabel", name)
+        self._connect(widget, key)
+
+    def _connect(self, widget: QWidget, key: str) -> None:
+        if isinstance(widget, QComboBox):
+            widget.currentIndexChanged.connect(lambda *_: self._changed(key))
+        elif isinstance(widget, (QSpinBox, QDoubleSpinBox)):
+            widget.valueChanged.connect(lambda *_: self._changed(key))
+        elif isinstance(widget, QLineEdit):
+            widget.textChanged.connect(lambda *_: self._changed(key))
+        elif isinstance(widget, QCheckBox):
+            widget.toggled.connect(lambda *_: self._changed(key))
+
+    def __getitem__(self, key: str) -> QWidget:
+        return self.fields[key]
+
+    # ---------------------------------------------------------------- model-dependent parts
+    def set_card(self, card: ModelCard | None) -> None:
+        """The model the run trains: targets it lacks are disabled, counts are shown."""
+        self.card = card
+        self._update_counts()
+        self.validate()
+
+    def group_counts(self) -> dict[str, int]:
+        if self.card is None:
+            return {}
+        return group_param_counts(self.card, self.fields["rank"].value())
+
+    def trainable_params(self) -> int | None:
+        """Trainable parameters of the chosen LoRA targets (None without a model or in full
+        mode, where every unquantized tensor trains)."""
+        if self.card is None or self.mode() == "full":
+            return None
+        counts = self.group_counts()
+        return sum(counts.get(g, 0) for g in self.targets())
+
+    def _update_counts(self) -> None:
+        counts = self.group_counts()
+        for group, label in self.target_counts.items():
+            box = self.target_boxes[group]
+            n = counts.get(group)
+            if n is None:
+                label.setText("")
+                box.setEnabled(True)
+            elif n == 0:
+                label.setText("not in model")
+                box.setEnabled(False)
+            else:
+                label.setText(f"{human_count(n)} params")
+                box.setEnabled(True)
+        total = self.trainable_params()
+        if self.mode() == "full":
+            self.trainable_label.setText("every F32/F16/BF16 tensor (quantized ones stay frozen)")
+        elif total is None:
+            self.trainable_label.setText("pick a model to see parameter counts")
+        else:
+            share = ""
+            n = self.card.n_params if self.card is not None else 0
+            if n:
+                share = f" ({100 * total / n:.2f}% of {human_count(n)})"
+            self.trainable_label.setText(f"{total:,} LoRA parameters{share}")
+
+    # ---------------------------------------------------------------- values
+    def mode(self) -> str:
+        return self.fields["mode"].currentData()
+
+    def targets(self) -> list[str]:
+        return [g for g, b in self.target_boxes.items() if b.isChecked() and b.isEnabled()]
+
+    def full_targets(self) -> list[str]:
+        return [g for g, b in self.full_boxes.items() if b.isChecked()]
+
+    def lr(self) -> float | None:
+        try:
+            value = float(self.fields["lr"].text().strip())
+        except ValueError:
+            return None
+        return value if math.isfinite(value) else None
+
+    def values(self) -> dict:
+        """The RunConfig dict without model and data."""
+        f = self.fields
+        source = f["weights_source"].currentData()
+        clip = [self.clip_lo.value(), self.clip_hi.value()] \
+            if f["normalize"].currentData() == "clip" else None
+        train = {
+            "mode": self.mode(), "lora_rank": f["rank"].value(), "lora_alpha": f["alpha"].value(),
+            "rslora": f["rslora"].isChecked(), "lora_dropout": f["dropout"].value(),
+            "lora_targets": self.targets(),
+            "full_targets": self.full_targets() if self.mode() == "hybrid" else [],
+            "optimizer": f["optimizer"].currentData(), "lr": self.lr() or 0.0,
+            "schedule": f["schedule"].currentData(), "warmup_steps": f["warmup"].value(),
+            "gclip": f["gclip"].value(), "weight_decay": f["weight_decay"].value(),
+            "grad_accum": f["batch"].value() * f["grad_accum"].value(),
+            "checkpoint_interval": f["checkpoint_interval"].value(), "seed": f["seed"].value()}
+        data = {
+            "format": f["format"].currentData(), "context": f["context"].value(),
+            "overflow": f["overflow"].currentData(), "packing": f["packing"].currentData(),
+            "chat_loss": f["chat_loss"].currentData(), "val_fraction": f["val_split"].value(),
+            "seed": f["seed"].value(),
+            "weight_field": (f["weight_field"].text().strip() or None)
+            if source == "row" else None,
+            "weights_path": (self.weights_path.text().strip() or None)
+            if source == "file" else None,
+            "normalize": f["normalize"].currentData(), "clip_range": clip,
+            "allow_negative_weights": f["allow_negative"].isChecked()}
+        return {"train": train, "data_config": data, "epochs": f["epochs"].value(),
+                "max_steps": f["max_steps"].value(), "eval_every": f["eval_every"].value(),
+                "save_every": f["save_every"].value(), "patience": f["patience"].value(),
+                "norms_every": f["norms_every"].value()}
+
+    def set_values(self, d: dict) -> None:
+        """Load a RunConfig dict (missing keys: the form's defaults for a first run)."""
+        t, dc = dict(d.get("train") or {}), dict(d.get("data_config") or {})
+        f = self.fields
+        self._loading = True
+        try:
+            for key, (section, name, default) in SIMPLE_FIELDS.items():
+                value = {"train": t, "data_config": dc, "": d}[section].get(name, default)
+                w = f[key]
+                if isinstance(w, QComboBox):
+                    _set_combo(w, value)
+                elif isinstance(w, QCheckBox):
+                    w.setChecked(bool(value))
+                else:
+                    w.setValue(type(w.value())(value))
+            targets = set(t.get("lora_targets", ("attention", "experts", "router")))
+            for g, box in self.target_boxes.items():
+                box.setChecked(g in targets)
+            full = set(t.get("full_targets", ()))
+            for g, box in self.full_boxes.items():
+                box.setChecked(g in full)
+            f["lr"].setText(f"{float(t.get('lr', 5e-3)):g}")
+            f["batch"].setValue(1)
+            _set_combo(f["weights_source"], "file" if dc.get("weights_path") else "row")
+            f["weight_field"].setText(dc.get("weight_field") or "")
+            self.weights_path.setText(dc.get("weights_path") or "")
+            clip = dc.get("clip_range") or (0.0, 1.0)
+            self.clip_lo.setValue(float(clip[0]))
+            self.clip_hi.setValue(float(clip[1]))
+        finally:
+            self._loading = False
+        self._update_visibility()
+        self._update_counts()
+        self.validate()
+        self.changed.emit("all")
+
+    # ---------------------------------------------------------------- validation
+    def validate(self) -> dict[str, str]:
+        """Check every field, show the problems under their fields and return them."""
+        f = self.fields
+        errors: dict[str, str] = {}
+        lr = self.lr()
+        if lr is None:
+            errors["lr"] = "Enter a number, e.g. 1e-4 or 0.0005."
+        elif lr <= 0:
+            errors["lr"] = "The learning rate must be greater than 0."
+        elif lr > 1:
+            errors["lr"] = "A learning rate above 1 diverges; LoRA usually uses 1e-4 to 1e-2."
+        if self.mode() in ("lora", "hybrid") and not self.targets():
+            errors["targets"] = "Pick at least one target for the adapters."
+        if self.mode() == "hybrid" and not self.full_targets():
+            errors["full_targets"] = "A hybrid run trains some tensors fully: pick at least one."
+        if self.mode() in ("lora", "hybrid") and f["alpha"].value() <= 0:
+            errors["alpha"] = "Alpha must be greater than 0 (scale = alpha / rank)."
+        if not f["epochs"].value() and not f["max_steps"].value():
+            errors["epochs"] = "Set a number of epochs, or of steps with epochs 0."
+        if self.card is not None and f["context"].value() > self.card.config.context_length:
+            errors["context"] = (f"The model was trained with a context of "
+                                 f"{self.card.config.context_length:,} tokens; use at most that.")
+        total = f["max_steps"].value()
+        if total and f["warmup"].value() >= total:
+            errors["warmup"] = "Warmup must be shorter than the run's steps."
+        source = f["weights_source"].currentData()
+        if source == "file":
+            path = self.weights_path.text().strip()
+            if not path:
+                errors["weights_path"] = "Choose the weights file, or take weights from the rows."
+            elif not os.path.isfile(os.path.expanduser(path)):
+                errors["weights_path"] = f"There is no file {path}."
+        if f["normalize"].currentData() == "clip" and self.clip_lo.value() >= self.clip_hi.value():
+            errors["clip"] = "The lower bound must be below the upper bound."
+        errors = {k: v for k, v in errors.items() if not self.fields[k].isHidden()}
+        for key, label in self.error_labels.items():
+            msg = errors.get(key, "")
+            label.setText(msg)
+            label.setVisible(bool(msg))
+        return errors
+
+    def errors(self) -> dict[str, str]:
+        """The problems shown now, by field."""
+        return {k: lab.text() for k, lab in self.error_labels.items() if lab.text()}
+
+    # ---------------------------------------------------------------- reactions
+    def _changed(self, key: str) -> None:
+        if self._loading:
+            return
+        if key in ("mode", "weights_source", "normalize"):
+            self._update_visibility()
+        if key in ("rank", "mode", "targets"):
+            self._update_counts()
+        self.validate()
+        self.changed.emit(key)
+
+    def _update_visibility(self) -> None:
+        mode = self.mode()
+        lora = mode in ("lora", "hybrid")
+        for key in ("rank", "alpha", "rslora", "dropout", "targets", "trainable"):
+            self._show(key, lora or key == "trainable")
+        self._show("full_targets", mode == "hybrid")
+        source = self.fields["weights_source"].currentData()
+        self._show("weight_field", source == "row")
+        self._show("weights_path", source == "file")
+        self._show("clip", self.fields["normalize"].currentData() == "clip")
+
+    def _show(self, key: str, visible: bool) -> None:
+        widget = self.fields[key]
+        widget.setVisible(visible)
+        widget.property("formLabel").setVisible(visible)
+        if not visible:
+            self.error_labels[key].hide()
+
+    def _browse_weights(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Reward weights", self.weights_path.text(),
+                                              "Weights (*.jsonl *.json *.csv *.tsv *.txt);;"
+                                              "All files (*)")
+        if path:
+            self.weights_path.setText(path)
+
+
+def _set_combo(box: QComboBox, key) -> None:
+    i = box.findData(key)
+    box.setCurrentIndex(i if i >= 0 else 0)

@@ -1,0 +1,124 @@
+"""Export: the form follows the selected run and the format; the export runs off the GUI
+thread; the verification report is shown and a failed one is flagged. (offscreen: conftest)"""
+
+import shutil
+from pathlib import Path
+
+import pytest
+from PySide6.QtCore import Qt
+
+from app.engine.lora import load_adapter
+from app.engine.rundir import RunDir
+from app.engine.verify import Check, ExportReport
+from app.views import export_view
+from app.views.export_view import FINAL, NEWEST, ExportView
+from tests.views.conftest import GOLDEN
+
+MODEL = str(GOLDEN / "mixtral-f32.gguf")
+ADAPTER = str(GOLDEN / "mixtral-lora.gguf")
+
+
+@pytest.fixture
+def view(qtbot, ctx):
+    v = ExportView(ctx)
+    qtbot.addWidget(v)
+    v.resize(1000, 700)
+    v.show()
+    return v
+
+
+@pytest.fixture
+def run_dir(ctx):
+    run = RunDir.create(ctx.runs_root() / "golden", {"model": MODEL, "data": "d.jsonl"})
+    shutil.copy(ADAPTER, run.path / "adapter.gguf")
+    return str(run.path)
+
+
+def export_and_wait(qtbot, view, timeout=60_000):
+    with qtbot.waitSignal(view.export_finished, timeout=timeout) as blocker:
+        qtbot.mouseClick(view.export_button, Qt.LeftButton)
+        assert view.is_busy() and not view.export_button.isEnabled()
+    return blocker.args[0]
+
+
+def test_follows_the_selected_run_and_the_format(view, ctx, run_dir):
+    assert view.source_box.currentData() == "file"          # nothing selected yet
+    ctx.select_run(run_dir)
+    assert view.source_box.currentData() == "run"
+    assert view.run_label.text() == run_dir
+    items = [view.checkpoint_box.itemData(i) for i in range(view.checkpoint_box.count())]
+    assert items == [NEWEST, FINAL]
+    assert view.out_field.placeholderText() == f"default: {run_dir}/exports/adapter-f32.gguf"
+    types = lambda: [view.type_box.itemData(i) for i in range(view.type_box.count())]
+    assert types() == ["f32", "f16", "bf16", "q8_0"]
+    view.set_format("peft")
+    assert types() == ["f32", "f16"]
+    assert not view.fallback_box.isVisibleTo(view)
+    view.set_format("merged")
+    assert not view.type_box.isVisibleTo(view) and view.fallback_box.isVisibleTo(view)
+    assert view.out_field.placeholderText().endswith("exports/merged.gguf")
+
+
+def test_exports_the_final_adapter_and_shows_the_verified_report(qtbot, view, ctx, run_dir):
+    ctx.select_run(run_dir)
+    view.checkpoint_box.setCurrentIndex(view.checkpoint_box.findData(FINAL))
+    view.set_format("gguf-lora", "f16")
+    view.llamacpp_box.setChecked(False)
+    report = export_and_wait(qtbot, view)
+    assert isinstance(report, ExportReport) and report.ok
+    out = Path(run_dir) / "exports" / "adapter-f16.gguf"
+    assert report.path == str(out) and out.is_file()
+    assert load_adapter(out).tensors.keys() == load_adapter(ADAPTER).tensors.keys()
+    assert view.badge.text() == "VERIFIED" and view.badge.property("ok") == "true"
+    t = view.checks_table
+    assert t.rowCount() == len(report.checks) > 0
+    assert [t.item(i, 1).text() for i in range(t.rowCount())] == [c.name for c in report.checks]
+    assert view.failed_checks() == []
+    text = view.report_text.toPlainText()
+    assert f"llama-cli -m {MODEL} --lora {out}" in text
+    assert (Path(run_dir) / "exports" / "adapter-f16.gguf.verify.json").is_file()
+    assert view.open_folder.isEnabled()
+
+
+def test_an_adapter_file_and_its_model(qtbot, view, tmp_path):
+    view.source_box.setCurrentIndex(view.source_box.findData("file"))
+    view.adapter_field.setText(ADAPTER)
+    view.model_field.setText(MODEL)
+    view.set_format("ollama")
+    view.llamacpp_box.setChecked(False)
+    view.out_field.setText(str(tmp_path / "ollama"))
+    report = export_and_wait(qtbot, view)
+    assert report.ok and (tmp_path / "ollama" / "Modelfile").is_file()
+    assert "ollama create" in view.report_text.toPlainText()
+
+
+def test_a_failed_verification_is_flagged(qtbot, view, ctx, run_dir, monkeypatch):
+    def fake_export(spec):
+        report = ExportReport("gguf-lora", "/tmp/x.gguf", source={"model": MODEL})
+        report.add(Check("shapes", True, "13 tensors"))
+        report.add(Check("engine logits", False, "max |diff| 0.3 > 1e-4"))
+        return report
+
+    monkeypatch.setattr(export_view, "do_export", fake_export)
+    ctx.select_run(run_dir)
+    report = export_and_wait(qtbot, view)
+    assert not report.ok
+    assert view.badge.text() == "FAILED VERIFICATION" and view.badge.property("ok") == "false"
+    assert view.failed_checks() == ["engine logits"]
+    assert view.checks_table.item(1, 0).text() == "\u2717 FAILED"
+    assert view.checks_table.item(1, 0).foreground().color() == Qt.red
+    assert view.report_text.toPlainText().startswith("This export FAILED verification")
+
+
+def test_errors_go_to_the_panel(qtbot, view, ctx, tmp_path):
+    view.source_box.setCurrentIndex(view.source_box.findData("run"))   # no run selected
+    qtbot.mouseClick(view.export_button, Qt.LeftButton)
+    assert view.error_panel.isVisibleTo(view)
+    assert view.error_panel.message_label.text() == "No run is selected."
+    empty = RunDir.create(tmp_path / "runs" / "empty", {"model": MODEL, "data": "d.jsonl"})
+    ctx.select_run(str(empty.path))                     # a run with nothing saved yet
+    result = export_and_wait(qtbot, view)
+    assert isinstance(result, Exception)
+    assert view.error_panel.title_label.text() == "The export failed"
+    assert "no checkpoint yet" in view.error_panel.message_label.text()
+    assert view.export_button.isEnabled() and not view.badge.isVisibleTo(view)

@@ -1,0 +1,265 @@
+"""RunsView: every job and run folder, live progress, actions on the queue, stored errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from PySide6.QtCore import QSettings
+
+from app.engine.jobs import JobQueue
+from app.views.context import AppContext
+from app.views.runs_view import RunsView, error_from_dict
+from tests.views.fake_runs import FakeRun, fake_config
+
+ERROR = {"kind": "training_diverged",
+         "message": "The loss or gradients were NaN/Inf for 5 steps in a row (step 37).",
+         "hint": "Lower the learning rate, set gclip (e.g. 1.0), or check the data.",
+         "detail": "Traceback (most recent call last):\n  TrainingDiverged: boom"}
+
+
+@pytest.fixture
+def ctx(tmp_path):
+    (tmp_path / "runs").mkdir()
+    c = AppContext(JobQueue(tmp_path / "queue.sqlite3"),
+                   QSettings(str(tmp_path / "settings.ini"), QSettings.IniFormat),
+                   runs_root=tmp_path / "runs")
+    c.worker_starts = []
+    c.ensure_worker = lambda: c.worker_starts.append(1)
+    return c
+
+
+def make(ctx, name, steps=0, **kw) -> FakeRun:
+    fake = FakeRun(ctx.runs_root() / name, total_steps=100, **kw)
+    fake.step(steps)
+    return fake
+
+
+@pytest.fixture
+def runs(ctx, qtbot):
+    """done, failed, running, queued, paused jobs and one run from the terminal."""
+    q = ctx.queue
+    out = {}
+    out["done"] = make(ctx, "done", 100)
+    q.add(out["done"].path)
+    q.finish(q.claim_next("w").id, "w", "done")
+    out["done"].finish()
+    out["failed"] = make(ctx, "failed", 37)
+    q.add(out["failed"].path)
+    q.finish(q.claim_next("w").id, "w", "failed", ERROR)
+    out["failed"].finish("failed", {k: ERROR[k] for k in ("kind", "message", "hint")})
+    out["running"] = make(ctx, "running", 42)
+    q.add(out["running"].path)
+    q.claim_next("w")
+    out["queued1"] = make(ctx, "queued1")
+    q.add(out["queued1"].path)
+    out["queued2"] = make(ctx, "queued2")
+    q.add(out["queued2"].path)
+    out["paused"] = make(ctx, "paused", 12)
+    q.pause(q.add(out["paused"].path))
+    out["terminal"] = make(ctx, "terminal", 80)
+    return out
+
+
+def row(view, name):
+    return next(r for r in view.rows if r.name == name)
+
+
+def pending_order(ctx):
+    return [j.run_dir.rsplit("/", 1)[-1] for j in ctx.queue.list(("queued", "paused"))]
+
+
+def test_every_job_and_terminal_run_is_listed(qtbot, ctx, runs):
+    view = RunsView(ctx)
+    qtbot.addWidget(view)
+    view.refresh()
+    names = [r.name for r in view.rows]
+    assert names[:4] == ["running", "queued1", "queued2", "paused"]          # queue order
+    assert set(names) == {"done", "failed", "running", "queued1", "queued2", "paused",
+                          "terminal"}
+    assert {r.name: r.state for r in view.rows} == {
+        "done": "done", "failed": "failed", "running": "running", "queued1": "queued",
+        "queued2": "queued", "paused": "paused", "terminal": "running"}
+    assert row(view, "terminal").job is None                   # started from the CLI
+    i = names.index("running")
+    assert view.table.item(i, 1).text() == "running"
+    bar = view.table.cellWidget(i, 2).bar
+    assert (bar.value(), bar.maximum(), bar.text()) == (42, 100, "42/100")
+    assert view.table.item(i, 3).text() == "0:00:06"                         # ETA
+    assert view.table.item(i, 4).text() == f"{FakeRun.loss_at(42):.4f}"
+    assert view.table.item(i, 5).text() == "tiny-moe.gguf"
+    assert view.table.item(names.index("terminal"), 6).text() == "terminal"
+    assert view.table.cellWidget(names.index("done"), 2).bar.value() == 100
+
+
+def test_progress_follows_a_run_being_written(qtbot, ctx):
+    fake = make(ctx, "live", 5)
+    view = RunsView(ctx)
+    qtbot.addWidget(view)
+    qtbot.waitUntil(lambda: bool(view.rows) and view.rows[0].step == 5)
+    writer = fake.play_in_thread(60, delay_s=0.002)
+    qtbot.waitUntil(lambda: view.rows[0].step == 65, timeout=10000)
+    writer.join()
+    assert view.table.cellWidget(0, 2).bar.value() == 65
+
+
+def test_selecting_a_failed_run_selects_it_and_shows_its_error(qtbot, ctx, runs):
+    view = RunsView(ctx)
+    qtbot.addWidget(view)
+    view.refresh()
+    with qtbot.waitSignal(ctx.run_selected) as sig:
+        view.select(runs["failed"].path)
+    assert sig.args == [runs["failed"].path]
+    assert ctx.current_run == runs["failed"].path
+    panel = view.error_panel
+    assert not panel.isHidden()
+    assert panel.title_label.text() == "failed failed"
+    assert panel.message_label.text() == ERROR["message"]
+    assert panel.hint_label.text() == ERROR["hint"]
+    details = panel.details_view.toPlainText()
+    assert "TrainingDiverged: boom" in details and "training_diverged" in details
+    view.select(runs["done"].path)
+    assert panel.isHidden()
+
+
+def test_a_run_selected_elsewhere_is_selected_here(qtbot, ctx, runs):
+    view = RunsView(ctx)
+    qtbot.addWidget(view)
+    view.refresh()
+    ctx.select_run(runs["paused"].path)          # e.g. from the New run screen
+    assert view.selected_row().name == "paused"
+    assert view.table.selectedItems()[0].row() == [r.name for r in view.rows].index("paused")
+    assert view.buttons["pause"].text() == "Resume"
+    late = make(ctx, "late")
+    ctx.select_run(late.path)                    # not listed yet: selected when it appears
+    view.refresh()
+    assert view.selected_row().name == "late"
+
+
+def test_a_terminal_run_error_comes_from_its_status(qtbot, ctx):
+    fake = make(ctx, "cli-failed", 3)
+    fake.run.write_status(state="failed", error={"kind": "dataset", "message": "Bad row 3.",
+                                                 "hint": "Fix line 3."})
+    view = RunsView(ctx)
+    qtbot.addWidget(view)
+    view.refresh()
+    view.select(fake.path)
+    assert view.error_panel.message_label.text() == "Bad row 3."
+    assert view.error_panel.hint_label.text() == "Fix line 3."
+
+
+def test_reorder_cancel_pause_resume(qtbot, ctx, runs):
+    view = RunsView(ctx)
+    qtbot.addWidget(view)
+    view.refresh()
+    assert pending_order(ctx) == ["queued1", "queued2", "paused"]
+    view.select(runs["queued2"].path)
+    assert view.buttons["up"].isEnabled() and not view.buttons["retry"].isEnabled()
+    view.move_up()
+    assert pending_order(ctx) == ["queued2", "queued1", "paused"]
+    assert [r.name for r in view.rows][:4] == ["running", "queued2", "queued1", "paused"]
+    view.move_down()
+    view.move_down()
+    assert pending_order(ctx) == ["queued1", "paused", "queued2"]
+
+    view.select(runs["queued1"].path)
+    view.cancel()
+    assert row(view, "queued1").state == "cancelled"
+
+    view.select(runs["paused"].path)
+    assert view.buttons["pause"].text() == "Resume"
+    view.pause_or_resume()
+    assert row(view, "paused").state == "queued"
+    assert ctx.worker_starts
+    assert view.buttons["pause"].text() == "Pause"
+    view.pause_or_resume()
+    assert row(view, "paused").state == "paused"
+
+    view.select(runs["running"].path)
+    view.pause_or_resume()                       # running: the worker pauses after its step
+    assert row(view, "running").job.requested_action == "pause"
+    assert view.table.item(0, 1).text() == "running (pausing\u2026)"
+    assert view.buttons["pause"].text() == "Resume"
+    view.cancel()                                # cancelling overrides the pause request
+    assert view.table.item(0, 1).text() == "running (cancelling…)"
+    assert not view.buttons["cancel"].isEnabled() and not view.buttons["up"].isEnabled()
+    view.move_up()                               # forced anyway: refused, shown, not raised
+    assert not view.error_panel.isHidden()
+    assert view.error_panel.title_label.text() == "Could not move running"
+    assert "only queued or paused jobs" in view.error_panel.message_label.text()
+
+
+def test_retry_a_failed_job(qtbot, ctx, runs):
+    view = RunsView(ctx)
+    qtbot.addWidget(view)
+    view.refresh()
+    view.select(runs["failed"].path)
+    assert view.buttons["retry"].isEnabled()
+    with qtbot.waitSignal(ctx.runs_changed):
+        view.retry()
+    assert row(view, "failed").state == "queued"
+    assert row(view, "failed").job.error is None
+    assert ctx.worker_starts == [1]
+
+
+def test_extend_a_finished_run_by_epochs(qtbot, ctx, runs):
+    view = RunsView(ctx)
+    qtbot.addWidget(view)
+    view.refresh()
+    view.select(runs["done"].path)
+    assert view.buttons["extend"].isEnabled()
+    view.extend_epochs.setValue(3)
+    view.extend()
+    cfg = json.loads((runs["done"].run.config_path).read_text())
+    assert cfg["epochs"] == 5                                  # 2 + 3
+    jobs = ctx.queue.find(runs["done"].path)
+    assert [j.state for j in jobs] == ["queued", "done"]       # a new job, the old one kept
+    assert row(view, "done").state == "queued"
+    assert ctx.worker_starts == [1]
+
+
+def test_extend_refuses_a_run_that_counts_steps(qtbot, ctx):
+    fake = FakeRun(ctx.runs_root() / "steps", config=fake_config(epochs=0, max_steps=50))
+    fake.finish()
+    view = RunsView(ctx)
+    qtbot.addWidget(view)
+    view.refresh()
+    view.select(fake.path)
+    assert not view.buttons["extend"].isEnabled()
+    view.extend(2)                                             # forced: refused, explained
+    assert not view.error_panel.isHidden()
+    assert "count epochs" in view.error_panel.message_label.text()
+    assert json.loads(fake.run.config_path.read_text())["epochs"] == 0
+    assert ctx.queue.list() == []
+
+
+def test_resume_a_terminal_run_from_its_checkpoint(qtbot, ctx):
+    fake = make(ctx, "interrupted", 30)
+    fake.run.write_status(state="paused")
+    (fake.run.checkpoints_dir / "step-30").mkdir()
+    view = RunsView(ctx)
+    qtbot.addWidget(view)
+    view.refresh()
+    view.select(fake.path)
+    assert view.buttons["resume"].isEnabled()
+    view.resume_from_checkpoint()
+    jobs = ctx.queue.find(fake.path)
+    assert [j.state for j in jobs] == ["queued"]
+    assert row(view, "interrupted").job.id == jobs[0].id
+    assert ctx.worker_starts == [1]
+
+
+def test_open_folder(qtbot, ctx, runs):
+    view = RunsView(ctx)
+    qtbot.addWidget(view)
+    opened = []
+    view.open_url = opened.append
+    view.refresh()
+    view.select(runs["done"].path)
+    view.open_folder()
+    assert [u.toLocalFile() for u in opened] == [runs["done"].path]
+
+
+def test_error_from_dict():
+    e = error_from_dict({"kind": "bug", "message": "KeyError: 'x'", "hint": None})
+    assert e.kind == "bug" and e.message == "KeyError: 'x'" and "bug" in e.hint
