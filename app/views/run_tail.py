@@ -222,7 +222,7 @@ class RunTail(QObject):
         return self._future is not None
 
     # ---------------------------------------------------------------- the tick
-    def tick(self, submit: bool = True) -> None:
+    def tick(self) -> None:
         """Deliver a finished read, then start the next one."""
         t0 = time.perf_counter()
         self.stats["ticks"] += 1
@@ -234,7 +234,7 @@ class RunTail(QObject):
                     self._deliver(fut.result())
                 except EngineError as e:
                     self.error = e
-        if submit and self._future is None and self.path:
+        if self._future is None and self.path:
             fut = reader_pool().submit(_read, Path(self.path), self.offset,
                                        self.log_offset if self.read_log else -1)
             fut.generation = self._generation

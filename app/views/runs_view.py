@@ -63,16 +63,33 @@ class RunRow:
         return self.state + ("" if self.job else " (terminal)" if self.state == "running" else "")
 
 
+_configs: dict[str, tuple[float, str, int]] = {}      # path -> (mtime, model name, epochs)
+
+
+def _config_summary(run: RunDir) -> tuple[str, int]:
+    """(model file name, epochs) from config.json, re-read only when the file changed."""
+    try:
+        mtime = run.config_path.stat().st_mtime
+    except OSError:
+        return "", 0
+    cached = _configs.get(str(run.path))
+    if cached is None or cached[0] != mtime:
+        try:
+            cfg = run.config()
+        except EngineError:
+            cfg = {}
+        cached = (mtime, Path(str(cfg.get("model", ""))).name, int(cfg.get("epochs") or 0))
+        _configs[str(run.path)] = cached
+    return cached[1], cached[2]
+
+
 def _read_row(path: str, job: Job | None) -> RunRow:
     run = RunDir(path)
     try:
         status = run.status()
     except EngineError:
         status = {}
-    try:
-        cfg = run.config()
-    except EngineError:
-        cfg = {}
+    model, epochs = _config_summary(run)
     state = job.state if job is not None else str(status.get("state") or "new")
     error = job.error if job is not None and job.error else status.get("error")
     try:
@@ -85,7 +102,7 @@ def _read_row(path: str, job: Job | None) -> RunRow:
         path=str(run.path), name=run.name, state=state, job=job,
         step=int(status.get("step") or 0), total=total,
         eta_s=status.get("eta_s") if state == "running" else None, loss=status.get("loss"),
-        model=Path(str(cfg.get("model", ""))).name, epochs=int(cfg.get("epochs") or 0),
+        model=model, epochs=epochs,
         has_checkpoint=has_ckpt, error=error if isinstance(error, dict) else None,
         updated_at=updated, status=status,
         stalled=(job is None and state == "running" and updated > 0
@@ -113,7 +130,8 @@ def collect_runs(queue, runs_root) -> list[RunRow]:
     active = [r for r in rows if r.job is not None and r.job.state in ("running", "queued",
                                                                        "paused")]
     active.sort(key=lambda r: order[r.job.id])
-    rest = [r for r in rows if r not in active]
+    rest = [r for r in rows if r.job is None or r.job.state not in ("running", "queued",
+                                                                    "paused")]
     rest.sort(key=lambda r: -(r.updated_at or (r.job.finished_at if r.job else 0) or 0))
     return active + rest
 
