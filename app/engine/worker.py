@@ -490,7 +490,14 @@ def worker_running(queue: JobQueue | str | os.PathLike | None = None) -> bool:
 def worker_pid(queue: JobQueue | str | os.PathLike | None = None) -> int | None:
     """The pid of the queue's running worker, or None when none runs."""
     lock = WorkerLock(_queue_path(queue))
-    return lock.holder_pid() if worker_running(queue) else None
+    deadline = time.monotonic() + 1.0
+    while worker_running(queue):
+        pid = lock.holder_pid()
+        # the holder writes its pid just after taking the lock: allow it that moment
+        if pid is not None or time.monotonic() >= deadline:
+            return pid
+        time.sleep(0.02)
+    return None
 
 
 _children: list[subprocess.Popen] = []
