@@ -8,11 +8,10 @@ Ctrl-C pauses with a checkpoint; `workbench grpo --resume RUN_DIR` continues exa
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
-from app.cli_train import TARGET_ALIASES, Progress, _clock, _read_config_file
+from app.cli_train import TARGET_ALIASES, Progress, _clock, _read_config_file, start_run
 from app.engine.errors import ConfigError
 
 REWARD_HELP = ("reward function, repeatable, weight after the last colon (default 1): "
@@ -194,7 +193,7 @@ def execute_grpo(run_dir, as_json: bool) -> int:
 
 
 def cmd_grpo(args) -> int:
-    from app.engine.rundir import RunDir, default_runs_dir
+    from app.engine.rundir import RunDir
 
     if args.resume:
         run_dir = RunDir(args.resume)
@@ -203,14 +202,4 @@ def cmd_grpo(args) -> int:
                               "Resume training runs with: workbench resume RUN_DIR")
         return execute_grpo(run_dir, args.json)
     config = grpo_config_from_args(args)
-    out = Path(args.out) if args.out else Path(default_runs_dir()) / time.strftime(
-        f"%Y%m%d-%H%M%S-grpo-{Path(config.prompts).stem}")
-    run_dir = RunDir.create(out, config.to_dict())
-    if args.queue is not None:
-        from app.engine.jobs import JobQueue
-
-        job_id = JobQueue(args.queue or None).add(run_dir.path)
-        print(f"queued job {job_id}: {run_dir.path}")
-        return 0
-    print(f"run directory: {run_dir.path}", file=sys.stderr)
-    return execute_grpo(run_dir, args.json)
+    return start_run(args, config.to_dict(), f"grpo-{Path(config.prompts).stem}", execute_grpo)

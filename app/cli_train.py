@@ -234,16 +234,22 @@ def _execute(run_dir, as_json: bool) -> int:
 
 
 def cmd_train(args) -> int:
-    from app.engine.rundir import RunDir, default_runs_dir
-
     if args.device == "cuda":
         raise ConfigError("Training on a CUDA GPU is not available yet: the kernels run on CuPy "
                           "arrays, but the model and the trainer still keep their state in host "
                           "memory.", "Use --device cpu (the default).")
     config = run_config_from_args(args)
+    return start_run(args, config.to_dict(), Path(config.data).stem, _execute)
+
+
+def start_run(args, config: dict, name: str, execute) -> int:
+    """Create the run directory (--out, or a dated folder under the runs dir) and either add it
+    to the job queue (--queue) or run it here with `execute(run_dir, as_json)`."""
+    from app.engine.rundir import RunDir, default_runs_dir
+
     out = Path(args.out) if args.out else Path(default_runs_dir()) / time.strftime(
-        f"%Y%m%d-%H%M%S-{Path(config.data).stem}")
-    run_dir = RunDir.create(out, config.to_dict())
+        f"%Y%m%d-%H%M%S-{name}")
+    run_dir = RunDir.create(out, config)
     if args.queue is not None:
         from app.engine.jobs import JobQueue
 
@@ -251,7 +257,7 @@ def cmd_train(args) -> int:
         print(f"queued job {job_id}: {run_dir.path}")
         return 0
     print(f"run directory: {run_dir.path}", file=sys.stderr)
-    return _execute(run_dir, args.json)
+    return execute(run_dir, args.json)
 
 
 def cmd_resume(args) -> int:

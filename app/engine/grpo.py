@@ -79,10 +79,10 @@ from app.engine.checkpoint import (latest_checkpoint, load_checkpoint, prune_che
 from app.engine.config import TrainConfig
 from app.engine.errors import ConfigError, DatasetError, OutOfMemoryError
 from app.engine.formats import Rejection, iter_lines, parse_line
-from app.engine.lora import adapter_norms, load_adapter, save_adapter
+from app.engine.lora import load_adapter, save_adapter
 from app.engine.model import Model, load_model
 from app.engine.reward_functions import RewardScorer, RewardSpec, ScoreItem
-from app.engine.run import TrainingDiverged, _peak_rss_mb
+from app.engine.run import TrainingDiverged, peak_rss_mb, report_norms
 from app.engine.train import Batch, TrainSession
 
 Report = Callable[[dict], None]
@@ -572,7 +572,7 @@ def train_grpo(config: GrpoConfig, report: Report, should_stop: ShouldStop,
             except MemoryError:
                 raise OutOfMemoryError(
                     f"Out of memory at step {step + 1} (peak resident memory "
-                    f"{_peak_rss_mb():.0f} MB).",
+                    f"{peak_rss_mb():.0f} MB).",
                     "Lower prompts_per_step, group_size or max_new_tokens, or the LoRA rank."
                 ) from None
             t4 = time.perf_counter()
@@ -613,7 +613,7 @@ def train_grpo(config: GrpoConfig, report: Report, should_stop: ShouldStop,
                     "kl": kl_mean, "sample_s": t1 - t0, "reward_s": t2 - t1,
                     "update_s": t4 - t3, "sample_tokens_per_s": n_gen / max(t1 - t0, 1e-9),
                     "step_s": t4 - t0, "elapsed_s": time.perf_counter() - t_start,
-                    "eta_s": eta, "rss_mb": _peak_rss_mb()})
+                    "eta_s": eta, "rss_mb": peak_rss_mb()})
             done = session.step_count
             if config.samples_every and done % config.samples_every == 0:
                 shown = completions[:config.samples_prompts * G]
@@ -621,7 +621,7 @@ def train_grpo(config: GrpoConfig, report: Report, should_stop: ShouldStop,
                         "items": _sample_items(shown, raw, total_r, adv, names,
                                                config.answer_field)})
             if config.norms_every and done % config.norms_every == 0:
-                _report_norms(report, session, routing_window, done)
+                report_norms(report, session, routing_window, done)
                 routing_window = {}
             if config.eval_every and done % config.eval_every == 0:
                 evaluate()
@@ -642,15 +642,6 @@ def train_grpo(config: GrpoConfig, report: Report, should_stop: ShouldStop,
                 "skipped_steps": state["skipped_steps"],
                 "elapsed_s": time.perf_counter() - t_start})
         return "done"
-
-
-def _report_norms(report: Report, session: TrainSession, routing: dict, step: int) -> None:
-    if session.adapter is not None:
-        report({"type": "norms", "step": step, "tensors": adapter_norms(session.adapter)})
-    if routing:
-        report({"type": "routing", "step": step,
-                "layers": {str(layer): (counts / max(counts.sum(), 1)).tolist()
-                           for layer, counts in sorted(routing.items())}})
 
 
 def run_grpo_job(run_dir, control) -> str:

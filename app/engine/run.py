@@ -114,7 +114,7 @@ class _RunningStats:
                 "epoch_accuracy_se": acc_se}
 
 
-def _peak_rss_mb() -> float:
+def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
@@ -195,7 +195,7 @@ def train(config: RunConfig, report: Report, should_stop: ShouldStop,
             except MemoryError:
                 raise OutOfMemoryError(
                     f"Out of memory at step {session.step_count + 1} (peak resident memory "
-                    f"{_peak_rss_mb():.0f} MB).",
+                    f"{peak_rss_mb():.0f} MB).",
                     "Lower the context or the batch, set checkpoint-interval 1 (gradient "
                     "checkpointing), use LoRA instead of full fine-tuning, or a smaller rank."
                 ) from None
@@ -221,10 +221,10 @@ def train(config: RunConfig, report: Report, should_stop: ShouldStop,
                     "grad_norm": metrics.grad_norm, "clipped_fraction": metrics.clipped_fraction,
                     "tokens": metrics.tokens, "tokens_per_s": metrics.tokens_per_s,
                     "skipped": bad, "elapsed_s": time.perf_counter() - t_start, "eta_s": eta,
-                    "rss_mb": _peak_rss_mb(), **running.summary()})
+                    "rss_mb": peak_rss_mb(), **running.summary()})
             step = session.step_count
             if config.norms_every and step % config.norms_every == 0:
-                _report_norms(report, session, routing_window, step)
+                report_norms(report, session, routing_window, step)
                 routing_window = {}
             stop_early = bool(config.eval_every and step % config.eval_every == 0) and evaluate()
             if config.save_every and step % config.save_every == 0:
@@ -257,7 +257,7 @@ def train(config: RunConfig, report: Report, should_stop: ShouldStop,
     return "done"
 
 
-def _report_norms(report: Report, session: TrainSession, routing: dict, step: int) -> None:
+def report_norms(report: Report, session: TrainSession, routing: dict, step: int) -> None:
     if session.adapter is not None:
         report({"type": "norms", "step": step, "tensors": adapter_norms(session.adapter)})
     if routing:
