@@ -179,21 +179,12 @@ def _load(args):
     return model, adapter
 
 
-def _chat_prompt_ids(tok, prompt: str) -> list[int]:
-    """Render a one-turn chat with the model's template; add BOS unless the template did."""
-    from app.engine.chat_template import render_chat
-
-    bos = tok.token_to_piece(tok.bos_id) if tok.bos_id is not None else ""
-    eos = tok.token_to_piece(tok.eos_id) if tok.eos_id is not None else ""
-    text = render_chat(tok.chat_template, [{"role": "user", "content": prompt}],
-                       bos_token=bos, eos_token=eos, add_generation_prompt=True)
-    return tok.encode(text, add_special=not (bos and text.startswith(bos)), parse_special=True)
-
-
 def cmd_generate(args) -> int:
     model, adapter = _load(args)
     tok = model.tokenizer
-    prompt_ids = _chat_prompt_ids(tok, args.prompt) if args.chat else tok.encode(args.prompt)
+    from app.engine.chat_template import chat_prompt_ids
+
+    prompt_ids = chat_prompt_ids(tok, args.prompt) if args.chat else tok.encode(args.prompt)
     new_ids: list[int] = []
     printed = ""
     for token in model.generate(prompt_ids, args.max_tokens, args.temperature, args.top_p,

@@ -323,3 +323,15 @@ def render_chat_spans(template: str | None, messages: list[dict], *, bos_token: 
     spans = tuple(_assistant_span(conv, text, j, stop_texts) for j, m in enumerate(conv.messages)
                   if m.get("role") == "assistant")
     return RenderedChat(text, spans)
+
+
+def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """Token ids of a one-turn chat (the user's `prompt`) rendered with the model's template
+    (ChatML when it has none) plus the generation prompt; BOS/EOS added per the model's rules
+    unless the template already wrote the BOS."""
+    tok = tokenizer
+    bos = tok.token_to_piece(tok.bos_id) if tok.bos_id is not None else ""
+    eos = tok.token_to_piece(tok.eos_id) if tok.eos_id is not None else ""
+    text = render_chat(tok.chat_template, [{"role": "user", "content": prompt}],
+                       bos_token=bos, eos_token=eos, add_generation_prompt=True)
+    return tok.encode(text, add_special=not (bos and text.startswith(bos)), parse_special=True)

@@ -279,6 +279,22 @@ class TrainConfig:
     vocab_chunk: int = 8192
     seed: int = 0
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        """From a run's config.json section (lists become tuples); unknown keys are an error."""
+        from dataclasses import fields
+
+        from app.engine.errors import ConfigError
+
+        d = dict(d)
+        unknown = set(d) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ConfigError(f"Unknown training settings: {', '.join(sorted(unknown))}.")
+        for key in ("lora_targets", "full_targets"):
+            if key in d:
+                d[key] = tuple(d[key])
+        return cls(**d)
+
     def validate(self) -> None:
         from app.engine.errors import ConfigError
 

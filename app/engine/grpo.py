@@ -179,16 +179,9 @@ class GrpoConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         if set(d) - known:
             raise ConfigError(f"Unknown GRPO settings: {', '.join(sorted(set(d) - known))}.")
-        train = dict(d.pop("train", {}))
-        train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
-        if set(train) - train_fields:
-            raise ConfigError(f"Unknown training settings: "
-                              f"{', '.join(sorted(set(train) - train_fields))}.")
-        for key in ("lora_targets", "full_targets"):
-            if key in train:
-                train[key] = tuple(train[key])
+        train = TrainConfig.from_dict(d.pop("train", {}))
         rewards = tuple(RewardSpec.from_dict(r) for r in d.pop("rewards", [{"kind": "exact"}]))
-        return cls(train=TrainConfig(**train), rewards=rewards, **d)
+        return cls(train=train, rewards=rewards, **d)
 
 
 # ---- prompts ------------------------------------------------------------------------------------

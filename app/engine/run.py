@@ -80,15 +80,8 @@ class RunConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         if set(d) - known:
             raise ConfigError(f"Unknown run settings: {', '.join(sorted(set(d) - known))}.")
-        train = dict(d.pop("train", {}))
-        train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
-        if set(train) - train_fields:
-            raise ConfigError(f"Unknown training settings: "
-                              f"{', '.join(sorted(set(train) - train_fields))}.")
-        for key in ("lora_targets", "full_targets"):
-            if key in train:
-                train[key] = tuple(train[key])
-        return cls(train=TrainConfig(**train),
+        train = TrainConfig.from_dict(d.pop("train", {}))
+        return cls(train=train,
                    data_config=DataConfig.from_dict(d.pop("data_config", {})), **d)
 
 

@@ -19,6 +19,7 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog
                                QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit, QPushButton,
                                QSlider, QSpinBox, QSplitter, QVBoxLayout, QWidget)
 
+from app.engine.chat_template import chat_prompt_ids
 from app.views.context import AppContext, sample_model_path
 from app.views.error_panel import ErrorPanel
 
@@ -125,17 +126,6 @@ class Generation(QThread):
         for side, ids_ in out.items():
             self.text.emit(side, tok.decode(ids_))
         self.elapsed = time.perf_counter() - t0
-
-
-def chat_prompt_ids(tok, prompt: str) -> list[int]:
-    """A one-turn chat with the model's template (ChatML when it has none), BOS as llama.cpp."""
-    from app.engine.chat_template import render_chat
-
-    bos = tok.token_to_piece(tok.bos_id) if tok.bos_id is not None else ""
-    eos = tok.token_to_piece(tok.eos_id) if tok.eos_id is not None else ""
-    text = render_chat(tok.chat_template, [{"role": "user", "content": prompt}],
-                       bos_token=bos, eos_token=eos, add_generation_prompt=True)
-    return tok.encode(text, add_special=not (bos and text.startswith(bos)), parse_special=True)
 
 
 class PlaygroundView(QWidget):

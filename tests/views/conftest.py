@@ -32,6 +32,7 @@ def ctx(tmp_path, settings, qapp):
     from app.engine.jobs import JobQueue
     from app.views.context import AppContext
 
+    (tmp_path / "runs").mkdir(exist_ok=True)
     context = AppContext(JobQueue(tmp_path / "queue.sqlite3"), settings,
                          runs_root=tmp_path / "runs")
     context.worker_starts = []
@@ -48,3 +49,16 @@ def no_discovery(monkeypatch):
     import app.views.new_run as new_run
 
     monkeypatch.setattr(new_run, "discover_models", lambda *a, **k: [])
+
+
+@pytest.fixture
+def golden_run_dir(ctx):
+    """A finished-looking run folder: the golden Mixtral model and its LoRA as adapter.gguf."""
+    import shutil
+
+    from app.engine.rundir import RunDir
+
+    run = RunDir.create(ctx.runs_root() / "golden",
+                        {"model": str(GOLDEN / "mixtral-f32.gguf"), "data": "d.jsonl"})
+    shutil.copy(GOLDEN / "mixtral-lora.gguf", run.path / "adapter.gguf")
+    return str(run.path)

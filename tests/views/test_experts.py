@@ -4,20 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from PySide6.QtCore import QSettings
 
-from app.engine.jobs import JobQueue
-from app.views.context import AppContext
 from app.views.experts import ExpertsView, expert_matrix, parse_norms, routing_matrix
 from tests.views.fake_runs import FakeRun
-
-
-@pytest.fixture
-def ctx(tmp_path):
-    (tmp_path / "runs").mkdir()
-    return AppContext(JobQueue(tmp_path / "queue.sqlite3"),
-                      QSettings(str(tmp_path / "settings.ini"), QSettings.IniFormat),
-                      runs_root=tmp_path / "runs")
 
 
 @pytest.fixture

@@ -1,7 +1,6 @@
 """Export: the form follows the selected run and the format; the export runs off the GUI
 thread; the verification report is shown and a failed one is flagged. (offscreen: conftest)"""
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -28,10 +27,8 @@ def view(qtbot, ctx):
 
 
 @pytest.fixture
-def run_dir(ctx):
-    run = RunDir.create(ctx.runs_root() / "golden", {"model": MODEL, "data": "d.jsonl"})
-    shutil.copy(ADAPTER, run.path / "adapter.gguf")
-    return str(run.path)
+def run_dir(golden_run_dir):
+    return golden_run_dir
 
 
 def export_and_wait(qtbot, view, timeout=60_000):

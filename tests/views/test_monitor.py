@@ -4,20 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from PySide6.QtCore import QSettings, Qt
+from PySide6.QtCore import Qt
 
-from app.engine.jobs import JobQueue
-from app.views.context import AppContext
 from app.views.monitor import MonitorView
 from tests.views.fake_runs import FakeRun, fake_config
-
-
-@pytest.fixture
-def ctx(tmp_path):
-    (tmp_path / "runs").mkdir()
-    return AppContext(JobQueue(tmp_path / "queue.sqlite3"),
-                      QSettings(str(tmp_path / "settings.ini"), QSettings.IniFormat),
-                      runs_root=tmp_path / "runs")
 
 
 @pytest.fixture

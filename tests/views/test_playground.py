@@ -8,8 +8,8 @@ import pytest
 from PySide6.QtCore import Qt
 
 from app.engine import load_adapter, load_model
-from app.engine.rundir import RunDir
-from app.views.playground import FROM_FILE, NO_ADAPTER, PlaygroundView, chat_prompt_ids
+from app.engine.chat_template import chat_prompt_ids
+from app.views.playground import FROM_FILE, NO_ADAPTER, PlaygroundView
 from tests.views.conftest import GOLDEN
 
 MODEL = str(GOLDEN / "mixtral-f32.gguf")
@@ -31,10 +31,8 @@ def view(qtbot, ctx):
 
 
 @pytest.fixture
-def run_dir(ctx):
-    run = RunDir.create(ctx.runs_root() / "golden", {"model": MODEL, "data": "d.jsonl"})
-    shutil.copy(ADAPTER, run.path / "adapter.gguf")
-    return str(run.path)
+def run_dir(golden_run_dir):
+    return golden_run_dir
 
 
 def expected(engine, prompt, chat, n, adapter=None, scale=1.0, temperature=0.0, seed=0):

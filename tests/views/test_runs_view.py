@@ -5,10 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from PySide6.QtCore import QSettings
 
-from app.engine.jobs import JobQueue
-from app.views.context import AppContext
 from app.views.runs_view import RunsView, error_from_dict
 from tests.views.fake_runs import FakeRun, fake_config
 
@@ -16,17 +13,6 @@ ERROR = {"kind": "training_diverged",
          "message": "The loss or gradients were NaN/Inf for 5 steps in a row (step 37).",
          "hint": "Lower the learning rate, set gclip (e.g. 1.0), or check the data.",
          "detail": "Traceback (most recent call last):\n  TrainingDiverged: boom"}
-
-
-@pytest.fixture
-def ctx(tmp_path):
-    (tmp_path / "runs").mkdir()
-    c = AppContext(JobQueue(tmp_path / "queue.sqlite3"),
-                   QSettings(str(tmp_path / "settings.ini"), QSettings.IniFormat),
-                   runs_root=tmp_path / "runs")
-    c.worker_starts = []
-    c.ensure_worker = lambda: c.worker_starts.append(1)
-    return c
 
 
 def make(ctx, name, steps=0, **kw) -> FakeRun:
