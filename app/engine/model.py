@@ -31,6 +31,7 @@ from app.engine.kernels.norm import rmsnorm_backward, rmsnorm_forward
 from app.engine.kernels.rope import rope_angles, rope_backward, rope_forward
 from app.engine.lora import LoraAdapter, check_adapter_fits
 from app.engine.params import Grads, Params
+from app.engine.timing import phase
 from app.engine.weights import WeightStore
 
 
@@ -253,38 +254,44 @@ class Model:
         tokens = self._check_tokens(tokens)
         ctx = _Context.build(cfg, tokens.size, None, positions, segments)
         grads = Grads()
-        x, emb_cache = self._embed_forward(tokens, params)
         n, every = cfg.n_layer, checkpoint_interval
         saved = {}  # layer -> its input (checkpoints) or its caches (no checkpointing)
-        for il in range(n):
-            if every:
-                if il % every == 0:
-                    saved[il] = x
-                x, _ = self._block_forward(il, x, params, ctx)
-            else:
-                x, saved[il] = self._block_forward(il, x, params, ctx)
-        h, norm_cache = rmsnorm_forward(x, params.weight("output_norm.weight"), cfg.rms_eps)
-        head = self.head_name
-        loss, stats, loss_cache = cross_entropy_forward(
-            h, params.row_view(head), np.asarray(labels), token_weights, self._head_lora(params),
-            cfg.final_logit_softcap, vocab_chunk)
-        dh, dw, dlora = cross_entropy_backward(loss_cache, need_dw=params.trains(head))
-        del loss_cache
-        _add_weight_grads(grads, head, dw, dlora)
-        dx, dnorm = rmsnorm_backward(dh, norm_cache)
-        _add_full(grads, params, "output_norm.weight", dnorm)
+        with phase("forward"):
+            x, emb_cache = self._embed_forward(tokens, params)
+            for il in range(n):
+                if every:
+                    if il % every == 0:
+                        saved[il] = x
+                    x, _ = self._block_forward(il, x, params, ctx)
+                else:
+                    x, saved[il] = self._block_forward(il, x, params, ctx)
+        with phase("loss"):
+            h, norm_cache = rmsnorm_forward(x, params.weight("output_norm.weight"), cfg.rms_eps)
+            head = self.head_name
+            loss, stats, loss_cache = cross_entropy_forward(
+                h, params.row_view(head), np.asarray(labels), token_weights,
+                self._head_lora(params), cfg.final_logit_softcap, vocab_chunk)
+            dh, dw, dlora = cross_entropy_backward(loss_cache, need_dw=params.trains(head))
+            del loss_cache
+            _add_weight_grads(grads, head, dw, dlora)
+            dx, dnorm = rmsnorm_backward(dh, norm_cache)
+            _add_full(grads, params, "output_norm.weight", dnorm)
         if every:
             for start in reversed(range(0, n, every)):
                 x, caches = saved.pop(start), []
-                for il in range(start, min(start + every, n)):   # recompute the segment
-                    x, cache = self._block_forward(il, x, params, ctx)
-                    caches.append(cache)
-                for il in reversed(range(start, min(start + every, n))):
-                    dx = self._block_backward(il, dx, caches.pop(), params, grads)
+                with phase("recompute"):
+                    for il in range(start, min(start + every, n)):   # recompute the segment
+                        x, cache = self._block_forward(il, x, params, ctx)
+                        caches.append(cache)
+                with phase("backward"):
+                    for il in reversed(range(start, min(start + every, n))):
+                        dx = self._block_backward(il, dx, caches.pop(), params, grads)
         else:
-            for il in reversed(range(n)):
-                dx = self._block_backward(il, dx, saved.pop(il), params, grads)
-        self._embed_backward(dx, emb_cache, params, grads)
+            with phase("backward"):
+                for il in reversed(range(n)):
+                    dx = self._block_backward(il, dx, saved.pop(il), params, grads)
+        with phase("backward"):
+            self._embed_backward(dx, emb_cache, params, grads)
         return loss, {**stats, "routing": ctx.routing}, grads
 
     # ---- layer walk: forward (with caches) and backward ------------------------------------

@@ -18,6 +18,7 @@ from app.engine.errors import CheckpointError, ConfigError
 from app.engine.lora import LoraAdapter, LoraConfig, adapter_parameters, init_adapter, tensor_kind
 from app.engine.model import Model
 from app.engine.optim import LBFGS, SGD, AdamW, GradAccumulator, make_schedule
+from app.engine.timing import phase
 
 TRAINABLE_TYPES = (0, 1, 30)  # F32, F16, BF16: quantized tensors stay frozen (stop-gradient)
 
@@ -191,7 +192,8 @@ class TrainSession:
             grad_norm, clipped, skipped = float("nan"), 0.0, False
         else:
             result = self._accumulate(micro_batches)
-            stats = self.optimizer.step(result.grads, lr=lr)
+            with phase("optimizer"):
+                stats = self.optimizer.step(result.grads, lr=lr)
             grad_norm, clipped, skipped = stats.grad_norm, stats.clipped_fraction, stats.skipped
         self.step_count += 1
         elapsed = time.perf_counter() - t0
