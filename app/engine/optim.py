@@ -27,7 +27,8 @@ Speed: the update is a chain of in-place ufuncs. On NumPy it runs over contiguou
 ``_CHUNK_BYTES`` per array so the two scratch buffers and the operands stay in the L2 cache;
 with 10 M float32 parameters that is about 1.4x faster than the same ufuncs over whole arrays
 and 2.4-2.8x faster than naive expressions (``python -m bench.optim``; 170-350 M params/s
-on the 2-core dev machines depending on their load). CuPy arrays are processed whole.
+on the 2-core dev machines depending on their load). The chunks run on the engine's threads
+(app.engine.parallel). CuPy arrays are processed whole.
 
 ``LBFGS`` is a full-batch quasi-Newton method for tiny models (two-loop recursion, optional
 strong-Wolfe line search), following the algorithm of ``torch.optim.LBFGS``.
@@ -40,6 +41,7 @@ saving.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, NamedTuple
 
@@ -47,6 +49,7 @@ import numpy as np
 
 from app.engine.backend import get_array_module, to_host
 from app.engine.errors import CheckpointError, ConfigError
+from app.engine.parallel import parallel_map
 
 # Bytes of each operand per chunk in the NumPy update loop (64 K float32 elements): the chunk of
 # w, g, m, v plus two scratch buffers fits in a 2 MB L2 cache. Tests shrink it to exercise the loop.
@@ -133,14 +136,15 @@ def _check_kind(d: Mapping[str, Any], kind: str) -> None:
 # ---- scratch buffers and norms ------------------------------------------------------------------
 
 class _Scratch:
-    """Flat float scratch buffers (two) and a bool mask, per array type, dtype and device."""
+    """Flat float scratch buffers (two) and a bool mask, per thread, array type, dtype and
+    device (the engine's threads update different chunks at once)."""
 
     def __init__(self):
         self._bufs: dict[tuple, tuple] = {}
 
     def get(self, like, n: int):
         xp = get_array_module(like)
-        key = (type(like), like.dtype, str(getattr(like, "device", "")))
+        key = (threading.get_ident(), type(like), like.dtype, str(getattr(like, "device", "")))
         bufs = self._bufs.get(key)
         if bufs is None or bufs[0].size < n:
             bufs = (xp.empty(n, like.dtype), xp.empty(n, like.dtype), xp.empty(n, bool))
@@ -150,6 +154,20 @@ class _Scratch:
 
 def _chunk_len(a) -> int:
     return max(1024, _CHUNK_BYTES // a.itemsize)
+
+
+def _pieces(w, g, moments, c) -> list[tuple]:
+    """One parameter's update as independent (w, g, moments, constants) pieces: contiguous
+    chunks of _chunk_len elements on NumPy (they run on the engine's threads), else whole."""
+    xp = get_array_module(w)
+    contiguous = w.flags.c_contiguous and all(m.flags.c_contiguous for m in moments)
+    if xp is not np or not contiguous:
+        return [(w, g, moments, c)]
+    wf, gf = w.reshape(-1), g.reshape(-1)  # views (gf copies a non-contiguous gradient)
+    mf = [m.reshape(-1) for m in moments]
+    step = _chunk_len(wf)
+    return [(wf[a:a + step], gf[a:a + step], [m[a:a + step] for m in mf], c)
+            for a in range(0, wf.size, step)]
 
 
 def _sumsq(g) -> float:
@@ -251,34 +269,19 @@ class _ElementwiseOptimizer:
         self.step_count += 1
         c = self._constants(lr, self.weight_decay)
         c_no_decay = self._constants(lr, 0.0)
-        clipped = 0
+        pieces = []
         for name, w, g in pairs:
             moments = [self.state[k][name] for k in self._moments]
-            clipped += self._update(w, g, moments, scale, c_no_decay if name in self.no_decay else c)
+            pieces += _pieces(w, g, moments, c_no_decay if name in self.no_decay else c)
+        xp = get_array_module(*(w for _, w, _ in pairs[:1]))
+        clipped = sum(parallel_map(lambda piece: self._clip_and_update(*piece, scale), pieces, xp))
         return StepStats(grad_norm=norm, clipped_fraction=clipped / n_params if n_params else 0.0,
                          lr=lr, n_params=n_params)
 
-    def _update(self, w, g, moments, scale: float, c) -> int:
-        """Update one parameter in place; returns the number of elements gclip changed."""
+    def _clip_and_update(self, w, g, moments, c, scale: float) -> int:
+        """Update one piece in place; returns the number of elements gclip changed."""
         xp = get_array_module(w)
-        contiguous = w.flags.c_contiguous and all(m.flags.c_contiguous for m in moments)
-        if xp is not np or not contiguous:  # whole arrays
-            s, t, mask = (b.reshape(w.shape) for b in self._scratch.get(w, w.size))
-            return self._clip_and_update(w, g, moments, s, t, mask, scale, c)
-        wf, gf = w.reshape(-1), g.reshape(-1)  # views (gf copies a non-contiguous gradient)
-        mf = [m.reshape(-1) for m in moments]
-        n, step = wf.size, _chunk_len(wf)
-        s, t, mask = self._scratch.get(wf, min(step, n))
-        clipped = 0
-        for a in range(0, n, step):
-            b = min(a + step, n)
-            k = b - a
-            clipped += self._clip_and_update(wf[a:b], gf[a:b], [m[a:b] for m in mf],
-                                             s[:k], t[:k], mask[:k], scale, c)
-        return clipped
-
-    def _clip_and_update(self, w, g, moments, s, t, mask, scale, c) -> int:
-        xp = get_array_module(w)
+        s, t, mask = (b.reshape(w.shape) for b in self._scratch.get(w, w.size))
         clipped = 0
         if scale != 1.0:                              # 1. global-norm clipping
             xp.multiply(g, scale, out=s)

@@ -158,10 +158,15 @@ class TrainSession:
                                          c.checkpoint_interval, c.vocab_chunk)
 
     def _accumulate(self, micro_batches: Sequence[Batch]) -> "Accumulated":
-        """Gradient of the loss over all micro-batches, normalised by their total token count."""
+        """Gradient of the loss over all micro-batches, normalised by their total token count.
+
+        A single micro-batch's gradients are returned as the model computed them (already
+        normalised by its tokens): copying them into an accumulator would cost a pass over
+        every trained parameter for nothing."""
         acc = GradAccumulator(average=True)
         loss_sum = correct = tokens = 0.0
         routing: dict[int, np.ndarray] = {}
+        first = None  # (grads, tokens) of the first micro-batch with trained tokens
         for i, batch in enumerate(micro_batches):
             self.params.dropout_seed = (self.config.seed, self.step_count, i)
             loss, stats, grads = self.loss_and_grads(batch)
@@ -169,13 +174,19 @@ class TrainSession:
                 routing[layer] = routing.get(layer, 0) + counts
             n = stats["n_tokens"]
             if n:
-                acc.add(grads, weight=n)
+                if first is None:
+                    first = (grads, n)
+                else:
+                    if not acc.n_micro_batches:
+                        acc.add(first[0], weight=first[1])
+                    acc.add(grads, weight=n)
                 loss_sum += loss * n
                 correct += stats["n_correct"]
                 tokens += n
         if not tokens:
             raise ConfigError("The batch has no trained tokens (every label is masked).")
-        return Accumulated(loss_sum / tokens, correct / tokens, int(tokens), acc.result(), routing)
+        result = acc.result() if acc.n_micro_batches else first[0]
+        return Accumulated(loss_sum / tokens, correct / tokens, int(tokens), result, routing)
 
     def step(self, micro_batches: Sequence[Batch]) -> StepMetrics:
         """One optimizer step over the micro-batches (gradient accumulation)."""

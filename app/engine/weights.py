@@ -9,6 +9,7 @@ only the rows they read.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections import OrderedDict
 
@@ -32,11 +33,13 @@ class WeightStore:
         self._cache: OrderedDict = OrderedDict()
         self._cached_bytes = 0
         self.dequant_seconds = 0.0  # time spent dequantizing, for the benchmarks' phase split
+        self._lock = threading.Lock()  # the engine's threads read experts concurrently
 
     def _dequantize(self, raw, ggml_type: int) -> np.ndarray:
         t0 = time.perf_counter()
         out = dequantize(raw, ggml_type)
-        self.dequant_seconds += time.perf_counter() - t0
+        with self._lock:
+            self.dequant_seconds += time.perf_counter() - t0
         return out
 
     def __contains__(self, name: str) -> bool:
@@ -46,16 +49,18 @@ class WeightStore:
         return self.gguf.tensors[name].shape
 
     def _cached(self, key, make):
-        if key in self._cache:
-            self._cache.move_to_end(key)
-            return self._cache[key]
-        value = make()
-        if value.nbytes <= self.budget:
-            self._cache[key] = value
-            self._cached_bytes += value.nbytes
-            while self._cached_bytes > self.budget:
-                _, old = self._cache.popitem(last=False)
-                self._cached_bytes -= old.nbytes
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        value = make()                      # outside the lock: threads dequantize side by side
+        with self._lock:
+            if value.nbytes <= self.budget and key not in self._cache:
+                self._cache[key] = value
+                self._cached_bytes += value.nbytes
+                while self._cached_bytes > self.budget:
+                    _, old = self._cache.popitem(last=False)
+                    self._cached_bytes -= old.nbytes
         return value
 
     def get(self, name: str) -> np.ndarray:
@@ -72,8 +77,9 @@ class WeightStore:
         raw = self.gguf.raw(name)[index]                              # (N, row_bytes)
         if info.ggml_type == 0:
             return raw.view(np.float32)
-        if name in self._cache:
-            return self._cache[name][index]
+        whole = self._cache.get(name)
+        if whole is not None:
+            return whole[index]
         return self._dequantize(raw, info.ggml_type)
 
     def row_view(self, name: str):
@@ -93,8 +99,9 @@ class WeightStore:
         info = self.gguf.tensors[name]
         if info.ggml_type == 0:
             return self.gguf.array(name)[e]
-        if name in self._cache:
-            return self._cache[name][e]
+        whole = self._cache.get(name)
+        if whole is not None:
+            return whole[e]
         return self._cached((name, e), lambda: self._dequantize(self.gguf.raw(name)[e],
                                                                 info.ggml_type))
 

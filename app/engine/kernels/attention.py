@@ -9,6 +9,7 @@ probabilities alive.
 from __future__ import annotations
 
 from app.engine.backend import get_array_module
+from app.engine.parallel import parallel_map
 
 
 def attention_mask(xp, q_pos, k_pos, window: int = 0):
@@ -31,18 +32,22 @@ def attention_forward(q, k, v, scale: float, mask):
     tq, n_head, _ = q.shape
     n_kv = k.shape[1]
     group = n_head // n_kv
-    qg = q.reshape(tq, n_kv, group, -1).transpose(1, 2, 0, 3)        # (Hkv, G, Tq, D)
-    kt = k.transpose(1, 2, 0)[:, None]                                # (Hkv, 1, D, Tk)
-    scores = (qg @ kt) * scale + mask.astype(q.dtype)                 # (Hkv, G, Tq, Tk)
-    row_max = scores.max(-1, keepdims=True)                           # (Hkv, G, Tq, 1)
-    scores -= row_max
-    probs = xp.exp(scores)
-    row_sum = probs.sum(-1, keepdims=True)                            # (Hkv, G, Tq, 1)
-    probs /= row_sum                                                  # (Hkv, G, Tq, Tk)
-    lse = (row_max + xp.log(row_sum))[..., 0]                         # (Hkv, G, Tq)
-    out = probs @ v.transpose(1, 0, 2)[:, None]                       # (Hkv, G, Tq, Dv)
-    del probs, scores
-    out = out.transpose(2, 0, 1, 3).reshape(tq, n_head, -1)           # (Tq, H, Dv)
+    mask = mask.astype(q.dtype, copy=False)                           # (Tq, Tk)
+    out = xp.empty((tq, n_head, v.shape[2]), q.dtype)                 # (Tq, H, Dv)
+    lse = xp.empty((n_kv, group, tq), q.dtype)                        # (Hkv, G, Tq)
+
+    def kv_head(j: int) -> None:
+        heads = slice(j * group, (j + 1) * group)
+        qj = q[:, heads].transpose(1, 0, 2)                           # (G, Tq, D)
+        scores = (qj @ k[:, j].T) * scale + mask                      # (G, Tq, Tk)
+        row_max = scores.max(-1, keepdims=True)                       # (G, Tq, 1)
+        scores -= row_max
+        probs = xp.exp(scores, out=scores)
+        row_sum = probs.sum(-1, keepdims=True)                        # (G, Tq, 1)
+        probs /= row_sum                                              # (G, Tq, Tk)
+        lse[j] = (row_max + xp.log(row_sum))[..., 0]                  # (G, Tq)
+        out[:, heads] = (probs @ v[:, j]).transpose(1, 0, 2)          # (Tq, G, Dv)
+    parallel_map(kv_head, range(n_kv), xp)
     return out, (q, k, v, mask, scale, out, lse)
 
 
@@ -58,10 +63,11 @@ def attention_backward(dout, cache):
     tq, n_head, _ = q.shape
     n_kv = k.shape[1]
     group = n_head // n_kv
-    mask = mask.astype(q.dtype)                                       # (Tq, Tk)
+    mask = mask.astype(q.dtype, copy=False)                           # (Tq, Tk)
     delta = (dout * out).sum(-1)                                      # (Tq, H)
     dq, dk, dv = xp.empty_like(q), xp.empty_like(k), xp.empty_like(v)
-    for j in range(n_kv):
+
+    def kv_head(j: int) -> None:
         heads = slice(j * group, (j + 1) * group)
         qj = q[:, heads].transpose(1, 0, 2)                           # (G, Tq, D)
         doj = dout[:, heads].transpose(1, 0, 2)                       # (G, Tq, Dv)
@@ -77,4 +83,5 @@ def attention_backward(dout, cache):
         dq[:, heads] = ((ds @ kj) * scale).transpose(1, 0, 2)         # (Tq, G, D)
         dk[:, j] = (ds.transpose(0, 2, 1) @ qj).sum(0) * scale        # (Tk, D)
         del ds
+    parallel_map(kv_head, range(n_kv), xp)
     return dq, dk, dv

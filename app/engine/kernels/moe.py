@@ -25,6 +25,7 @@ from __future__ import annotations
 from app.engine.backend import get_array_module
 from app.engine.kernels.activations import gelu_tanh, gelu_tanh_grad, glu_forward, sigmoid
 from app.engine.kernels.linear import linear_forward
+from app.engine.parallel import parallel_map
 
 RENORM_MIN = 6.1035e-5  # llama.cpp clamps the top-k weight sum from below (build_moe_ffn)
 
@@ -95,6 +96,13 @@ def dispatch_order(selected, n_expert: int):
 
 # ---- experts -----------------------------------------------------------------------------------
 
+def busiest_first(offsets) -> list[int]:
+    """Experts that received tokens, most slots first (offsets: host list (E+1,)): the order
+    in which the engine's threads take them, so the long ones do not come last."""
+    counts = [(offsets[e + 1] - offsets[e], e) for e in range(len(offsets) - 1)]
+    return [e for n, e in sorted(counts, reverse=True) if n]
+
+
 def experts_forward(x, order, offsets, token_of, w_gate, w_up, w_down, act: str, loras=(None,) * 3):
     """x: (T, C) -> per-slot expert outputs in sorted order (T*K, C). Inference path (GeGLU uses
     ggml's fp16 GELU table, like llama.cpp); training uses experts_forward_train.
@@ -106,15 +114,15 @@ def experts_forward(x, order, offsets, token_of, w_gate, w_up, w_down, act: str,
     xs = x[token_of]                                                    # (T*K, C)
     ys = xp.zeros_like(xs)                                              # (T*K, C)
     host_offsets = [int(o) for o in offsets]
-    for e in range(len(host_offsets) - 1):
+
+    def run(e: int) -> None:
         lo, hi = host_offsets[e], host_offsets[e + 1]
-        if lo == hi:
-            continue
         lg, lu, ld = (None if l is None else (l[0][e], l[1][e], l[2]) for l in loras)
         g, _ = linear_forward(xs[lo:hi], w_gate[e], lora=lg)            # (n_e, F)
         u, _ = linear_forward(xs[lo:hi], w_up[e], lora=lu)              # (n_e, F)
         h, _ = glu_forward(act, g, u)                                   # (n_e, F)
         ys[lo:hi], _ = linear_forward(h, w_down[e], lora=ld)            # (n_e, C)
+    parallel_map(run, busiest_first(host_offsets), xp)
     return ys
 
 
@@ -161,10 +169,9 @@ def experts_forward_train(x, order, offsets, token_of, w_gate, w_up, w_down, act
     lora_acts = tuple(None if l is None else xp.empty((n_slots, l[0].shape[1]), dtype)
                       for l in loras)                                   # (T*K, R) each
     host_offsets = offsets.tolist()
-    for e in range(len(host_offsets) - 1):
+
+    def run(e: int) -> None:
         lo, hi = host_offsets[e], host_offsets[e + 1]
-        if lo == hi:
-            continue
         xe = xs[lo:hi]                                                  # (n, C)
         ge, ue = g_all[lo:hi], u_all[lo:hi]
         xp.matmul(xe, w_gate[e].T, out=ge)                              # (n, F)
@@ -179,6 +186,7 @@ def experts_forward_train(x, order, offsets, token_of, w_gate, w_up, w_down, act
         if loras[2] is not None:
             ha = xp.matmul(a, loras[2][0][e].T, out=lora_acts[2][lo:hi])  # (n, R)
             ye += loras[2][2] * (ha @ loras[2][1][e].T)                 # (n, C)
+    parallel_map(run, busiest_first(host_offsets), xp)
     cache = dict(x_shape=x.shape, order=order, offsets=host_offsets, xs=xs, g=g_all, u=u_all,
                  weights=(w_gate, w_up, w_down), act=act, loras=tuple(loras), lora_acts=lora_acts)
     return ys, cache
@@ -217,13 +225,15 @@ def experts_backward(dys, cache, need_dw=(False, False, False), dw_out=None):
                    for l in loras)                                      # (E, R, in), (E, out, R)
     dxs = xp.empty_like(xs)                                             # (T*K, C) sorted
     w_gate, w_up, w_down = weights
+
     for e in range(n_expert):
-        lo, hi = offs[e], offs[e + 1]
-        if lo == hi:
+        if offs[e] == offs[e + 1]:
             for dw in dws:
                 if dw is not None:
                     dw[e] = 0.0                                         # a reused dw_out buffer
-            continue
+
+    def run(e: int) -> None:
+        lo, hi = offs[e], offs[e + 1]
         dy, xe = dys[lo:hi], xs[lo:hi]                                  # (n, C)
         # down projection: y = h Wd^T + s (h Ad^T) Bd^T
         wd = w_down[e]                                                  # (C, F)
@@ -254,6 +264,7 @@ def experts_backward(dys, cache, need_dw=(False, False, False), dw_out=None):
                 xp.matmul(dza.T, xe, out=dloras[i][0][e])               # (R, C)
                 xp.matmul(dz.T, lora_acts[i][lo:hi], out=dloras[i][1][e])  # (F, R)
                 dloras[i][1][e] *= s_i
+    parallel_map(run, busiest_first(offs), xp)
     # un-permute to slot order (t * K + k) and sum the K slots of each token
     dslots = xp.empty_like(dxs)                                         # (T*K, C)
     dslots[order] = dxs

@@ -1,0 +1,63 @@
+"""The engine's threads change nothing but speed: results are bit-identical to one thread."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from app.engine import load_model, parallel
+from app.engine.config import TrainConfig
+from app.engine.train import Batch, TrainSession
+from tests.conftest import GOLDEN
+
+
+def _train_two_steps(monkeypatch, threads: int, model_name: str, mode: str):
+    monkeypatch.setenv("WORKBENCH_THREADS", str(threads))
+    model = load_model(GOLDEN / model_name)
+    config = TrainConfig(mode=mode, lora_rank=4, lora_alpha=8, max_steps=10, lr=1e-2,
+                         lora_targets=("attention", "experts", "ffn"))
+    session = TrainSession(model, config)
+    tokens = np.random.default_rng(1).integers(0, model.config.n_vocab, 96)
+    batch = Batch(tokens, np.roll(tokens, -1))
+    losses = [session.step([batch]).loss for _ in range(2)]
+    return losses, {k: v.copy() for k, v in session.trainable.items()}
+
+
+@pytest.mark.parametrize("model_name, mode", [("mixtral-q8_0.gguf", "lora"),
+                                              ("qwen2moe-f32.gguf", "full"),
+                                              ("llama-f32.gguf", "full")])
+def test_training_with_threads_is_bit_identical_to_one_thread(monkeypatch, model_name, mode):
+    losses_1, params_1 = _train_two_steps(monkeypatch, 1, model_name, mode)
+    losses_2, params_2 = _train_two_steps(monkeypatch, 2, model_name, mode)
+    assert losses_1 == losses_2
+    assert params_1.keys() == params_2.keys()
+    for name in params_1:
+        np.testing.assert_array_equal(params_1[name], params_2[name], err_msg=name)
+
+
+def test_parallel_map_runs_items_on_engine_threads_and_keeps_order(monkeypatch):
+    monkeypatch.setenv("WORKBENCH_THREADS", "2")
+    seen = set()
+
+    def work(i):
+        seen.add(threading.current_thread().name)
+        # a nested map runs serially inside the pool thread (no deadlock)
+        return sum(parallel.parallel_map(lambda j: i * j, range(3)))
+    assert parallel.parallel_map(work, range(8)) == [3 * i for i in range(8)]
+    assert all(name.startswith("workbench-engine") for name in seen)
+
+
+def test_one_thread_and_exceptions(monkeypatch):
+    monkeypatch.setenv("WORKBENCH_THREADS", "1")
+    assert parallel.parallel_map(lambda i: threading.current_thread().name, [0, 1]) == \
+        [threading.current_thread().name] * 2
+    monkeypatch.setenv("WORKBENCH_THREADS", "2")
+
+    def fail(i):
+        if i == 3:
+            raise ValueError("piece 3")
+        return i
+    with pytest.raises(ValueError, match="piece 3"):
+        parallel.parallel_map(fail, range(6))
