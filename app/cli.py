@@ -182,9 +182,10 @@ def _load(args):
 def cmd_generate(args) -> int:
     model, adapter = _load(args)
     tok = model.tokenizer
-    from app.engine.chat_template import chat_prompt_ids
+    from app.engine.chat_template import chat_prompt_ids, generation_prompt_ids
 
-    prompt_ids = chat_prompt_ids(tok, args.prompt) if args.chat else tok.encode(args.prompt)
+    prompt_ids = (chat_prompt_ids(tok, args.prompt) if args.chat
+                  else generation_prompt_ids(tok, args.prompt))
     new_ids: list[int] = []
     printed = ""
     for token in model.generate(prompt_ids, args.max_tokens, args.temperature, args.top_p,

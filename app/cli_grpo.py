@@ -73,8 +73,8 @@ def add_grpo_parser(sub) -> None:
 
 def grpo_config_from_args(args):
     """A GrpoConfig from --config (if any) with the command-line options on top."""
-    from app.engine.grpo import GrpoConfig
-    from app.engine.reward_functions import parse_reward
+    from app.engine.grpo import build_grpo_config
+    from app.engine.reward_functions import RewardSpec
 
     base = _read_config_file(args.config) if args.config else {}
     base.pop("kind", None)
@@ -82,7 +82,7 @@ def grpo_config_from_args(args):
     for key, value in (("model", args.model), ("prompts", args.prompts),
                        ("adapter", args.adapter)):
         if value is not None:
-            base[key] = str(Path(value).resolve())
+            base[key] = value
     options = {"group_size": args.group_size, "prompts_per_step": args.prompts_per_step,
                "temperature": args.temperature, "top_p": args.top_p,
                "max_new_tokens": args.max_new_tokens, "advantage": args.advantage, "kl": args.kl,
@@ -95,13 +95,7 @@ def grpo_config_from_args(args):
     if args.parse_special:
         base["parse_special"] = True
     if args.reward:
-        specs = []
-        for text in args.reward:
-            spec = parse_reward(text)
-            if spec.kind == "file":
-                spec = type(spec)(**{**spec.to_dict(), "arg": str(Path(spec.arg).resolve())})
-            specs.append(spec.to_dict())
-        base["rewards"] = specs
+        base["rewards"] = [RewardSpec.parse(text).to_dict() for text in args.reward]
     targets = lambda s: [TARGET_ALIASES.get(t.strip(), t.strip()) for t in s.split(",") if t]
     train_options = {"lora_rank": args.rank, "lora_alpha": args.alpha,
                      "lora_dropout": args.dropout, "optimizer": args.optimizer, "lr": args.lr,
@@ -110,15 +104,7 @@ def grpo_config_from_args(args):
                      "checkpoint_interval": args.checkpoint_interval, "seed": args.seed,
                      "lora_targets": targets(args.targets) if args.targets else None}
     train.update({k: v for k, v in train_options.items() if v is not None})
-    if "model" not in base or "prompts" not in base:
-        raise ConfigError("A GRPO run needs a model and a prompt file.",
-                          "Pass --model and --prompts.")
-    if "rewards" not in base:
-        raise ConfigError("A GRPO run needs at least one reward function.",
-                          "Pass --reward exact (or regex:PATTERN, numeric, a .py file, ...).")
-    config = GrpoConfig.from_dict(base)
-    config.validate()
-    return config
+    return build_grpo_config(base)
 
 
 class GrpoProgress(Progress):

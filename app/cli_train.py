@@ -50,7 +50,8 @@ def add_train_parsers(sub) -> None:
     g.add_argument("--weight-decay", type=float)
     g.add_argument("--checkpoint-interval", type=int, help="gradient checkpointing every N layers")
     g.add_argument("--seed", type=int)
-    g.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    g.add_argument("--device", choices=("cpu", "cuda"),
+                   help="where the step computes: cpu (NumPy, default) or cuda (CuPy)")
     g = p.add_argument_group("data")
     g.add_argument("--ctx", type=int, help="context (tokens per window)")
     g.add_argument("--format", help="auto, text, completion, chat, alpaca, sharegpt")
@@ -106,7 +107,7 @@ def run_config_from_args(args):
                "lora_dropout": args.dropout, "optimizer": args.optimizer, "lr": args.lr,
                "schedule": args.schedule, "warmup_steps": args.warmup, "gclip": args.gclip,
                "weight_decay": args.weight_decay, "checkpoint_interval": args.checkpoint_interval,
-               "seed": args.seed,
+               "seed": args.seed, "device": args.device,
                "lora_targets": targets(args.targets) if args.targets else None,
                "full_targets": targets(args.full_targets) if args.full_targets else None}
     if args.batch or args.grad_accum:
@@ -234,11 +235,11 @@ def _execute(run_dir, as_json: bool) -> int:
 
 
 def cmd_train(args) -> int:
-    if args.device == "cuda":
-        raise ConfigError("Training on a CUDA GPU is not available yet: the kernels run on CuPy "
-                          "arrays, but the model and the trainer still keep their state in host "
-                          "memory.", "Use --device cpu (the default).")
+    from app.engine.backend import array_module
+
     config = run_config_from_args(args)
+    if args.queue is None:
+        array_module(config.train.device)  # no usable GPU: say so before a run folder exists
     return start_run(args, config.to_dict(), Path(config.data).stem, _execute)
 
 

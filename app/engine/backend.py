@@ -1,8 +1,19 @@
-"""NumPy/CuPy selection. Kernels call ``get_array_module(x)`` and never import cupy themselves."""
+"""NumPy/CuPy selection. Kernels call ``get_array_module(x)`` and never import cupy themselves.
+
+A model is loaded for a device ("cpu" or "cuda", `array_module`); from then on its weights,
+trained tensors, activations and optimizer state live there and every kernel follows its
+inputs. This module is the only place that knows CuPy's own API (device count, memory).
+"""
 
 from __future__ import annotations
 
+import resource
+
 import numpy as np
+
+from app.engine.errors import ConfigError
+
+DEVICES = ("cpu", "cuda")
 
 try:  # CuPy is an optional extra (`pip install .[gpu]`); these machines have no GPU.
     import cupy as _cupy  # type: ignore
@@ -38,3 +49,35 @@ def device_info() -> str:
         props = _cupy.cuda.runtime.getDeviceProperties(0)
         return f"GPU: {props['name'].decode()}"
     return "CPU (NumPy)"
+
+
+def array_module(device: str):
+    """numpy for "cpu", cupy for "cuda"; a clear error when no GPU is usable."""
+    if device == "cpu":
+        return np
+    if device != "cuda":
+        raise ConfigError(f"Unknown device {device!r}.", "Use cpu or cuda.")
+    if not gpu_available():
+        raise ConfigError("No CUDA GPU is usable here: CuPy is not installed, or it finds no "
+                          "device.", "Install the gpu extra (pip install -e '.[gpu]') on a "
+                          "machine with an NVIDIA GPU, or use --device cpu (the default).")
+    return _cupy
+
+
+def device_memory(xp) -> tuple[int, int]:
+    """(free, total) bytes of the device that `xp` computes on (host RAM for NumPy)."""
+    if xp is not np:
+        free, total = xp.cuda.runtime.memGetInfo()
+        return int(free), int(total)
+    import os
+    page = os.sysconf("SC_PAGE_SIZE")
+    return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+
+
+def memory_report(xp) -> str:
+    """What an out-of-memory message should say about memory on this device."""
+    if xp is not np:
+        free, total = device_memory(xp)
+        return (f"GPU memory: {(total - free) / 2**20:.0f} MB in use of {total / 2**20:.0f} MB")
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return f"peak resident memory {peak:.0f} MB"

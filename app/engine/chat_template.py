@@ -325,13 +325,30 @@ def render_chat_spans(template: str | None, messages: list[dict], *, bos_token: 
     return RenderedChat(text, spans)
 
 
-def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
-    """Token ids of a one-turn chat (the user's `prompt`) rendered with the model's template
-    (ChatML when it has none) plus the generation prompt; BOS/EOS added per the model's rules
-    unless the template already wrote the BOS."""
+def generation_prompt_ids(tokenizer, prompt: str | list[dict],
+                          parse_special: bool = False) -> list[int]:
+    """Token ids for the model to continue: `prompt` a list of chat messages, rendered with the
+    model's template (ChatML when it has none) plus the generation prompt, special-token texts
+    parsed; or a plain text, tokenized as it is (special-token texts parsed with parse_special).
+
+    BOS goes first when the tokenizer adds one and the ids do not already start with it (the
+    template may write it). Never EOS, whatever the tokenizer's add_eos_token says: the model is
+    to continue the prompt, not to see it ended.
+    """
     tok = tokenizer
-    bos = tok.token_to_piece(tok.bos_id) if tok.bos_id is not None else ""
-    eos = tok.token_to_piece(tok.eos_id) if tok.eos_id is not None else ""
-    text = render_chat(tok.chat_template, [{"role": "user", "content": prompt}],
-                       bos_token=bos, eos_token=eos, add_generation_prompt=True)
-    return tok.encode(text, add_special=not (bos and text.startswith(bos)), parse_special=True)
+    if isinstance(prompt, str):
+        ids = tok.encode(prompt, add_special=False, parse_special=parse_special)
+    else:
+        bos = tok.token_to_piece(tok.bos_id) if tok.bos_id is not None else ""
+        eos = tok.token_to_piece(tok.eos_id) if tok.eos_id is not None else ""
+        text = render_chat(tok.chat_template, prompt, bos_token=bos, eos_token=eos,
+                           add_generation_prompt=True)
+        ids = tok.encode(text, add_special=False, parse_special=True)
+    if tok.add_bos and tok.bos_id is not None and ids[:1] != [tok.bos_id]:
+        ids = [tok.bos_id] + ids
+    return ids
+
+
+def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """`generation_prompt_ids` of a one-turn chat: the user's `prompt`."""
+    return generation_prompt_ids(tokenizer, [{"role": "user", "content": prompt}])

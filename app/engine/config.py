@@ -278,6 +278,7 @@ class TrainConfig:
     checkpoint_interval: int = 0
     vocab_chunk: int = 8192
     seed: int = 0
+    device: str = "cpu"             # "cpu" (NumPy) or "cuda" (CuPy): where the step computes
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
@@ -306,6 +307,8 @@ class TrainConfig:
                               "Use one of: " + ", ".join(OPTIMIZERS) + ".")
         if self.mode == "hybrid" and not self.full_targets:
             raise ConfigError("A hybrid run needs full_targets (e.g. norms, router).")
+        if self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"Unknown device '{self.device}'.", "Use cpu or cuda.")
         for name in ("max_steps", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1.")

@@ -74,6 +74,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from app.engine.backend import memory_report
 from app.engine.checkpoint import (latest_checkpoint, load_checkpoint, prune_checkpoints,
                                    save_checkpoint)
 from app.engine.config import TrainConfig
@@ -184,6 +185,30 @@ class GrpoConfig:
         return cls(train=train, rewards=rewards, **d)
 
 
+def build_grpo_config(d: dict) -> GrpoConfig:
+    """The validated GrpoConfig a new run starts from: `d` is a GrpoConfig dict gathered by the
+    CLI (options over a config file) or the window (its forms). The model, prompt, adapter and
+    custom reward file paths are made absolute (the worker runs elsewhere); a missing model,
+    prompt file or reward is a ConfigError."""
+    d = dict(d)
+    if not d.get("model") or not d.get("prompts"):
+        raise ConfigError("A GRPO run needs a model and a prompt file.",
+                          "Pass --model and --prompts (in the window: the Model and Prompts "
+                          "tabs).")
+    if not d.get("rewards"):
+        raise ConfigError("A GRPO run needs at least one reward function.",
+                          "Add a reward: exact (or regex:PATTERN, numeric, a .py file, ...).")
+    absolute = lambda p: str(Path(p).expanduser().resolve())
+    for key in ("model", "prompts", "adapter"):
+        if d.get(key):
+            d[key] = absolute(d[key])
+    d["rewards"] = [{**r, "arg": absolute(r["arg"])} if r.get("kind") == "file" and r.get("arg")
+                    else r for r in d["rewards"]]
+    config = GrpoConfig.from_dict(d)
+    config.validate()
+    return config
+
+
 # ---- prompts ------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -200,34 +225,23 @@ class PromptRow:
 
 def prompt_ids(tokenizer, row: dict, parse_special: bool = False) -> tuple[list[int], str]:
     """(token ids, prompt text) of a prompt row: `messages` (or a list `prompt`) rendered with the
-    model's chat template plus the generation prompt, or a plain `prompt` string. BOS is added
-    when the model wants one and the text does not start with it."""
-    from app.engine.chat_template import render_chat
+    model's chat template plus the generation prompt, or a plain `prompt` string, with BOS and
+    without EOS as `generation_prompt_ids` says."""
+    from app.engine.chat_template import generation_prompt_ids
 
     messages = row.get("messages")
     if messages is None and isinstance(row.get("prompt"), list):
         messages = row["prompt"]
-    tok = tokenizer
-    bos = tok.token_to_piece(tok.bos_id) if tok.bos_id is not None else ""
     if messages is not None:
         if (not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str)
                 and isinstance(m.get("content"), str) for m in messages)):
             raise ValueError('"messages" must be a non-empty list of {"role", "content"} '
                              "objects with string values")
-        eos = tok.token_to_piece(tok.eos_id) if tok.eos_id is not None else ""
-        text = render_chat(tok.chat_template, messages, bos_token=bos, eos_token=eos,
-                           add_generation_prompt=True)
-        ids = tok.encode(text, add_special=False, parse_special=True)
-        shown = messages[-1]["content"]
-    elif isinstance(row.get("prompt"), str):
-        shown = row["prompt"]
-        ids = tok.encode(shown, add_special=False, parse_special=parse_special)
-    else:
-        raise ValueError('a prompt row needs "messages" (chat) or "prompt" (text)')
-    if tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
-        ids = [tok.bos_id] + list(ids)
-    return list(ids), shown
+        return generation_prompt_ids(tokenizer, messages), messages[-1]["content"]
+    if isinstance(row.get("prompt"), str):
+        return generation_prompt_ids(tokenizer, row["prompt"], parse_special), row["prompt"]
+    raise ValueError('a prompt row needs "messages" (chat) or "prompt" (text)')
 
 
 def load_prompts(path: str, tokenizer, scorer: RewardScorer, max_prompt_tokens: int,
@@ -284,21 +298,6 @@ def sample_seed(seed: int, step: int, row: int, sample: int) -> int:
     return int(np.random.SeedSequence([seed, step, row, sample]).generate_state(1, np.uint64)[0])
 
 
-def sample_completion(model: Model, ids: Sequence[int], adapter, max_new_tokens: int,
-                      temperature: float, top_p: float, seed: int | None,
-                      stop_ids) -> tuple[list[int], bool]:
-    """(generated ids, finished): generation ends at an end-of-turn token, which is kept as the
-    last id (finished True), or after max_new_tokens ids (finished False: clipped)."""
-    out: list[int] = []
-    gen = model.generate(list(ids), max_new_tokens, temperature, top_p, seed, adapter, stop=())
-    for token in gen:
-        out.append(token)
-        if token in stop_ids:
-            gen.close()
-            return out, True
-    return out, False
-
-
 @dataclass
 class Completion:
     prompt: PromptRow
@@ -311,18 +310,24 @@ class Completion:
 def sample_groups(model: Model, rows: Sequence[PromptRow], group_size: int, adapter,
                   config: GrpoConfig, step: int, seed: int,
                   temperature: float | None = None) -> list[Completion]:
-    """G completions per row, in order (row-major). temperature 0 (greedy) samples one."""
+    """G completions per row, in order (row-major), seeded by sample_seed. A completion ends at
+    an end-of-turn token, kept as its last id (finished), or after max_new_tokens ids (clipped).
+    Decoded together (Model.generate_batch) in batches of at most a training step's
+    prompts_per_step * group_size sequences, which bounds the KV cache."""
     tok = model.tokenizer
     stop_ids = frozenset(tok.eot_ids)
     temp = config.temperature if temperature is None else temperature
+    todo = [(row, j) for row in rows for j in range(group_size)]
+    size = config.prompts_per_step * config.group_size
     out = []
-    for row in rows:
-        for j in range(group_size):
-            ids, finished = sample_completion(model, row.ids, adapter, config.max_new_tokens,
-                                              temp, config.top_p,
-                                              sample_seed(seed, step, row.index, j), stop_ids)
-            text_ids = ids[:-1] if finished else ids
-            out.append(Completion(row, j, ids, finished, tok.decode(text_ids)))
+    for start in range(0, len(todo), size):
+        batch = todo[start:start + size]
+        generated = model.generate_batch(
+            [row.ids for row, _ in batch], config.max_new_tokens, temp, config.top_p,
+            [sample_seed(seed, step, row.index, j) for row, j in batch], adapter, stop=stop_ids)
+        for (row, j), ids in zip(batch, generated):
+            finished = bool(ids) and ids[-1] in stop_ids
+            out.append(Completion(row, j, ids, finished, tok.decode(ids[:-1] if finished else ids)))
     return out
 
 
@@ -451,7 +456,7 @@ def train_grpo(config: GrpoConfig, report: Report, should_stop: ShouldStop,
     """
     config.validate()
     t_start = time.perf_counter()
-    model = load_model(config.model)
+    model = load_model(config.model, device=config.train.device)
     tok = model.tokenizer
     seed = config.train.seed
     total = config.max_steps
@@ -564,8 +569,7 @@ def train_grpo(config: GrpoConfig, report: Report, should_stop: ShouldStop,
                 metrics = session.step(batches)
             except MemoryError:
                 raise OutOfMemoryError(
-                    f"Out of memory at step {step + 1} (peak resident memory "
-                    f"{peak_rss_mb():.0f} MB).",
+                    f"Out of memory at step {step + 1} ({memory_report(model.xp)}).",
                     "Lower prompts_per_step, group_size or max_new_tokens, or the LoRA rank."
                 ) from None
             t4 = time.perf_counter()

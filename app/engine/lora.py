@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from app.engine.backend import to_host
 from app.engine.errors import ConfigError, ModelFormatError
 
 
@@ -189,6 +190,14 @@ def init_adapter(shapes: dict[str, tuple[int, ...]], arch: str, config: LoraConf
     return adapter
 
 
+def adapter_on(adapter: LoraAdapter, xp) -> LoraAdapter:
+    """The adapter with its arrays on the device of `xp` (the same object for NumPy)."""
+    if xp is np:
+        return adapter
+    tensors = {name: (xp.asarray(a), xp.asarray(b)) for name, (a, b) in adapter.tensors.items()}
+    return LoraAdapter(adapter.alpha, tensors, adapter.arch, adapter.path)
+
+
 def adapter_parameters(adapter: LoraAdapter) -> dict[str, np.ndarray]:
     """The adapter's arrays by gradient name (<tensor>.lora_a / .lora_b), shared, not copied."""
     params = {}
@@ -206,6 +215,7 @@ def adapter_norms(adapter: LoraAdapter, user_scale: float = 1.0) -> dict[str, di
     """
     out = {}
     for name, (a, b) in adapter.tensors.items():
+        a, b = to_host(a), to_host(b)                # a GPU run's adapter: computed on the host
         if name == "token_embd.weight":              # A (V, R), B (C, R): delta = B A^T
             a = np.swapaxes(a, -1, -2)
         a3 = a.reshape(-1, *a.shape[-2:]).astype(np.float64)                 # (E, R, in)
@@ -233,6 +243,6 @@ def save_adapter(adapter: LoraAdapter, path: str | os.PathLike, arch: str | None
             "adapter.type": "lora", "adapter.lora.alpha": float(adapter.alpha)}
     tensors = {}
     for base, (a, b) in adapter.tensors.items():
-        tensors[base + ".lora_a"] = np.asarray(a, np.float32)
-        tensors[base + ".lora_b"] = np.asarray(b, np.float32)
+        tensors[base + ".lora_a"] = to_host(a).astype(np.float32, copy=False)
+        tensors[base + ".lora_b"] = to_host(b).astype(np.float32, copy=False)
     write_gguf(path, meta, tensors, value_types={"adapter.lora.alpha": (6, None)})

@@ -1,19 +1,20 @@
 """The transformer: dense and MoE blocks of the supported architectures, assembled from kernels.
 
 `Model.logits` walks the layers forward on the frozen base (plus an optional LoRA adapter) the
-way llama.cpp's graphs do (SPEC-llamacpp.md sections 2-3); `Model.generate` decodes with a KV
-cache. The training path (backward) builds on the same walk.
+way llama.cpp's graphs do (SPEC-llamacpp.md sections 2-3); `Model.generate` and
+`Model.generate_batch` decode with a KV cache (app.engine.generation). The training path
+(backward) builds on the same walk.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
+from app.engine.backend import array_module, to_host
 from app.engine.config import ModelConfig, config_from_metadata
 from app.engine.errors import ConfigError, ModelFormatError
 from app.engine.gguf_io import GGUFFile, read_gguf
@@ -35,34 +36,24 @@ from app.engine.timing import phase
 from app.engine.weights import WeightStore
 
 
-@dataclass
-class KVCache:
-    """Per-layer keys and values of the tokens seen so far: (S, Hkv, D) each."""
-
-    keys: list = field(default_factory=list)
-    values: list = field(default_factory=list)
-
-    @property
-    def length(self) -> int:
-        return 0 if not self.keys else int(self.keys[0].shape[0])
-
-
 class _Context:
-    """Per-forward constants shared by every layer: positions, RoPE tables, masks, KV cache."""
+    """Per-forward constants shared by every layer: positions, RoPE tables, masks, and where
+    keys and values go for decoding (app.engine.generation)."""
 
-    def __init__(self, cfg: ModelConfig, q_pos, k_pos, segments, kv: KVCache | None):
+    def __init__(self, cfg: ModelConfig, q_pos, k_pos, segments, kv, xp=np):
+        """q_pos, k_pos, segments: host arrays; the tables and masks are made on `xp`'s device."""
         self.cfg, self.q_pos, self.k_pos, self.segments, self.kv = cfg, q_pos, k_pos, segments, kv
+        self.xp = xp
         self._rope: dict = {}
         self.routing: dict[int, np.ndarray] = {}  # MoE layer -> token slots per expert (E,)
         self._masks: dict = {}
 
     @classmethod
-    def build(cls, cfg: ModelConfig, n_tokens: int, kv: KVCache | None, positions=None,
-              segments=None) -> "_Context":
-        start = kv.length if kv is not None else 0
-        q_pos = np.arange(start, start + n_tokens) if positions is None else np.asarray(positions)
-        k_pos = np.arange(start + n_tokens) if kv is not None else q_pos
-        return cls(cfg, q_pos, k_pos, None if segments is None else np.asarray(segments), kv)
+    def build(cls, cfg: ModelConfig, n_tokens: int, kv: list | None, positions=None,
+              segments=None, xp=np) -> "_Context":
+        """kv: a list that collects each layer's (k, v) (prefilling a prompt), or None."""
+        q_pos = np.arange(n_tokens) if positions is None else np.asarray(positions)
+        return cls(cfg, q_pos, q_pos, None if segments is None else np.asarray(segments), kv, xp)
 
     def rope(self, swa: bool, dtype):
         """cos, sin (T, n_rot/2): SWA layers use rope.freq_base_swa and no frequency scaling."""
@@ -70,31 +61,27 @@ class _Context:
         if key not in self._rope:
             cfg = self.cfg
             base, scale = (cfg.rope_base_swa, 1.0) if swa else (cfg.rope_base, cfg.rope_freq_scale)
-            self._rope[key] = rope_angles(np, self.q_pos, cfg.rope_dim, base, scale, dtype)
+            self._rope[key] = rope_angles(self.xp, self.xp.asarray(self.q_pos), cfg.rope_dim, base,
+                                          scale, dtype)
         return self._rope[key]
 
     def mask(self, swa: bool, dtype):
         """Additive (Tq, Tk) mask: causal, the sliding window on SWA layers, packed segments."""
         key = (swa, np.dtype(dtype))
         if key not in self._masks:
-            mask = attention_mask(np, self.q_pos, self.k_pos, self.cfg.sliding_window if swa else 0)
+            window = self.cfg.sliding_window if swa else 0
+            mask = attention_mask(np, self.q_pos, self.k_pos, window)           # (Tq, Tk)
             if self.segments is not None:
                 mask = np.where(self.segments[:, None] != self.segments[None, :], -np.inf, mask)
-            self._masks[key] = mask.astype(dtype)
+            self._masks[key] = self.xp.asarray(mask.astype(dtype))              # made on the host
         return self._masks[key]
 
-    def extend_kv(self, il: int, k, v):
-        """Decoding: append this step's keys/values to the cache and return all of them."""
-        if self.kv is None:
-            return k, v
-        cache = self.kv
-        if il < len(cache.keys):
-            cache.keys[il] = np.concatenate([cache.keys[il], k])             # (S, Hkv, D)
-            cache.values[il] = np.concatenate([cache.values[il], v])
-        else:
-            cache.keys.append(k)
-            cache.values.append(v)
-        return cache.keys[il], cache.values[il]
+    def attend(self, il: int, q, k, v, swa: bool):
+        """Layer il's attention of q (T, H, D) over this forward's k, v (T, Hkv, D):
+        (out (T, H, Dv), cache for attention_backward)."""
+        if self.kv is not None:
+            self.kv.append((k, v))
+        return attention_forward(q, k, v, self.cfg.attn_scale, self.mask(swa, q.dtype))
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -135,12 +122,13 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 class Model:
     """A GGUF language model ready for inference (and, with the training engine, for training)."""
 
-    def __init__(self, gguf: GGUFFile, cache_budget: int | None = None):
+    def __init__(self, gguf: GGUFFile, cache_budget: int | None = None, device: str = "cpu"):
         self.path = gguf.path
         self.gguf = gguf
         self.metadata = gguf.metadata
         self.config = config_from_metadata(gguf.metadata, gguf.tensors)
-        self.weights = WeightStore(gguf, cache_budget)
+        self.xp = array_module(device)  # numpy, or cupy: where weights and activations live
+        self.weights = WeightStore(gguf, cache_budget, self.xp)
         self._check_tensors()
 
     def _check_tensors(self) -> None:
@@ -186,8 +174,8 @@ class Model:
         """Logits (T, V) float32 for every position of `token_ids` (no BOS added)."""
         tokens = self._check_tokens(token_ids)
         params = self.params(adapter, adapter_scale)
-        x = self._hidden(tokens, params, _Context.build(self.config, tokens.size, None))
-        return self._head_logits(x, params)
+        x = self._hidden(tokens, params, _Context.build(self.config, tokens.size, None, xp=self.xp))
+        return to_host(self._head_logits(x, params))
 
     def _check_tokens(self, token_ids) -> np.ndarray:
         tokens = np.asarray(token_ids, dtype=np.int64).reshape(-1)
@@ -212,7 +200,7 @@ class Model:
         logits, _ = linear_forward(h, params.weight(head), lora=self._head_lora(params))  # (T, V)
         if cfg.final_logit_softcap:
             cap = np.float32(cfg.final_logit_softcap)
-            logits = cap * np.tanh(logits / cap)
+            logits = cap * self.xp.tanh(logits / cap)
         return logits.astype(np.float32, copy=False)
 
     def _head_lora(self, params: Params):
@@ -230,11 +218,11 @@ class Model:
              segments=None, vocab_chunk: int = 8192):
         """(loss, stats) as in loss_and_grads, forward only (evaluation)."""
         tokens = self._check_tokens(tokens)
-        ctx = _Context.build(self.config, tokens.size, None, positions, segments)
+        ctx = _Context.build(self.config, tokens.size, None, positions, segments, self.xp)
         x = self._hidden(tokens, params, ctx)
         h, _ = rmsnorm_forward(x, params.weight("output_norm.weight"), self.config.rms_eps)
         head = self.head_name
-        loss, stats, _ = cross_entropy_forward(h, params.row_view(head), np.asarray(labels),
+        loss, stats, _ = cross_entropy_forward(h, params.row_view(head), self.xp.asarray(labels),
                                                token_weights, self._head_lora(params),
                                                self.config.final_logit_softcap, vocab_chunk)
         return loss, {**stats, "routing": ctx.routing}
@@ -252,7 +240,7 @@ class Model:
         """
         cfg = self.config
         tokens = self._check_tokens(tokens)
-        ctx = _Context.build(cfg, tokens.size, None, positions, segments)
+        ctx = _Context.build(cfg, tokens.size, None, positions, segments, self.xp)
         grads = Grads()
         n, every = cfg.n_layer, checkpoint_interval
         saved = {}  # layer -> its input (checkpoints) or its caches (no checkpointing)
@@ -269,7 +257,7 @@ class Model:
             h, norm_cache = rmsnorm_forward(x, params.weight("output_norm.weight"), cfg.rms_eps)
             head = self.head_name
             loss, stats, loss_cache = cross_entropy_forward(
-                h, params.row_view(head), np.asarray(labels), token_weights,
+                h, params.row_view(head), self.xp.asarray(labels), token_weights,
                 self._head_lora(params), cfg.final_logit_softcap, vocab_chunk)
             dh, dw, dlora = cross_entropy_backward(loss_cache, need_dw=params.trains(head))
             del loss_cache
@@ -298,13 +286,14 @@ class Model:
     def _embed_forward(self, tokens, params: Params):
         name, cfg = "token_embd.weight", self.config
         if params.trains(name):
-            x, table_cache = embedding_forward(params.weight(name), tokens)       # (T, C)
+            x, table_cache = embedding_forward(params.weight(name), self.xp.asarray(tokens))
         else:
-            x, table_cache = params.rows(name, tokens), None
+            x, table_cache = params.rows(name, tokens), None                   # (T, C)
         lora = params.lora(name)
         lora_cache = None
         if lora is not None:
-            delta, lora_cache = lora_embedding_forward(lora[0], lora[1], tokens, lora[2])
+            delta, lora_cache = lora_embedding_forward(lora[0], lora[1], self.xp.asarray(tokens),
+                                                       lora[2])
             x = x + delta
         if cfg.embed_scale != 1.0:
             x = x * x.dtype.type(cfg.embed_scale)
@@ -398,8 +387,7 @@ class Model:
         cos, sin = ctx.rope(swa, q.dtype)
         q, c["q_rope"] = rope_forward(q, cos, sin, cfg.rope_dim, cfg.rope_type)
         k, c["k_rope"] = rope_forward(k, cos, sin, cfg.rope_dim, cfg.rope_type)
-        k, v = ctx.extend_kv(il, k, v)
-        out, c["attn"] = attention_forward(q, k, v, cfg.attn_scale, ctx.mask(swa, q.dtype))
+        out, c["attn"] = ctx.attend(il, q, k, v, swa)
         y, c["o"] = self._linear_forward(p + "attn_output", out.reshape(t, -1), params)
         return y, c
 
@@ -444,6 +432,7 @@ class Model:
         selected, weights, c_router = router_forward(logits, cfg.n_expert_used,
                                                      cfg.expert_weights_norm, cfg.expert_weights_scale)
         order, offsets, token_of = dispatch_order(selected, cfg.n_expert)
+        offsets = to_host(offsets)    # (E+1,) the one device read of the layer: segment bounds
         ctx.routing[il] = np.diff(offsets)        # a recomputed layer writes the same counts
         names = self._expert_names(il)
         weights_e = [params.experts(n) for n in names]
@@ -501,22 +490,24 @@ class Model:
         Stops after max_new_tokens, at a token in `stop` (default: the tokenizer's end-of-turn
         ids; the stop token itself is not yielded) or at the context length.
         """
-        tokens = self._check_tokens(prompt_ids)
-        params = self.params(adapter, adapter_scale)
-        stop_ids = set(self.tokenizer.eot_ids if stop is None else stop)
-        rng = np.random.default_rng(seed)
-        cache = KVCache()
-        step = lambda ids: self._head_logits(
-            self._hidden(ids, params, _Context.build(self.config, ids.size, cache))[-1:], params)[0]
-        logits = step(tokens)
-        for _ in range(max_new_tokens):
-            if cache.length >= self.config.context_length:
-                return
-            token = sample_token(logits, temperature, top_p, rng)
-            if token in stop_ids:
-                return
-            yield token
-            logits = step(np.array([token]))
+        from app.engine.generation import generate
+
+        return generate(self, prompt_ids, max_new_tokens, temperature, top_p, seed, adapter,
+                        adapter_scale, stop)
+
+    def generate_batch(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64,
+                       temperature: float = 0.0, top_p: float = 1.0,
+                       seeds: Sequence[int | None] | None = None,
+                       adapter: LoraAdapter | None = None, adapter_scale: float = 1.0,
+                       stop: Iterable[int] | None = None) -> list[list[int]]:
+        """New token ids of every prompt, decoded together: sequence b gets what
+        `generate(prompts[b], ..., seed=seeds[b])` yields, plus the stop token that ended it, if
+        one did, as its last id. Repeated prompts (G samples of one prompt) are run once.
+        """
+        from app.engine.generation import generate_batch
+
+        return generate_batch(self, prompts, max_new_tokens, temperature, top_p, seeds, adapter,
+                              adapter_scale, stop)
 
 
 def _add_full(grads: Grads, params: Params, name: str, g) -> None:
@@ -532,23 +523,8 @@ def _add_weight_grads(grads: Grads, name: str, dw, dlora) -> None:
         grads.add(name + ".lora_b", dlora[1])
 
 
-def sample_token(logits: np.ndarray, temperature: float, top_p: float, rng) -> int:
-    """Greedy for temperature <= 0; otherwise nucleus sampling from softmax(logits / T)."""
-    if temperature <= 0:
-        return int(np.argmax(logits))
-    z = logits.astype(np.float64) / temperature
-    probs = np.exp(z - z.max())
-    probs /= probs.sum()
-    if top_p < 1.0:
-        order = np.argsort(-probs, kind="stable")
-        keep = np.cumsum(probs[order]) - probs[order] < top_p    # always keeps the top token
-        mask = np.zeros_like(probs, dtype=bool)
-        mask[order[keep]] = True
-        probs = np.where(mask, probs, 0.0)
-        probs /= probs.sum()
-    return int(rng.choice(len(probs), p=probs))
-
-
-def load_model(path: str | os.PathLike, cache_budget: int | None = None) -> Model:
-    """Open a GGUF model: validate the file, read its config, memory-map its weights."""
-    return Model(read_gguf(path), cache_budget)
+def load_model(path: str | os.PathLike, cache_budget: int | None = None,
+               device: str = "cpu") -> Model:
+    """Open a GGUF model: validate the file, read its config, memory-map its weights.
+    device "cuda" computes on the GPU with CuPy (app.engine.backend)."""
+    return Model(read_gguf(path), cache_budget, device)

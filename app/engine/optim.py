@@ -170,19 +170,19 @@ def _pieces(w, g, moments, c) -> list[tuple]:
             for a in range(0, wf.size, step)]
 
 
-def _sumsq(g) -> float:
-    """Sum of squares of g as a Python float; NaN/Inf iff g has a NaN/Inf (or its norm overflows
-    float64)."""
+def _sumsq(g):
+    """Sum of squares of g: a Python float on NumPy, a float64 0-d device array on CuPy (the
+    caller converts the total once: one device sync per step). NaN/Inf iff g has a NaN/Inf
+    (or its norm overflows float64)."""
     xp = get_array_module(g)
     flat = g.reshape(-1)
-    if xp is np:  # float64 sum of per-chunk BLAS dots: accurate and fast
-        c = _chunk_len(flat)
-        with np.errstate(over="ignore"):  # an overflow is handled below
-            total = sum(float(np.dot(flat[a:a + c], flat[a:a + c]))
-                        for a in range(0, flat.size, c))
-    else:
-        total = float(xp.vdot(flat, flat))
-    if not math.isfinite(total) and bool(xp.isfinite(flat).all()):
+    if xp is not np:
+        return xp.square(flat, dtype=xp.float64).sum()
+    c = _chunk_len(flat)              # float64 sum of per-chunk BLAS dots: accurate and fast
+    with np.errstate(over="ignore"):  # an overflow is handled below
+        total = sum(float(np.dot(flat[a:a + c], flat[a:a + c]))
+                    for a in range(0, flat.size, c))
+    if not math.isfinite(total) and bool(np.isfinite(flat).all()):
         # finite values whose squares overflow the gradient's dtype (float16/float32)
         f64 = flat.astype(xp.float64)
         total = float(xp.vdot(f64, f64))
@@ -257,7 +257,7 @@ class _ElementwiseOptimizer:
         lr = self.lr if lr is None else _check_lr(lr)
         pairs = self._match(grads)
         n_params = sum(int(w.size) for _, w, _ in pairs)
-        sumsq = sum(_sumsq(g) for _, _, g in pairs)
+        sumsq = float(sum(_sumsq(g) for _, _, g in pairs))
         if not math.isfinite(sumsq):  # NaN/Inf gradient: nothing has been touched yet
             return StepStats(grad_norm=math.sqrt(sumsq),
                              clipped_fraction=0.0, lr=lr, n_params=n_params, skipped=True)
@@ -274,12 +274,14 @@ class _ElementwiseOptimizer:
             moments = [self.state[k][name] for k in self._moments]
             pieces += _pieces(w, g, moments, c_no_decay if name in self.no_decay else c)
         xp = get_array_module(*(w for _, w, _ in pairs[:1]))
-        clipped = sum(parallel_map(lambda piece: self._clip_and_update(*piece, scale), pieces, xp))
+        clipped = int(sum(parallel_map(lambda piece: self._clip_and_update(*piece, scale),
+                                       pieces, xp)))
         return StepStats(grad_norm=norm, clipped_fraction=clipped / n_params if n_params else 0.0,
                          lr=lr, n_params=n_params)
 
-    def _clip_and_update(self, w, g, moments, c, scale: float) -> int:
-        """Update one piece in place; returns the number of elements gclip changed."""
+    def _clip_and_update(self, w, g, moments, c, scale: float):
+        """Update one piece in place; returns the number of elements gclip changed (an int, or
+        a 0-d device array on CuPy: no sync per piece)."""
         xp = get_array_module(w)
         s, t, mask = (b.reshape(w.shape) for b in self._scratch.get(w, w.size))
         clipped = 0
@@ -289,11 +291,11 @@ class _ElementwiseOptimizer:
         if self.gclip > 0:                            # 2. element-wise clamp
             xp.abs(g, out=t)
             xp.greater(t, self.gclip, out=mask)
-            clipped = int(xp.count_nonzero(mask))
+            clipped = xp.count_nonzero(mask)
             xp.clip(g, -self.gclip, self.gclip, out=s)
             g = s
         self._kernel(w, g, moments, t if g is s else s, c)
-        return clipped
+        return int(clipped) if xp is np else clipped
 
     # -- checkpoints
     def state_dict(self) -> dict[str, Any]:

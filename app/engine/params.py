@@ -71,7 +71,7 @@ class Params:
 
     def rows(self, name: str, index: np.ndarray):
         if name in self.full:
-            return self.full[name][index]
+            return self.full[name][self.store.xp.asarray(index)]
         return self.store.rows(name, index).astype(self.dtype, copy=False)
 
     def lora(self, name: str):
@@ -93,7 +93,8 @@ class Params:
         if not self.training or p <= 0.0:
             return None
         rng = np.random.default_rng([*self.dropout_seed, zlib.crc32(name.encode())])
-        return (rng.random(shape) >= p).astype(dtype) / dtype.type(1.0 - p)
+        mask = (rng.random(shape) >= p).astype(dtype) / dtype.type(1.0 - p)
+        return self.store.xp.asarray(mask)  # drawn on the host: the same masks on any device
 
 
 class Grads(dict):

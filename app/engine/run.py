@@ -18,6 +18,7 @@ from typing import Callable
 
 import numpy as np
 
+from app.engine.backend import memory_report
 from app.engine.checkpoint import (latest_checkpoint, load_checkpoint, prune_checkpoints,
                                    save_checkpoint)
 from app.engine.config import TrainConfig
@@ -121,7 +122,7 @@ def train(config: RunConfig, report: Report, should_stop: ShouldStop,
     """
     config.validate()
     t_start = time.perf_counter()
-    model = load_model(config.model)
+    model = load_model(config.model, device=config.train.device)
     report({"type": "log", "message": f"tokenizing {Path(config.data).name}"})
     dataset = load_dataset(config.data, model.tokenizer, config.data_config,
                            should_stop=lambda: bool(should_stop()))
@@ -187,8 +188,7 @@ def train(config: RunConfig, report: Report, should_stop: ShouldStop,
                 metrics = session.step(micro)
             except MemoryError:
                 raise OutOfMemoryError(
-                    f"Out of memory at step {session.step_count + 1} (peak resident memory "
-                    f"{peak_rss_mb():.0f} MB).",
+                    f"Out of memory at step {session.step_count + 1} ({memory_report(model.xp)}).",
                     "Lower the context or the batch, set checkpoint-interval 1 (gradient "
                     "checkpointing), use LoRA instead of full fine-tuning, or a smaller rank."
                 ) from None

@@ -13,9 +13,11 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
+from app.engine.backend import to_host
 from app.engine.config import TrainConfig
 from app.engine.errors import CheckpointError, ConfigError
-from app.engine.lora import LoraAdapter, LoraConfig, adapter_parameters, init_adapter, tensor_kind
+from app.engine.lora import (LoraAdapter, LoraConfig, adapter_on, adapter_parameters, init_adapter,
+                             tensor_kind)
 from app.engine.model import Model
 from app.engine.optim import LBFGS, SGD, AdamW, GradAccumulator, make_schedule
 from app.engine.timing import phase
@@ -106,7 +108,11 @@ class TrainSession:
         if config.mode != "lora" and not full_names:
             raise ConfigError("Nothing to train in full: every matching tensor is quantized.",
                               "Full fine-tuning needs F32/F16/BF16 tensors; use LoRA instead.")
-        self.full = {n: np.array(model.gguf.array(n), dtype=np.float32) for n in full_names}
+        xp = model.xp
+        if self.adapter is not None:
+            self.adapter = adapter_on(self.adapter, xp)
+        self.full = {n: xp.asarray(np.array(model.gguf.array(n), dtype=np.float32))
+                     for n in full_names}
         self.params = model.params(self.adapter, full=self.full, training=True)
         self.params.lora_dropout = config.lora_dropout
         self.eval_params = model.params(self.adapter, full=self.full, training=True)  # no dropout
@@ -128,7 +134,8 @@ class TrainSession:
 
     def state_dict(self) -> dict:
         """Everything a checkpoint needs to continue exactly: trained arrays, optimizer, step."""
-        return {"step": self.step_count, "trainable": dict(self.trainable),
+        return {"step": self.step_count,
+                "trainable": {name: to_host(a) for name, a in self.trainable.items()},
                 "optimizer": self.optimizer.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -143,7 +150,7 @@ class TrainSession:
             if saved[name].shape != array.shape:
                 raise CheckpointError(f"Checkpoint tensor {name} has shape {saved[name].shape}, "
                                       f"the run expects {array.shape}.")
-            array[...] = saved[name]
+            array[...] = self.model.xp.asarray(saved[name])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step_count = int(state["step"])
 

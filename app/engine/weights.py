@@ -4,32 +4,36 @@ F32 tensors are zero-copy views of the file. Quantized tensors are dequantized o
 float32 and kept in a bounded LRU cache, so a model larger than the budget still runs (it just
 dequantizes again). Experts are cached one expert at a time, and embedding lookups dequantize
 only the rows they read.
+
+On a GPU (`xp` = cupy) the quantized bytes are copied to the device and dequantized there, and
+the cache (F32 tensors too) lives in device memory, budgeted against the GPU's memory.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections import OrderedDict
 
 import numpy as np
 
+from app.engine.backend import device_memory
 from app.engine.gguf_io import GGUFFile, dequantize
 
 
-def default_cache_budget() -> int:
-    """40% of physical memory: dequantized float32 copies are 2-8x larger than Q8/Q4 weights."""
+def default_cache_budget(xp=np) -> int:
+    """40% of the device's memory (host RAM on the CPU): dequantized float32 copies are 2-8x
+    larger than Q8/Q4 weights."""
     try:
-        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * 0.4)
+        return int(device_memory(xp)[1] * 0.4)
     except (ValueError, OSError, AttributeError):
         return 4 << 30
 
 
 class WeightStore:
-    def __init__(self, gguf: GGUFFile, cache_budget: int | None = None):
-        self.gguf = gguf
-        self.budget = default_cache_budget() if cache_budget is None else cache_budget
+    def __init__(self, gguf: GGUFFile, cache_budget: int | None = None, xp=np):
+        self.gguf, self.xp = gguf, xp
+        self.budget = default_cache_budget(xp) if cache_budget is None else cache_budget
         self._cache: OrderedDict = OrderedDict()
         self._cached_bytes = 0
         self.dequant_seconds = 0.0  # time spent dequantizing, for the benchmarks' phase split
@@ -37,7 +41,7 @@ class WeightStore:
 
     def _dequantize(self, raw, ggml_type: int) -> np.ndarray:
         t0 = time.perf_counter()
-        out = dequantize(raw, ggml_type)
+        out = dequantize(raw if self.xp is np else self.xp.asarray(raw), ggml_type)
         with self._lock:
             self.dequant_seconds += time.perf_counter() - t0
         return out
@@ -67,19 +71,21 @@ class WeightStore:
         """The whole tensor as float32 (NumPy shape)."""
         info = self.gguf.tensors[name]
         if info.ggml_type == 0:
-            return self.gguf.array(name)
+            if self.xp is np:
+                return self.gguf.array(name)
+            return self._cached(name, lambda: self.xp.asarray(self.gguf.array(name)))
         return self._cached(name, lambda: self._dequantize(self.gguf.raw(name),
                                                            info.ggml_type).reshape(info.shape))
 
     def rows(self, name: str, index: np.ndarray) -> np.ndarray:
         """Rows `index` of a 2-D tensor as float32: (len(index), n_cols)."""
         info = self.gguf.tensors[name]
-        raw = self.gguf.raw(name)[index]                              # (N, row_bytes)
-        if info.ggml_type == 0:
-            return raw.view(np.float32)
         whole = self._cache.get(name)
         if whole is not None:
-            return whole[index]
+            return whole[self.xp.asarray(index)]
+        raw = self.gguf.raw(name)[index]                              # (N, row_bytes)
+        if info.ggml_type == 0:
+            return self.xp.asarray(raw.view(np.float32))
         return self._dequantize(raw, info.ggml_type)
 
     def row_view(self, name: str):
@@ -98,7 +104,7 @@ class WeightStore:
         """Expert e of a 3-D (E, out, in) tensor as float32 (out, in)."""
         info = self.gguf.tensors[name]
         if info.ggml_type == 0:
-            return self.gguf.array(name)[e]
+            return self.get(name)[e]
         whole = self._cache.get(name)
         if whole is not None:
             return whole[e]

@@ -19,7 +19,7 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog
                                QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit, QPushButton,
                                QSlider, QSpinBox, QSplitter, QVBoxLayout, QWidget)
 
-from app.engine.chat_template import chat_prompt_ids
+from app.engine.chat_template import chat_prompt_ids, generation_prompt_ids
 from app.views.context import AppContext, sample_model_path
 from app.views.error_panel import ErrorPanel
 
@@ -100,7 +100,8 @@ class Generation(QThread):
         model = self.cache.model(r["model"])
         adapter = self.cache.adapter(r["adapter_key"], model) if r["adapter_key"] else None
         tok = model.tokenizer
-        ids = chat_prompt_ids(tok, r["prompt"]) if r["chat"] else tok.encode(r["prompt"])
+        ids = (chat_prompt_ids(tok, r["prompt"]) if r["chat"]
+               else generation_prompt_ids(tok, r["prompt"]))
         self.loaded.emit(f"{len(ids)} prompt tokens")
         sides = {"base": model.generate(ids, r["max_tokens"], r["temperature"], r["top_p"],
                                         r["seed"])}

@@ -6,9 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from app.engine.chat_template import DEFAULT_CHAT_TEMPLATE, render_chat, render_chat_spans
+from app.engine.chat_template import (DEFAULT_CHAT_TEMPLATE, chat_prompt_ids,
+                                      generation_prompt_ids, render_chat, render_chat_spans)
 from app.engine.errors import ConfigError
-from app.engine.tokenizer import load_tokenizer
+from app.engine.gguf_io import read_gguf
+from app.engine.tokenizer import Tokenizer, load_tokenizer
 
 TEMPLATES = Path(__file__).parent.parent / "data" / "templates"
 TEMPLATE_NAMES = sorted(p.stem for p in TEMPLATES.glob("*.jinja"))
@@ -150,6 +152,29 @@ def test_spans_with_a_models_own_template_and_tokenizer():
     assert [chat.text[slice(*s.end_marker)] for s in chat.assistant_spans] == ["<|end|>", "<|end|>"]
     ids = tok.encode(chat.text, add_special=False, parse_special=True)
     assert ids.count(32007) == 4  # <|end|> became one control token per turn
+
+
+def _phi3_adding_eos() -> Tokenizer:
+    """phi-3's tokenizer (BOS added; its template writes the BOS too) with add_eos_token set."""
+    meta = dict(read_gguf(VOCAB / "ggml-vocab-phi-3.gguf").metadata)
+    meta["tokenizer.ggml.add_eos_token"] = True
+    return Tokenizer.from_metadata(meta)
+
+
+def test_generation_prompts_get_a_bos_and_never_an_eos():
+    tok = _phi3_adding_eos()
+    bos, eos = tok.bos_id, tok.eos_id
+    assert tok.add_bos and tok.add_eos and tok.encode("Hello")[-1] == eos  # the flag is on
+    assert generation_prompt_ids(tok, "Hello") == [bos] + tok.encode("Hello", add_special=False)
+    chat = chat_prompt_ids(tok, "Hello")
+    assert chat == generation_prompt_ids(tok, [{"role": "user", "content": "Hello"}])
+    assert chat[0] == bos and chat.count(bos) == 1 and eos not in chat  # the template's BOS only
+    plain_tok = load_tokenizer(VOCAB / "ggml-vocab-qwen2.gguf")         # adds no BOS
+    assert not plain_tok.add_bos
+    assert generation_prompt_ids(plain_tok, "Hi") == plain_tok.encode("Hi", add_special=False)
+    # special-token texts of a plain prompt stay text unless parse_special
+    assert generation_prompt_ids(tok, "<|end|>") != [bos, 32007]
+    assert generation_prompt_ids(tok, "<|end|>", parse_special=True) == [bos, 32007]
 
 
 def test_spans_skip_text_the_template_adds_before_the_content():

@@ -14,12 +14,13 @@ from app.engine import load_model
 from app.engine.config import TrainConfig
 from app.engine.errors import ConfigError
 from app.engine.grpo import (GrpoConfig, compute_advantages, kl_weights, load_prompts,
-                             policy_batches, sample_completion, sample_seed, step_prompts,
-                             token_log_probs, train_grpo)
+                             policy_batches, prompt_ids, sample_groups, sample_seed,
+                             step_prompts, token_log_probs, train_grpo)
 from app.engine.jobs import JobQueue
 from app.engine.lora import LoraAdapter, LoraConfig, init_adapter, load_adapter
 from app.engine.reward_functions import RewardScorer, RewardSpec
 from app.engine.rundir import RunDir
+from app.engine.tokenizer import Tokenizer
 from app.engine.train import TrainSession
 from app.engine.worker import run_worker
 from tests.conftest import GOLDEN
@@ -226,20 +227,37 @@ def test_prompts_chat_plain_and_rejected(tmp_path):
     assert good[0].text == "What is 2 + 3?" and good[1].ids[0] == tok.bos_id
 
 
+def test_prompts_never_end_with_an_eos():
+    model = load_model(TINY)
+    tok = model.tokenizer
+    adds_eos = Tokenizer.from_metadata({**model.metadata, "tokenizer.ggml.add_eos_token": True})
+    assert adds_eos.encode("1, 2,")[-1] == adds_eos.eos_id
+    for row in ({"messages": [{"role": "user", "content": "What is 2 + 3?"}]},
+                {"prompt": "Let's count: 1, 2,"}):
+        ids, _ = prompt_ids(adds_eos, row)
+        assert ids == prompt_ids(tok, row)[0] and ids[0] == tok.bos_id and ids[-1] != tok.eos_id
+
+
 def test_sampling_is_seeded_and_keeps_the_end_of_turn_token():
     model = load_model(TINY)
     with RewardScorer([RewardSpec("exact")]) as scorer:
         rows, _, _ = load_prompts(ADDITION, model.tokenizer, scorer, 200)
-    ids, eot = rows[0].ids, model.tokenizer.eot_ids
-    runs = [sample_completion(model, ids, None, 8, 1.0, 1.0, sample_seed(0, 1, 0, j), eot)
-            for j in range(6)]
-    assert runs == [sample_completion(model, ids, None, 8, 1.0, 1.0, sample_seed(0, 1, 0, j), eot)
-                    for j in range(6)]
-    assert len({tuple(r[0]) for r in runs}) > 1                    # samples differ
-    for out, finished in runs:
-        assert finished and out[-1] in eot and not set(out[:-1]) & eot
-    clipped, finished = sample_completion(model, ids, None, 2, 1.0, 1.0, 5, eot)
-    assert len(clipped) == 2 and not finished
+    eot = model.tokenizer.eot_ids
+    config = _config(max_new_tokens=8, prompts_per_step=1)       # batches of G = 6 sequences
+    runs = sample_groups(model, rows[:3], 6, None, config, 1, 0)
+    assert [(c.prompt.index, c.sample) for c in runs] == [(i, j) for i in range(3) for j in range(6)]
+    assert [c.ids for c in runs] == [c.ids for c in sample_groups(
+        model, rows[:3], 6, None, _config(max_new_tokens=8, prompts_per_step=4), 1, 0)]
+    assert len({tuple(c.ids) for c in runs[:6]}) > 1                # samples differ
+    for c in runs:       # what Model.generate gives the prompt alone, up to its end of turn
+        alone = list(model.generate(c.prompt.ids, 8, 1.0, 1.0,
+                                    sample_seed(0, 1, c.prompt.index, c.sample), stop=()))
+        assert c.ids == alone[:len(c.ids)] and not set(c.ids[:-1]) & eot
+        assert c.finished == (c.ids[-1] in eot) and (c.finished or len(c.ids) == 8)
+        assert c.text == model.tokenizer.decode(c.ids[:-1] if c.finished else c.ids)
+    assert all(c.finished for c in runs[:6])
+    clipped = sample_groups(model, rows[:1], 2, None, _config(max_new_tokens=2), 1, 0)
+    assert [len(c.ids) for c in clipped] == [2, 2] and not any(c.finished for c in clipped)
     assert sample_seed(0, 1, 0, 0) != sample_seed(0, 2, 0, 0) != sample_seed(1, 1, 0, 0)
 
 
