@@ -1,24 +1,28 @@
-"""The engine's CPU threads: independent pieces of one kernel run side by side.
+"""The engine's CPU threads: it splits its own work across the cores; BLAS runs single-threaded.
 
-Large dense GEMMs (the linear layers, the loss head) are left to BLAS's own threads, which split
-one GEMM well. Many small independent pieces are not: the experts of an MoE layer (about 64 rows
-each), the kv-head groups of attention (small batched GEMMs and a softmax that NumPy runs on one
-core), the chunks of the optimizer update. `parallel_map` runs such pieces on a small thread pool
-with BLAS held to one thread inside, so each core runs whole pieces, and hands them out one at a
-time as threads free up. NumPy releases the GIL in matmul and in ufunc loops, so the threads do
-run at once.
+The first time the engine computes in parallel it sets BLAS to one thread for the rest of the
+process, and from then on it decides what runs side by side:
+* `matmul` splits one large GEMM into blocks of output columns (linear layers, the loss head);
+* `parallel_map` runs independent pieces: the experts of an MoE layer, the kv-head groups of
+  attention, the chunks of the optimizer update.
+Pieces are taken one at a time from a shared counter by the pool's threads and by the calling
+thread itself, so a thread that the OS has taken off its core for another process delays only
+the piece it holds: the others go on with the rest. NumPy releases the GIL in matmul and in ufunc
+loops, so the threads do run at once.
 
-An OpenBLAS thread busy-waits for a while after each GEMM and then fights the pool's threads for
-the core (measured: 8 expert GEMMs after a dense GEMM took 5.5 ms instead of 3.0 ms). `app`
-therefore sets OPENBLAS_THREAD_TIMEOUT=4 (sleep almost at once) before NumPy is loaded; it
-changes nothing else (dense GEMMs: 4.1 vs 4.2 ms). Measurements: docs/PERFORMANCE.md.
+Why not BLAS's own threads: OpenBLAS splits each GEMM statically between its threads, so when
+another process takes one of the cores every GEMM waits for the thread that lost it. Measured on
+the 2-core development machine, bench-dense LoRA r=16 step at context 256 with one busy-loop
+process beside it: OpenBLAS on 2 threads 1035 ms, one thread 196 ms. Quiet, the engine's threads
+lose a little to OpenBLAS on large dense GEMMs and win on everything else (docs/PERFORMANCE.md).
 
 `WORKBENCH_THREADS` sets the thread count (default: the CPUs this process may run on). CuPy
-arrays never take this path: the GPU is fed serially.
+arrays never take these paths: the GPU is fed serially.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -26,14 +30,17 @@ from typing import Callable, Iterable, TypeVar
 
 import numpy as np
 
+from app.engine.backend import get_array_module
+
 T = TypeVar("T")
 R = TypeVar("R")
 
+# A GEMM of fewer multiply-adds than this is not split (about 0.1 ms on one core).
+MIN_SPLIT_WORK = 1 << 23
+
 _pool: ThreadPoolExecutor | None = None
-_blas = None                                 # threadpoolctl controller, made with the pool
 _setup = threading.Lock()
-_limit = {"users": 0, "handle": None}        # BLAS held to one thread while any map runs
-_inside = threading.local()                  # set in pool threads: nested maps run serially
+_inside = threading.local()  # set while a thread runs pieces: nested calls run serially
 
 
 def thread_count() -> int:
@@ -48,37 +55,76 @@ def thread_count() -> int:
 
 
 def _engine_pool() -> ThreadPoolExecutor:
-    global _pool, _blas
+    """The pool (the caller is one of the threads, so it has thread_count() - 1 workers), made on
+    first use; BLAS is set to one thread at the same moment, for good."""
+    global _pool
     with _setup:
         if _pool is None:
-            from threadpoolctl import ThreadpoolController
-            _blas = ThreadpoolController()
-            _pool = ThreadPoolExecutor(thread_count(), thread_name_prefix="workbench-engine",
-                                       initializer=lambda: setattr(_inside, "active", True))
+            from threadpoolctl import threadpool_limits
+            threadpool_limits(limits=1, user_api="blas")
+            _pool = ThreadPoolExecutor(max(thread_count() - 1, 1),
+                                       thread_name_prefix="workbench-engine")
     return _pool
+
+
+def _serial(xp, n_items: int) -> bool:
+    return (xp is not np or n_items < 2 or thread_count() < 2
+            or getattr(_inside, "active", False))
 
 
 def parallel_map(fn: Callable[[T], R], items: Iterable[T], xp=np) -> list[R]:
     """[fn(item) for item in items], on the engine's threads when that can help.
 
-    Items are handed out one at a time as threads free up, so put the largest first. `fn` must
-    only write to places no other item writes to. Serial for CuPy (`xp`), for one thread, for
-    a single item, and inside another parallel_map.
+    Put the largest items first. `fn` must only write to places no other item writes to.
+    Serial for CuPy (`xp`), for one thread, for a single item, and inside another call.
     """
     items = list(items)
-    if (xp is not np or len(items) < 2 or thread_count() < 2
-            or getattr(_inside, "active", False)):
+    if _serial(xp, len(items)):
         return [fn(item) for item in items]
     pool = _engine_pool()
-    with _setup:
-        if _limit["users"] == 0:
-            _limit["handle"] = _blas.limit(limits=1, user_api="blas")
-        _limit["users"] += 1
-    try:
-        return list(pool.map(fn, items))
-    finally:
-        with _setup:
-            _limit["users"] -= 1
-            if _limit["users"] == 0:
-                _limit["handle"].restore_original_limits()
+    results: list = [None] * len(items)
+    taken = itertools.count()          # next() is atomic under the GIL
+    failures: list[BaseException] = []
 
+    def take_pieces() -> None:
+        _inside.active = True
+        try:
+            for i in iter(taken.__next__, None):
+                if i >= len(items) or failures:
+                    return
+                try:
+                    results[i] = fn(items[i])
+                except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+                    failures.append(exc)
+                    return
+        finally:
+            _inside.active = False
+
+    helpers = [pool.submit(take_pieces) for _ in range(min(thread_count(), len(items)) - 1)]
+    take_pieces()
+    for helper in helpers:
+        helper.result()
+    if failures:
+        raise failures[0]
+    return results
+
+
+def matmul(a, b):
+    """a (M, K) @ b (K, N) -> (M, N), blocks of output columns on the engine's threads.
+
+    Each block reads its own columns of b (the weight, usually the larger operand) and writes
+    its own columns of the result. Small products, CuPy and nested calls: one plain matmul.
+    """
+    xp = get_array_module(a, b)
+    m, k = a.shape
+    n = b.shape[1]
+    threads = thread_count()
+    if m * k * n < MIN_SPLIT_WORK or _serial(xp, threads):
+        return a @ b
+    out = np.empty((m, n), np.result_type(a.dtype, b.dtype))
+    blocks = 2 * threads if m * k * n >= 4 * threads * MIN_SPLIT_WORK else threads
+    step = -(-n // blocks)
+    step += -step % 16                 # whole SIMD widths per block
+    parts = [slice(lo, min(lo + step, n)) for lo in range(0, n, step)]
+    parallel_map(lambda cols: np.matmul(a, b[:, cols], out=out[:, cols]), parts)
+    return out

@@ -37,16 +37,30 @@ def test_training_with_threads_is_bit_identical_to_one_thread(monkeypatch, model
         np.testing.assert_array_equal(params_1[name], params_2[name], err_msg=name)
 
 
-def test_parallel_map_runs_items_on_engine_threads_and_keeps_order(monkeypatch):
+def test_parallel_map_shares_items_between_caller_and_pool_and_keeps_order(monkeypatch):
     monkeypatch.setenv("WORKBENCH_THREADS", "2")
     seen = set()
+    barrier = threading.Barrier(2, timeout=10)
 
     def work(i):
         seen.add(threading.current_thread().name)
-        # a nested map runs serially inside the pool thread (no deadlock)
+        if i < 2:
+            barrier.wait()          # the first two items run at the same time, on two threads
+        # a nested map runs serially inside a piece (no deadlock)
         return sum(parallel.parallel_map(lambda j: i * j, range(3)))
     assert parallel.parallel_map(work, range(8)) == [3 * i for i in range(8)]
-    assert all(name.startswith("workbench-engine") for name in seen)
+    caller = threading.current_thread().name
+    assert caller in seen and any(n.startswith("workbench-engine") for n in seen - {caller})
+
+
+@pytest.mark.parametrize("shape", [(256, 512, 1536), (7, 3, 5), (300, 1024, 130)])
+def test_matmul_splits_big_products_and_matches_numpy_bit_for_bit(monkeypatch, shape):
+    monkeypatch.setenv("WORKBENCH_THREADS", "2")
+    m, k, n = shape
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((m, k), dtype=np.float32)
+    b = rng.standard_normal((n, k), dtype=np.float32).T        # a transposed weight, as x @ W.T
+    np.testing.assert_array_equal(parallel.matmul(a, b), a @ b)
 
 
 def test_one_thread_and_exceptions(monkeypatch):

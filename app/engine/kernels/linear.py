@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from app.engine.parallel import matmul
+
 
 def linear_forward(x, w, bias=None, lora=None, dropout_mask=None):
     """x: (T, in), w: (out, in), bias: (out,), lora: (A (R, in), B (out, R), scale) or None.
@@ -11,7 +13,7 @@ def linear_forward(x, w, bias=None, lora=None, dropout_mask=None):
     1/(1-p) (0 where dropped), or None.
     Cache: (x, w, has_bias, lora, xa, mask) with xa = (x * mask) A^T (T, R) kept for dB.
     """
-    y = x @ w.T                                          # (T, out)
+    y = matmul(x, w.T)                                   # (T, out)
     if bias is not None:
         y += bias
     xa = None
@@ -19,7 +21,7 @@ def linear_forward(x, w, bias=None, lora=None, dropout_mask=None):
         a, b, scale = lora
         xl = x if dropout_mask is None else x * dropout_mask
         xa = xl @ a.T                                    # (T, R)
-        y += scale * (xa @ b.T)                          # (T, out)
+        y += (scale * xa) @ b.T                          # (T, out): scaled on the rank side
     return y, (x, w, bias is not None, lora, xa, dropout_mask)
 
 
@@ -32,8 +34,8 @@ def linear_backward(dout, cache, need_dw: bool):
     dB = s dout^T xa (out, R); B @ A is never formed.
     """
     x, w, has_bias, lora, xa, mask = cache
-    dx = dout @ w                                        # (T, in)
-    dw = dout.T @ x if need_dw else None                 # (out, in)
+    dx = matmul(dout, w)                                 # (T, in)
+    dw = matmul(dout.T, x) if need_dw else None          # (out, in)
     dbias = dout.sum(0) if has_bias else None            # (out,)
     dlora = None
     if lora is not None:

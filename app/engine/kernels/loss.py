@@ -22,7 +22,7 @@ def _chunk_logits(xp, h, w_out, lo, hi, lora, ha, softcap):
     w_chunk = w_out[lo:hi]                                              # (v, C)
     z = h @ w_chunk.T                                                   # (n, v)
     if lora is not None:
-        z += lora[2] * (ha @ lora[1][lo:hi].T)                          # (n, v)
+        z += (lora[2] * ha) @ lora[1][lo:hi].T                          # (n, v)
     if softcap > 0.0:
         z /= softcap
         xp.tanh(z, out=z)

@@ -179,13 +179,13 @@ def experts_forward_train(x, order, offsets, token_of, w_gate, w_up, w_down, act
         for (lora, acts, out) in ((loras[0], lora_acts[0], ge), (loras[1], lora_acts[1], ue)):
             if lora is not None:
                 xa = xp.matmul(xe, lora[0][e].T, out=acts[lo:hi])       # (n, R)
-                out += lora[2] * (xa @ lora[1][e].T)                    # (n, F)
+                out += (lora[2] * xa) @ lora[1][e].T                    # (n, F)
         a = _glu_act(act, ge)                                           # (n, F)
         a *= ue                                                         # h (n, F)
         ye = xp.matmul(a, w_down[e].T, out=ys[lo:hi])                   # (n, C)
         if loras[2] is not None:
             ha = xp.matmul(a, loras[2][0][e].T, out=lora_acts[2][lo:hi])  # (n, R)
-            ye += loras[2][2] * (ha @ loras[2][1][e].T)                 # (n, C)
+            ye += (loras[2][2] * ha) @ loras[2][1][e].T                 # (n, C)
     parallel_map(run, busiest_first(host_offsets), xp)
     cache = dict(x_shape=x.shape, order=order, offsets=host_offsets, xs=xs, g=g_all, u=u_all,
                  weights=(w_gate, w_up, w_down), act=act, loras=tuple(loras), lora_acts=lora_acts)
