@@ -1,16 +1,37 @@
-"""Training-step speed and memory.
+"""One training configuration, timed: ``python -m bench train`` (``python -m bench.train`` is the
+same command).
 
-    python -m bench.train                      the whole table (each row in its own process)
-    python -m bench.train --model M.gguf --mode lora|full [--rank R] [--targets a,b]
-                          [--ctx C] [--steps N] [--checkpoint N] [--json]
-                                               one configuration, one JSON object
+    python -m bench train --model M.gguf|NAME --mode lora|full [--rank R] [--targets a,b]
+                          [--ctx C] [--steps N] [--checkpoint N] [--impl ours|torch|llama.cpp]
+                          [--device cpu|cuda] [--json]
 
-Figures per configuration: median tokens/s and step time of a full training step (forward,
-loss, backward, optimizer), peak resident memory of the process, and the time split into
-forward, backward (incl. recompute), optimizer and dequantization. The synthetic models
-(llama, width 512, 4 layers, 8 heads / 4 kv heads; dense FFN 1536 or 8 experts top-2 with
-expert FFN 1024; 259-token byte vocabulary) are written once to bench/models/ with the
-project's own GGUF writer. Medians over `steps` timed steps after one warm-up step.
+prints one JSON object. NAME is a model of bench/models.py (e.g. bench-moe-q8_0, gemma3-270m).
+--impl: ours (app.engine's TrainSession), torch (the PyTorch peer, bench/torch_peer.py) or
+llama.cpp (llama-finetune, bench/llamacpp.py).
+
+The step, identical on every side: one sequence of C random token ids (fixed seed) with the
+next token as label; AdamW (lr 1e-4, betas 0.9/0.999, eps 1e-8, no weight decay) after
+global-norm gradient clipping at 1.0 (TrainConfig's default is no clipping: the bench turns it
+on for both sides); LoRA alpha = 2 x rank, the adapter made by app.engine.lora.init_adapter
+with the same seed; full fine-tuning trains every F32/F16/BF16 tensor.
+
+Timing: WARMUP untimed steps (they fill the caches and let the allocator settle; the first
+one's loss is `loss0`, the loss at the initial weights, equal on both sides), then N timed
+steps. A step's time ("step_ms") is the batch
+construction plus the training step. Its phases come from app.engine.timing's PhaseClock:
+data (building the batch from the token window), forward, loss (ours: output norm, head and
+cross-entropy, forward and backward; the peer: head and cross-entropy forward, its backward
+being in "backward"), backward, recompute (ours: the blocks re-run under checkpointing; the
+peer's recompute happens inside autograd's backward), optimizer (with the clipping), dequant
+(inside the other phases: WeightStore.dequant_seconds) and other (the step minus its phases).
+Every figure is the median over the timed steps; tokens/s = C / median step.
+
+Peak RSS is the process's high-water mark (ru_maxrss) right after the timed steps, so it
+includes the interpreter and libraries ("startup_rss_mb", the RSS before the model is loaded).
+Beside it: the matmul FLOPs of the step, the achieved GFLOP/s and the memory lower bound of
+bench/cost.py. The torch peer computes its logits on the first window before training and,
+after the timing, compares them with Model.logits of ours; when they differ by more than
+LOGITS_RTOL of the largest logit its timing figures are withheld ("refused").
 """
 
 from __future__ import annotations
@@ -19,117 +40,230 @@ import argparse
 import json
 import resource
 import statistics
-import subprocess
-import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-MODELS = ROOT / "bench" / "models"
-BYTE_VOCAB = ROOT / "tests" / "data" / "golden" / "llama-f32.gguf"
+from app.engine.config import TrainConfig
+from app.engine.timing import PhaseClock, phase
 
-BENCH_MODELS = {
-    "bench-dense": dict(arch="llama", n_layer=4, n_embd=512, n_head=8, n_head_kv=4, n_ff=1536),
-    "bench-moe": dict(arch="llama", n_layer=4, n_embd=512, n_head=8, n_head_kv=4, n_ff=1024,
-                      n_expert=8, n_expert_used=2),
-}
-TABLE = [  # (model, mode, rank, targets, ctx, checkpoint interval)
-    ("bench-moe", "lora", 16, "attention,experts", 256, 0),
-    ("bench-dense", "lora", 16, "attention,ffn", 256, 0),
-    ("bench-dense", "full", 0, "", 256, 0),
-    ("bench-moe", "lora", 16, "attention,experts", 256, 1),
-    ("bench-dense", "full", 0, "", 256, 1),
-]
+LR, MAX_GRAD_NORM, SEED = 1e-4, 1.0, 0
+WARMUP = 2   # untimed steps: torch's 2nd step is still ~2x its steady state (allocator, first use)
+STEPS = 5    # timed steps by default
+LOGITS_RTOL = 1e-4
+IMPLS = ("ours", "torch", "llama.cpp")
+PHASES = ("data", "forward", "loss", "backward", "recompute", "optimizer")
 
 
-def bench_model(name: str) -> Path:
-    from app.engine.new_model import NewModelSpec, create_model
+@dataclass(frozen=True)
+class Workload:
+    model: str                      # path of the GGUF file
+    mode: str = "lora"
+    rank: int = 16
+    targets: tuple[str, ...] = ("attention", "ffn", "experts")
+    ctx: int = 256
+    steps: int = 5
+    checkpoint: int = 0
 
-    path = MODELS / f"{name}.gguf"
-    if not path.exists():
-        MODELS.mkdir(parents=True, exist_ok=True)
-        create_model(path, NewModelSpec(**BENCH_MODELS[name], context_length=1024, seed=0,
-                                        name=name), BYTE_VOCAB)
-    return path
+    def train_config(self) -> TrainConfig:
+        return TrainConfig(mode=self.mode, lora_rank=self.rank, lora_alpha=2.0 * self.rank,
+                           lora_targets=self.targets, lr=LR, max_grad_norm=MAX_GRAD_NORM,
+                           max_steps=WARMUP + self.steps, checkpoint_interval=self.checkpoint,
+                           seed=SEED)
+
+    def lora_config(self):
+        """The LoraConfig TrainSession builds its adapter from (the peer builds the same one)."""
+        from app.engine.lora import LoraConfig
+
+        c = self.train_config()
+        return LoraConfig(c.lora_rank, c.lora_alpha, c.lora_targets, c.rslora, c.seed)
+
+    def windows(self, n_vocab: int) -> np.ndarray:
+        """Token windows (WARMUP + steps, ctx + 1): tokens = window[:-1], labels = window[1:]."""
+        rng = np.random.default_rng(SEED)
+        return rng.integers(0, n_vocab, (WARMUP + self.steps, self.ctx + 1), dtype=np.int64)
 
 
-def run_one(model_path: str, mode: str, rank: int, targets: str, ctx: int, steps: int,
-            checkpoint: int) -> dict:
+class Unsupported(Exception):
+    """An implementation cannot run this model or configuration (the row says why)."""
+
+
+def threads() -> int:
+    """Threads for every implementation: the engine's count (WORKBENCH_THREADS, else the cores
+    this process may run on); the peer gets the same number."""
+    from app.engine.parallel import thread_count
+
+    return thread_count()
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024      # Linux: KiB
+
+
+class EngineTrainer:
+    """Ours: app.engine's TrainSession on the memory-mapped model."""
+
+    def __init__(self, w: Workload, device: str = "cpu"):
+        from dataclasses import replace
+
+        from app.engine import load_model
+        from app.engine.train import TrainSession
+
+        self.model = load_model(w.model, device=device)
+        self.session = TrainSession(self.model, replace(w.train_config(), device=device))
+        self.n_trainable = self.session.n_trainable
+        self.n_vocab = self.model.config.n_vocab
+
+    @property
+    def dequant_seconds(self) -> float:
+        return self.model.weights.dequant_seconds
+
+    def batch(self, window: np.ndarray):
+        from app.engine.train import Batch
+
+        return Batch(window[:-1], window[1:])
+
+    def step(self, batch) -> float:
+        return self.session.step([batch]).loss
+
+
+def measure(trainer, windows: np.ndarray) -> dict:
+    """Run the warm-up and the timed steps; medians per step and per phase (ms)."""
+    totals, phases, losses = [], [], []
+    for window in windows:
+        d0 = trainer.dequant_seconds
+        with PhaseClock() as clock:
+            t0 = time.perf_counter()
+            with phase("data"):
+                batch = trainer.batch(window)
+            losses.append(trainer.step(batch))
+            totals.append(time.perf_counter() - t0)
+        phases.append({**clock.seconds, "dequant": trainer.dequant_seconds - d0})
+    peak = peak_rss_mb()
+    totals, phases = totals[WARMUP:], phases[WARMUP:]
+    step = statistics.median(totals)
+    ms = lambda values: statistics.median(values) * 1e3
+    phase_ms = {name: ms([p.get(name, 0.0) for p in phases]) for name in (*PHASES, "dequant")}
+    phase_ms["other"] = ms([t - sum(p.get(n, 0.0) for n in PHASES) for t, p in zip(totals, phases)])
+    return {"tokens_per_s": (windows.shape[1] - 1) / step, "step_ms": step * 1e3,
+            "step_ms_each": [t * 1e3 for t in totals], "phase_ms": phase_ms,
+            "loss0": losses[0], "peak_rss_mb": peak}
+
+
+def costs(w: Workload, n_trainable: int, step_ms: float, peak_mb: float) -> dict:
+    """FLOPs, achieved GFLOP/s and the memory lower bound of the step (bench/cost.py)."""
+    from app.engine.config import config_from_metadata
+    from app.engine.gguf_io import read_gguf
+    from app.engine.lora import lora_targets
+    from app.engine.train import TRAINABLE_TYPES
+    from bench.cost import memory_bound, step_flops
+
+    f = read_gguf(w.model)
+    try:
+        cfg = config_from_metadata(f.metadata, f.tensors)
+        stored = sum(t.nbytes for t in f.tensors.values())
+        if w.mode == "lora":
+            shapes = {n: t.shape for n, t in f.tensors.items()}
+            ranks, full = {n: w.rank for n in lora_targets(shapes, w.lora_config())}, set()
+        else:
+            ranks, full = {}, {n for n, t in f.tensors.items() if t.ggml_type in TRAINABLE_TYPES}
+    finally:
+        f.close()
+    flops = step_flops(cfg, w.ctx, ranks, full, w.checkpoint)
+    bound = memory_bound(cfg, w.ctx, stored, n_trainable, ranks, w.checkpoint,
+                         w.train_config().vocab_chunk)
+    return {"arch": cfg.arch, "flops": flops, "gflops_per_s": flops["total"] / step_ms / 1e6,
+            "memory_bound_mb": {k: v / 2**20 for k, v in bound.items()},
+            "rss_over_bound": peak_mb / (bound["total"] / 2**20)}
+
+
+def compare_logits(peer_logits: np.ndarray, model_path: str, tokens: np.ndarray) -> dict:
+    """Max |peer - ours| over the (T, V) logits, relative to the largest |logit| of ours."""
     from app.engine import load_model
-    from app.engine.config import TrainConfig
-    from app.engine.train import Batch, TrainSession
 
-    model = load_model(model_path)
-    config = TrainConfig(mode=mode, lora_rank=max(rank, 1), lora_alpha=2.0 * max(rank, 1),
-                         lora_targets=tuple(t for t in targets.split(",") if t) or ("attention",),
-                         lr=1e-4, max_steps=steps + 1, checkpoint_interval=checkpoint)
-    session = TrainSession(model, config)
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, model.config.n_vocab, ctx)
-    batch = Batch(tokens, np.roll(tokens, -1))
-    session.step([batch])                                       # warm-up (fills the caches)
-    forward, total, optim, dequant = [], [], [], []
-    for _ in range(steps):
-        d0 = model.weights.dequant_seconds
-        t0 = time.perf_counter()
-        session.model.loss(session.params, batch.tokens, batch.labels)
-        t1 = time.perf_counter()
-        grads = session._accumulate([batch]).grads
-        t2 = time.perf_counter()
-        session.optimizer.step(grads)
-        t3 = time.perf_counter()
-        forward.append(t1 - t0)
-        total.append(t3 - t1)
-        optim.append(t3 - t2)
-        dequant.append(model.weights.dequant_seconds - d0)
-    step = statistics.median(total)
-    fwd, opt = statistics.median(forward), statistics.median(optim)
-    return {"model": Path(model_path).stem, "mode": mode, "rank": rank, "targets": targets,
-            "ctx": ctx, "checkpoint": checkpoint, "trainable": session.n_trainable,
-            "tokens_per_s": ctx / step, "step_ms": step * 1e3,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "phase_ms": {"forward": fwd * 1e3, "backward": (step - fwd - opt) * 1e3,
-                         "optimizer": opt * 1e3,
-                         "dequant": statistics.median(dequant) * 1e3}}
+    ours = load_model(model_path).logits(tokens)
+    diff = float(np.abs(peer_logits - ours).max())
+    scale = float(np.abs(ours).max())
+    return {"max_abs_diff": diff, "max_abs_logit": scale, "rel": diff / scale,
+            "ok": diff <= LOGITS_RTOL * scale}
 
 
-def table(steps: int) -> None:
-    header = (f"{'model':<12} {'mode':<5} {'targets':<18} {'ckpt':>4} {'trainable':>10} "
-              f"{'tok/s':>7} {'step ms':>8} {'fwd':>6} {'bwd':>6} {'opt':>5} {'deq':>5} {'RSS MB':>7}")
-    print(header)
-    for name, mode, rank, targets, ctx, ckpt in TABLE:
-        path = bench_model(name)
-        cmd = [sys.executable, "-m", "bench.train", "--model", str(path), "--mode", mode,
-               "--rank", str(rank), "--targets", targets, "--ctx", str(ctx), "--steps",
-               str(steps), "--checkpoint", str(ckpt), "--json"]
-        row = json.loads(subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
-                                        check=True).stdout)
-        p = row["phase_ms"]
-        print(f"{name:<12} {mode:<5} {targets or 'all':<18} {ckpt:>4} {row['trainable']:>10,} "
-              f"{row['tokens_per_s']:>7.0f} {row['step_ms']:>8.0f} {p['forward']:>6.0f} "
-              f"{p['backward']:>6.0f} {p['optimizer']:>5.0f} {p['dequant']:>5.1f} "
-              f"{row['peak_rss_mb']:>7.0f}", flush=True)
+def device_unavailable(device: str, impl: str) -> str | None:
+    """Why the device cannot run the bench, or None (cpu always can)."""
+    if device == "cpu":
+        return None
+    if impl != "ours":
+        return f"cuda: the {impl} peer runs on the CPU only"
+    from app.engine.backend import gpu_available
+
+    return None if gpu_available() else "cuda: not available (no CUDA device or CuPy)"
+
+
+def run(w: Workload, impl: str = "ours", device: str = "cpu") -> dict:
+    """Time one configuration with one implementation: the JSON row (module docstring)."""
+    described = {"impl": impl, **asdict(w), "model": Path(w.model).stem, "model_path": w.model,
+                 "targets": ",".join(w.targets) if w.mode == "lora" else "", "device": device,
+                 "threads": threads()}
+    reason = device_unavailable(device, impl)
+    if reason:
+        return {**described, "skipped": reason}
+    if impl == "llama.cpp":
+        from bench.llamacpp import run_finetune
+
+        return {**described, **run_finetune(w, threads())}
+    trainer_type = EngineTrainer
+    if impl == "torch":
+        from bench.torch_peer import TorchTrainer as trainer_type  # torch counts in startup
+    startup = peak_rss_mb()                                        # interpreter and libraries
+    try:
+        trainer = trainer_type(w, device) if impl == "ours" else trainer_type(w)
+    except Unsupported as e:
+        return {**described, "skipped": str(e)}
+    windows = w.windows(trainer.n_vocab)
+    peer_logits = trainer.logits(windows[0, :-1]) if impl == "torch" else None
+    row = {**described, "trainable": trainer.n_trainable, "startup_rss_mb": startup,
+           **measure(trainer, windows)}
+    row.update(costs(w, trainer.n_trainable, row["step_ms"], row["peak_rss_mb"]))
+    if peer_logits is not None:
+        row["logits_check"] = check = compare_logits(peer_logits, w.model, windows[0, :-1])
+        if not check["ok"]:
+            row.update(refused=f"logits differ from ours by {check['rel']:.1e} of the largest",
+                       tokens_per_s=None, step_ms=None, gflops_per_s=None)
+    return row
+
+
+def workload_args(parser: argparse.ArgumentParser) -> None:
+    """The options shared by `python -m bench train` and the table (`python -m bench`)."""
+    parser.add_argument("--steps", type=int, help=f"timed steps after {WARMUP} warm-up steps")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model")
+    from bench.models import NAMES, model_path
+
+    parser = argparse.ArgumentParser(prog="python -m bench train",
+                                     description="Time one training configuration.")
+    parser.add_argument("--model", required=True, help="a GGUF path or one of " + ", ".join(NAMES))
     parser.add_argument("--mode", default="lora", choices=("lora", "full"))
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--targets", default="attention,experts,ffn")
+    parser.add_argument("--targets", default=",".join(Workload.targets), help="LoRA targets")
     parser.add_argument("--ctx", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--checkpoint", type=int, default=0)
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--checkpoint", type=int, default=0, help="checkpoint interval (0: off)")
+    parser.add_argument("--impl", default="ours", choices=IMPLS)
+    parser.add_argument("--json", action="store_true", help="one line of JSON")
+    workload_args(parser)
     args = parser.parse_args(argv)
-    if args.model is None:
-        table(args.steps)
-        return
-    row = run_one(args.model, args.mode, args.rank, args.targets, args.ctx, args.steps,
-                  args.checkpoint)
-    print(json.dumps(row) if args.json else json.dumps(row, indent=2))
+    path = model_path(args.model) if args.model in NAMES else Path(args.model)
+    if path is None:
+        row = {"impl": args.impl, "model": args.model, "skipped": "model not installed"}
+    else:
+        targets = tuple(t for t in args.targets.split(",") if t)
+        w = Workload(str(path), args.mode, args.rank, targets, args.ctx, args.steps or STEPS,
+                     args.checkpoint)
+        row = run(w, args.impl, args.device)
+    print(json.dumps(row) if args.json else json.dumps(row, indent=2), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,24 @@
+"""``python -m bench``: the training-speed table (bench/table.py);
+``python -m bench train ...``: one configuration as one JSON object (bench/train.py).
+
+The micro-benchmarks run on their own: ``python -m bench.forward``, ``bench.dequant``,
+``bench.moe_kernels``, ``bench.optim``, ``bench.data``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["train"]:
+        from bench.train import main as train
+        train(argv[1:])
+    else:
+        from bench.table import main as table
+        table(argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+"""What one training step must cost, from the model's shapes alone, and what the machine delivers.
+
+**Matmul FLOPs of a step** (`step_flops`). Only matrix products count, 2·m·k·n for an
+(m, k) @ (k, n) product; norms, RoPE, softmax, the MoE gather/scatter and the optimizer are not
+counted. T = tokens, K = experts per token, R = LoRA rank, C = width, H heads of size D. A linear
+layer in -> out over `rows` input rows (T; T·K for expert projections, summed over the experts):
+
+    forward   2·rows·in·out                            + LoRA  2·rows·R·(in + out)
+    backward  2·rows·in·out (dx, always computed)
+              + 2·rows·in·out (dW, only when the weight is trained in full)
+              + LoRA  4·rows·R·(in + out)              (dx through B then A, dA, dB)
+
+Attention per layer: forward Q·K^T and P·V over the full T x T square (the engine computes the
+masked half as well): 2 · 2·H·T²·D; backward 5 · 2·H·T²·D (P recomputed from the saved
+log-sum-exp, then dV, dP, dQ, dK). The output head (C -> vocabulary V) runs as a linear layer,
+and the engine's chunked cross-entropy computes the logits a second time in backward
+(2·T·C·V, plus 2·T·R·V with a LoRA): counted under "loss". Gradient checkpointing (interval
+> 0) runs the forward of every block a second time during backward: "recompute". This is
+exactly what the engine computes; the PyTorch peer does less (no logit recompute; autograd
+skips dx where nothing upstream needs it; SDPA skips the masked half).
+
+**Memory lower bound** (`memory_bound`), bytes:
+
+    weights as stored (the GGUF tensor data)
+    + trainable parameters x 16 (float32 value, gradient and two AdamW moments)
+    + activations kept for backward, float32, per token and layer:
+        attention: block input and normed input (2C), q, k, v after RoPE (H·D + 2·Hkv·D),
+                   attention output (H·D), log-sum-exp (H)
+        FFN:       its input and normed input (2C), gate and up pre-activations (2F dense;
+                   2·K·F_exp for the routed experts, 2·F_shexp for shared experts, E router
+                   probabilities)
+        LoRA:      the rank activations x·A^T, R per adapted projection per row
+      all layers without checkpointing; with interval N the saved inputs of ceil(L/N)
+      segments (C each) plus one segment of N layers alive during its backward
+    + the residual stream and its gradient (2·T·C)
+    + one output-head chunk of logits, T x min(V, vocab_chunk).
+
+Transient work buffers (attention probabilities, dequantized weight copies) are not in it: an
+implementation can avoid them, so the bound stays a bound.
+
+**Machine matmul rate** (`matmul_rates`): median GFLOP/s of NumPy float32 GEMMs (np.matmul on
+the BLAS NumPy was built with), for a large square product and for the shapes the bench models
+actually run.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from typing import NamedTuple
+
+import numpy as np
+
+from app.engine.config import ModelConfig
+
+F32 = 4  # bytes
+
+
+class Linear(NamedTuple):
+    name: str      # the weight's tensor name
+    rows: int      # input rows per step (tokens, or token slots for expert projections)
+    n_in: int
+    n_out: int
+
+
+def block_linears(cfg: ModelConfig, il: int, n_tokens: int) -> list[Linear]:
+    """The linear layers of block `il` with their row counts for a step of n_tokens."""
+    t, c, p = n_tokens, cfg.n_embd, f"blk.{il}."
+    q_out, kv_out = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
+    out = [Linear(p + "attn_q.weight", t, c, q_out), Linear(p + "attn_k.weight", t, c, kv_out),
+           Linear(p + "attn_v.weight", t, c, kv_out), Linear(p + "attn_output.weight", t, q_out, c)]
+
+    def ffn(pattern: str, rows: int, width: int) -> list[Linear]:
+        return [Linear(p + pattern.format("gate"), rows, c, width),
+                Linear(p + pattern.format("up"), rows, c, width),
+                Linear(p + pattern.format("down"), rows, width, c)]
+
+    if not cfg.layer_is_moe(il):
+        return out + ffn("ffn_{}.weight", t, cfg.n_ff)
+    out.append(Linear(p + "ffn_gate_inp.weight", t, c, cfg.n_expert))
+    out += ffn("ffn_{}_exps.weight", t * cfg.n_expert_used, cfg.n_ff_exp)
+    if cfg.n_ff_shexp:
+        out += ffn("ffn_{}_shexp.weight", t, cfg.n_ff_shexp)
+    return out
+
+
+def head_linear(cfg: ModelConfig, n_tokens: int) -> Linear:
+    name = "token_embd.weight" if cfg.tied_output else "output.weight"
+    return Linear(name, n_tokens, cfg.n_embd, cfg.n_vocab)
+
+
+def linear_flops(lin: Linear, trained: bool, rank: int) -> tuple[int, int]:
+    """(forward, backward) matmul FLOPs of one linear layer (module docstring)."""
+    base = 2 * lin.rows * lin.n_in * lin.n_out
+    lora = 2 * lin.rows * rank * (lin.n_in + lin.n_out)
+    return base + lora, base * (2 if trained else 1) + 2 * lora
+
+
+def step_flops(cfg: ModelConfig, n_tokens: int, ranks: dict[str, int], trained: set[str],
+               checkpoint: int) -> dict[str, int]:
+    """Matmul FLOPs of one training step: forward, backward and recompute of the blocks, loss
+    (the output head's forward, backward and logit recompute) and their total.
+
+    ranks: LoRA rank per adapted tensor name; trained: tensor names trained in full."""
+    attn = 2 * 2 * cfg.n_head * n_tokens * n_tokens * cfg.head_dim      # Q K^T and P V
+    fwd = bwd = 0
+    for il in range(cfg.n_layer):
+        for lin in block_linears(cfg, il, n_tokens):
+            f, b = linear_flops(lin, lin.name in trained, ranks.get(lin.name, 0))
+            fwd, bwd = fwd + f, bwd + b
+        fwd, bwd = fwd + attn, bwd + attn * 5 // 2
+    head = head_linear(cfg, n_tokens)
+    rank = 0 if cfg.tied_output else ranks.get(head.name, 0)
+    f, b = linear_flops(head, head.name in trained, rank)
+    logits = 2 * head.rows * head.n_out * (head.n_in + rank)             # recomputed in backward
+    out = {"forward": fwd, "backward": bwd, "recompute": fwd if checkpoint else 0,
+           "loss": f + b + logits}
+    out["total"] = sum(out.values())
+    return out
+
+
+def _block_activations(cfg: ModelConfig, il: int, ranks: dict[str, int]) -> int:
+    """Float32 values per token that block il keeps for its backward (module docstring)."""
+    c, d = cfg.n_embd, cfg.head_dim
+    n = 2 * c + 2 * cfg.n_head * d + 2 * cfg.n_head_kv * d + cfg.n_head             # attention
+    n += 2 * c                                                                      # FFN input
+    if cfg.layer_is_moe(il):
+        n += cfg.n_expert + 2 * cfg.n_expert_used * cfg.n_ff_exp + 2 * cfg.n_ff_shexp
+    else:
+        n += 2 * cfg.n_ff
+    for lin in block_linears(cfg, il, 1):                                           # rows per token
+        n += lin.rows * ranks.get(lin.name, 0)
+    return n
+
+
+def memory_bound(cfg: ModelConfig, n_tokens: int, stored_bytes: int, n_trainable: int,
+                 ranks: dict[str, int], checkpoint: int, vocab_chunk: int) -> dict[str, int]:
+    """Lower bound in bytes of a training step's peak memory, by part (module docstring)."""
+    per_layer = [_block_activations(cfg, il, ranks) * n_tokens * F32 for il in range(cfg.n_layer)]
+    if checkpoint:
+        segments = math.ceil(cfg.n_layer / checkpoint)
+        kept = segments * n_tokens * cfg.n_embd * F32 + max(
+            sum(per_layer[s:s + checkpoint]) for s in range(0, cfg.n_layer, checkpoint))
+    else:
+        kept = sum(per_layer)
+    out = {"weights": stored_bytes, "trainable_and_optimizer": 16 * n_trainable,
+           "activations": kept + 2 * n_tokens * cfg.n_embd * F32,
+           "head_chunk": n_tokens * min(cfg.n_vocab, vocab_chunk) * F32}
+    out["total"] = sum(out.values())
+    return out
+
+
+# ---- the machine --------------------------------------------------------------------------------
+
+LARGE_GEMM = (2048, 2048, 2048)
+MODEL_GEMMS = {  # (m, k, n) of the products the bench models run most
+    "dense ffn (256x512)@(512x1536)": (256, 512, 1536),
+    "expert (64x512)@(512x1024)": (64, 512, 1024),
+    "weight grad (1536x256)@(256x512)": (1536, 256, 512),
+    "lora (256x512)@(512x16)": (256, 512, 16),
+}
+
+
+def gemm_gflops(m: int, k: int, n: int, repeat: int) -> float:
+    """Median GFLOP/s of a float32 (m, k) @ (k, n) product into a preallocated output."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((m, k), dtype=np.float32)
+    b = rng.standard_normal((k, n), dtype=np.float32)
+    out = np.empty((m, n), np.float32)
+    np.matmul(a, b, out=out)                                                        # warm-up
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        np.matmul(a, b, out=out)
+        times.append(time.perf_counter() - t0)
+    return 2 * m * k * n / statistics.median(times) / 1e9
+
+
+def matmul_rates(repeat: int = 7) -> dict:
+    """{"large": GFLOP/s of LARGE_GEMM, "shapes": {label: GFLOP/s}}; small products repeat more."""
+    return {"large": gemm_gflops(*LARGE_GEMM, repeat),
+            "large_shape": "x".join(map(str, LARGE_GEMM)),
+            "shapes": {label: gemm_gflops(*mkn, repeat * 10) for label, mkn in MODEL_GEMMS.items()}}

@@ -1,0 +1,170 @@
+"""The benchmark harness (bench/): the FLOP and memory counts against hand counts, the one-
+configuration command's JSON, and the PyTorch peer computing the same step as ours."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from app.engine import load_model
+from app.engine.config import config_from_metadata
+from app.engine.gguf_io import dequantize, read_gguf
+from app.engine.train import Batch, TrainSession
+from bench.cost import memory_bound, step_flops
+from bench.llamacpp import parse_progress
+from bench.models import Q4_K, quantize_q4_k
+from bench.train import PHASES, Workload
+from tests.conftest import GOLDEN
+
+ROOT = GOLDEN.parents[2]
+
+
+def _config(name: str):
+    f = read_gguf(GOLDEN / f"{name}-f32.gguf")
+    cfg = config_from_metadata(f.metadata, f.tensors)
+    f.close()
+    return cfg
+
+
+def test_step_flops_of_dense_lora_match_a_hand_count():
+    # golden llama: C 32, 2 layers, 4 heads / 2 kv heads of 8, FFN 96, vocabulary 259; T = 8
+    cfg, t, r = _config("llama"), 8, 4
+    ranks = {f"blk.{il}.attn_{p}.weight": r for il in range(2) for p in ("q", "k", "v", "output")}
+    qkvo = 2 * t * 32 * (32 + 16 + 16 + 32)                   # base q, k, v, o
+    lora = 2 * t * r * ((32 + 32) + (32 + 16) * 2 + (32 + 32))  # x A^T and (x A^T) B^T
+    ffn = 3 * 2 * t * 32 * 96
+    attn = 2 * 2 * 4 * t * t * 8                               # Q K^T and P V
+    forward = 2 * (qkvo + lora + ffn + attn)
+    backward = 2 * (qkvo + ffn + 2 * lora + 5 * attn // 2)      # dx only: nothing trained in full
+    head = 2 * t * 32 * 259
+    flops = step_flops(cfg, t, ranks, set(), checkpoint=0)
+    assert flops == {"forward": forward, "backward": backward, "recompute": 0, "loss": 3 * head,
+                     "total": forward + backward + 3 * head}
+    assert step_flops(cfg, t, ranks, set(), checkpoint=1)["recompute"] == forward
+
+
+def test_step_flops_of_moe_full_finetuning_match_a_hand_count():
+    # golden mixtral: attention as llama, router to 4 experts, 2 per token, expert FFN 64
+    cfg, t = _config("mixtral"), 8
+    f = read_gguf(GOLDEN / "mixtral-f32.gguf")
+    trained = set(f.tensors)
+    f.close()
+    linears = 2 * t * 32 * (32 + 16 + 16 + 32) + 2 * t * 32 * 4 + 3 * 2 * (t * 2) * 32 * 64
+    attn = 2 * 2 * 4 * t * t * 8
+    head = 2 * t * 32 * 259
+    flops = step_flops(cfg, t, {}, trained, checkpoint=0)
+    assert flops["forward"] == 2 * (linears + attn)
+    assert flops["backward"] == 2 * (2 * linears + 5 * attn // 2)       # dx and dW
+    assert flops["loss"] == head + 2 * head + head                      # fwd, dx + dW, recompute
+
+
+def test_memory_bound_matches_a_hand_count():
+    cfg, t, r = _config("llama"), 8, 4
+    ranks = {f"blk.{il}.attn_{p}.weight": r for il in range(2) for p in ("q", "k", "v", "output")}
+    per_token = (2 * 32 + 2 * 32 + 2 * 16 + 4) + 2 * 32 + 2 * 96 + 4 * r   # attention, FFN, LoRA
+    bound = memory_bound(cfg, t, stored_bytes=1000, n_trainable=10, ranks=ranks, checkpoint=0,
+                         vocab_chunk=100)
+    assert bound == {"weights": 1000, "trainable_and_optimizer": 160,
+                     "activations": 2 * per_token * t * 4 + 2 * t * 32 * 4,
+                     "head_chunk": t * 100 * 4, "total": sum(bound[k] for k in (
+                         "weights", "trainable_and_optimizer", "activations", "head_chunk"))}
+    ckpt = memory_bound(cfg, t, 1000, 10, ranks, checkpoint=1, vocab_chunk=100)
+    assert ckpt["activations"] == 2 * t * 32 * 4 + per_token * t * 4 + 2 * t * 32 * 4
+
+
+def test_train_command_prints_one_json_object_with_the_figures():
+    cmd = [sys.executable, "-m", "bench", "train", "--model", str(GOLDEN / "llama-f32.gguf"),
+           "--targets", "attention,ffn", "--ctx", "16", "--steps", "1", "--json"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    row = json.loads(out)
+    for key in ("tokens_per_s", "step_ms", "peak_rss_mb", "startup_rss_mb", "loss0", "trainable",
+                "gflops_per_s", "rss_over_bound"):
+        assert row[key] > 0, key
+    assert set(row["phase_ms"]) == {*PHASES, "dequant", "other"}
+    assert row["flops"]["total"] == sum(v for k, v in row["flops"].items() if k != "total")
+    assert row["memory_bound_mb"]["total"] > row["memory_bound_mb"]["weights"] > 0
+
+
+def test_q4_k_quantizer_writes_blocks_the_dequantizers_read_back_closely():
+    import gguf
+
+    x = np.random.default_rng(0).normal(0, 0.02, (3, 512)).astype(np.float32)
+    x[1, :256] = 0.01                                            # a constant block
+    raw = quantize_q4_k(x)
+    assert raw.shape == (3, 2 * 144)
+    ours = dequantize(raw, Q4_K).reshape(x.shape)
+    theirs = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K).reshape(x.shape)
+    assert np.array_equal(ours, theirs)
+    step = (x.reshape(-1, 32).max(1) - np.minimum(x.reshape(-1, 32).min(1), 0)) / 15
+    assert np.all(np.abs(ours - x).reshape(-1, 32).max(1) <= 0.5 * step + 2e-3 * np.abs(x).max())
+
+
+def test_llamacpp_progress_line_is_parsed():
+    stderr = ("train: [\u2588\u2588   ] data=0000004/0000010 loss=5.60000±0.1 acc=1.00±0.50% "
+              "t=00:00:02 ETA=00:00:03 \rtrain: [\u2588\u2588\u2588\u2588  ] data=0000010/0000010 "
+              "loss=5.54321±0.10000 acc=1.20±0.40% t=00:01:05 ETA=00:00:00 \n")
+    assert parse_progress(stderr) == {"data": 10, "data_max": 10, "loss": 5.54321, "seconds": 65}
+    assert parse_progress("no progress") is None
+
+
+# ---- the PyTorch peer computes the same step ----------------------------------------------------
+
+TARGETS = {"llama": ("attention", "ffn"), "mixtral": ("attention", "experts")}
+
+
+@pytest.mark.parametrize("name", TARGETS)
+def test_peer_logits_equal_ours(name):
+    torch = pytest.importorskip("torch")
+    from bench.torch_peer import TorchPeer
+
+    tokens = np.load(GOLDEN / f"{name}.npz")["tokens"].astype(np.int64)
+    ours = load_model(GOLDEN / f"{name}-f32.gguf").logits(tokens)
+    peer = TorchPeer(str(GOLDEN / f"{name}-f32.gguf"))
+    with torch.no_grad():
+        theirs = peer.logits(peer.hidden(torch.from_numpy(tokens))).numpy()
+    assert np.abs(theirs - ours).max() <= 1e-5 * np.abs(ours).max()
+
+
+@pytest.mark.parametrize("name", TARGETS)
+def test_peer_training_step_has_our_loss(name):
+    """The timed step of both sides (bench.train.EngineTrainer and TorchTrainer) at step 0."""
+    pytest.importorskip("torch")
+    from bench.torch_peer import TorchTrainer
+    from bench.train import EngineTrainer
+
+    w = Workload(str(GOLDEN / f"{name}-f32.gguf"), "lora", rank=4, targets=TARGETS[name],
+                 ctx=24, steps=1)
+    window = w.windows(259)[0]
+    ours, peer = EngineTrainer(w), TorchTrainer(w)
+    assert peer.n_trainable == ours.n_trainable
+    assert peer.step(peer.batch(window)) == pytest.approx(ours.step(ours.batch(window)), rel=1e-6)
+
+
+@pytest.mark.parametrize("name", TARGETS)
+@pytest.mark.parametrize("mode, checkpoint", [("lora", 0), ("full", 1)])
+def test_peer_gradients_equal_ours(name, mode, checkpoint):
+    """Every trained tensor's gradient (LoRA A and B with B != 0, so that dA is not trivially
+    zero; or every tensor of a full fine-tuning under gradient checkpointing)."""
+    torch = pytest.importorskip("torch")
+    from bench.torch_peer import TorchPeer
+
+    path = str(GOLDEN / f"{name}-f32.gguf")
+    w = Workload(path, mode, rank=4, targets=TARGETS[name], ctx=24, steps=1, checkpoint=checkpoint)
+    window = w.windows(259)[0]
+    session = TrainSession(load_model(path), w.train_config())
+    rng = np.random.default_rng(1)
+    for _, b in (session.adapter.tensors.values() if session.adapter else ()):
+        b[...] = rng.normal(0, 0.1, b.shape)
+    loss, _, grads = session.loss_and_grads(Batch(window[:-1], window[1:]))
+    peer = TorchPeer(path, session.adapter, full=mode == "full", checkpoint_interval=checkpoint)
+    peer_loss = peer.loss(torch.from_numpy(window[:-1]), torch.from_numpy(window[1:]))
+    peer_loss.backward()
+    assert peer_loss.item() == pytest.approx(loss, rel=1e-6)
+    peer_grads = peer.grads()
+    assert set(peer_grads) == set(grads)
+    for n, g in grads.items():
+        assert np.abs(peer_grads[n] - g).max() <= 1e-4 * np.abs(g).max(), n
