@@ -53,6 +53,7 @@ class Row:
     rank: int = 16
     peers: tuple[str, ...] = ("torch",)
     quick: bool = False
+    weight_cache_mb: int | None = None       # ours: dequantized-weight cache (None: default)
 
     @property
     def label(self) -> str:
@@ -60,7 +61,8 @@ class Row:
         targets = self.targets.replace("attention", "attn").replace("experts", "exp")
         lora = f" r{self.rank} {targets}" if self.mode == "lora" else ""
         ckpt = f" ckpt{self.checkpoint}" if self.checkpoint else ""
-        return f"{self.model} {self.mode}{lora} c{self.ctx}{ckpt}"
+        cache = "" if self.weight_cache_mb is None else f" cache{self.weight_cache_mb}MB"
+        return f"{self.model} {self.mode}{lora} c{self.ctx}{ckpt}{cache}"
 
     @property
     def target(self) -> float:
@@ -78,6 +80,7 @@ ROWS = (
     Row("bench-dense", "lora", DENSE, 1024),
     Row("bench-dense", "full", "", 1024, peers=FULL_PEERS),
     Row("bench-moe-q8_0", "lora", MOE, 256, quick=True),
+    Row("bench-moe-q8_0", "lora", MOE, 256, weight_cache_mb=0, peers=(), quick=True),
     Row("bench-moe-q4_k", "lora", MOE, 256),
     Row("bench-moe", "lora", MOE, 256, checkpoint=1, quick=True),
     Row("bench-dense", "full", "", 256, checkpoint=1),
@@ -90,6 +93,8 @@ def run_impl(path: Path, row: Row, impl: str, steps: int, device: str) -> dict:
            "--rank", str(row.rank), "--targets", row.targets, "--ctx", str(row.ctx),
            "--checkpoint", str(row.checkpoint), "--steps", str(steps), "--impl", impl,
            "--device", device, "--json"]
+    if row.weight_cache_mb is not None and impl == "ours":
+        cmd += ["--weight-cache-mb", str(row.weight_cache_mb)]
     try:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:

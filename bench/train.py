@@ -66,6 +66,7 @@ class Workload:
     ctx: int = 256
     steps: int = 5
     checkpoint: int = 0
+    weight_cache_mb: int | None = None   # the engine's dequantized-weight cache (None: default)
 
     def train_config(self) -> TrainConfig:
         return TrainConfig(mode=self.mode, lora_rank=self.rank, lora_alpha=2.0 * self.rank,
@@ -111,7 +112,8 @@ class EngineTrainer:
         from app.engine import load_model
         from app.engine.train import TrainSession
 
-        self.model = load_model(w.model, device=device)
+        budget = None if w.weight_cache_mb is None else w.weight_cache_mb << 20
+        self.model = load_model(w.model, cache_budget=budget, device=device)
         self.session = TrainSession(self.model, replace(w.train_config(), device=device))
         self.n_trainable = self.session.n_trainable
         self.n_vocab = self.model.config.n_vocab
@@ -251,6 +253,8 @@ def main(argv=None) -> None:
     parser.add_argument("--targets", default=",".join(Workload.targets), help="LoRA targets")
     parser.add_argument("--ctx", type=int, default=256)
     parser.add_argument("--checkpoint", type=int, default=0, help="checkpoint interval (0: off)")
+    parser.add_argument("--weight-cache-mb", type=int,
+                        help="ours: cache of dequantized weights (default 40%% of RAM; 0: none)")
     parser.add_argument("--impl", default="ours", choices=IMPLS)
     parser.add_argument("--json", action="store_true", help="one line of JSON")
     workload_args(parser)
@@ -261,7 +265,7 @@ def main(argv=None) -> None:
     else:
         targets = tuple(t for t in args.targets.split(",") if t)
         w = Workload(str(path), args.mode, args.rank, targets, args.ctx, args.steps or STEPS,
-                     args.checkpoint)
+                     args.checkpoint, args.weight_cache_mb)
         row = run(w, args.impl, args.device)
     print(json.dumps(row) if args.json else json.dumps(row, indent=2), flush=True)
 
