@@ -104,6 +104,20 @@ class AppContext(QObject):
 
         return ensure_worker(self.queue.path)
 
+    def queue_new_run(self, path: str | os.PathLike, config: dict, first: bool) -> int | None:
+        """Write the run directory `path` with `config`, queue it (ahead of the waiting jobs
+        when `first`) and make sure a worker runs (its pid). Call it off the GUI thread."""
+        from app.engine.jobs import PENDING
+        from app.engine.rundir import RunDir
+
+        run = RunDir.create(path, config)
+        priority = 0
+        if first:
+            pending = self.queue.list(PENDING)
+            priority = max((j.priority for j in pending), default=0) + (1 if pending else 0)
+        self.queue.add(run.path, priority)
+        return self.ensure_worker()
+
     def worker_running(self) -> bool:
         from app.engine.worker import worker_running
 

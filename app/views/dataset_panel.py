@@ -111,8 +111,8 @@ class DatasetPanel(QWidget):
         self.error_panel = ErrorPanel(margins=0)
         self.error_panel.hide()
 
-        self.preview_table = _table()
-        self.bad_rows_table = _table(["line", "kind", "reason"])
+        self.preview_table = make_table()
+        self.bad_rows_table = make_table(["line", "kind", "reason"])
         self.bad_rows_title = QLabel("Rejected rows", objectName="sectionHeader")
 
         self.plot = pg.PlotWidget(background="w")
@@ -137,8 +137,8 @@ class DatasetPanel(QWidget):
                         objectName="hint")
 
         left = QSplitter(Qt.Vertical)
-        left.addWidget(_titled("First rows", self.preview_table))
-        self._bad_box = _titled(self.bad_rows_title, self.bad_rows_table)
+        left.addWidget(titled("First rows", self.preview_table))
+        self._bad_box = titled(self.bad_rows_title, self.bad_rows_table)
         left.addWidget(self._bad_box)
         left.setSizes([300, 140])
         right = QSplitter(Qt.Vertical)
@@ -199,6 +199,7 @@ class DatasetPanel(QWidget):
             return
         self._inputs = inputs
         if not data or not model:
+            self._debounce.stop()                   # a pending lint would check nothing
             self._bg.cancel("lint")
             self.busy.hide()
             return
@@ -239,21 +240,7 @@ class DatasetPanel(QWidget):
         self.report_ready.emit(None)
 
     def _show_preview(self, preview) -> None:
-        columns, rows = preview
-        t = self.preview_table
-        t.clear()
-        t.setColumnCount(len(columns))
-        t.setHorizontalHeaderLabels(columns)
-        t.setRowCount(len(rows))
-        for r, row in enumerate(rows):
-            for c, text in enumerate(row):
-                item = QTableWidgetItem(text)
-                item.setToolTip(text)
-                t.setItem(r, c, item)
-        if columns:
-            t.horizontalHeader().setSectionResizeMode(0, QHeaderView.ResizeToContents)
-            for c in range(1, len(columns)):
-                t.horizontalHeader().setSectionResizeMode(c, QHeaderView.Stretch)
+        fill_preview(self.preview_table, preview)
 
     def _show_report(self, r: LintReport | None) -> None:
         self.report = r
@@ -371,7 +358,25 @@ class DatasetPanel(QWidget):
         return [(t.item(i, 0).text(), t.item(i, 2).text()) for i in range(t.rowCount())]
 
 
-def _table(columns: list[str] | None = None) -> QTableWidget:
+def fill_preview(t: QTableWidget, preview: tuple[list[str], list[list[str]]]) -> None:
+    """Show `read_preview`'s (columns, rows) in `t`: the line numbers narrow, the rest wide."""
+    columns, rows = preview
+    t.clear()
+    t.setColumnCount(len(columns))
+    t.setHorizontalHeaderLabels(columns)
+    t.setRowCount(len(rows))
+    for r, row in enumerate(rows):
+        for c, text in enumerate(row):
+            item = QTableWidgetItem(text)
+            item.setToolTip(text)
+            t.setItem(r, c, item)
+    if columns:
+        t.horizontalHeader().setSectionResizeMode(0, QHeaderView.ResizeToContents)
+        for c in range(1, len(columns)):
+            t.horizontalHeader().setSectionResizeMode(c, QHeaderView.Stretch)
+
+
+def make_table(columns: list[str] | None = None) -> QTableWidget:
     t = QTableWidget(0, len(columns or []))
     if columns:
         t.setHorizontalHeaderLabels(columns)
@@ -385,7 +390,7 @@ def _table(columns: list[str] | None = None) -> QTableWidget:
     return t
 
 
-def _titled(title: str | QLabel, widget: QWidget) -> QWidget:
+def titled(title: str | QLabel, widget: QWidget) -> QWidget:
     box = QWidget()
     layout = QVBoxLayout(box)
     layout.setContentsMargins(0, 4, 0, 0)

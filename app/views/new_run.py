@@ -6,11 +6,15 @@ name and folder, a summary with the estimated memory, save/load settings, "Queue
 makes sure the engine worker runs (`ctx.ensure_worker()`), selects the run and shows Monitor.
 It opens with the bundled sample model and `sample_data/chat.jsonl`, so a first-time user can
 press Start.
+
+The run type (top right) is "Supervised (SFT)" or "GRPO (reward-driven)". A GRPO run's second
+tab is Prompts and rewards (`grpo_panel.GrpoPanel`) and its Training tab shows what a GRPO run
+takes; its config.json is built by the engine's `build_grpo_config`, as `workbench grpo` does,
+with "kind": "grpo", which the worker dispatches on.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import time
@@ -24,33 +28,27 @@ from PySide6.QtWidgets import (QFileDialog, QHBoxLayout, QLabel, QLineEdit, QPus
 
 from app.engine.data import DataConfig
 from app.engine.errors import ConfigError, EngineError
+from app.engine.grpo import GrpoConfig, build_grpo_config
 from app.engine.lint import LintReport, lint_file
-from app.engine.model_info import ModelCard, describe_model, human_bytes, human_count
+from app.engine.model_info import ModelCard, describe_model, human_bytes
 from app.views.context import AppContext, Background, sample_dataset_path, sample_model_path
 from app.views.dataset_panel import DatasetPanel
 from app.views.error_panel import ErrorPanel
+from app.views.form_fields import combo, set_combo
+from app.views.grpo_panel import GrpoPanel
+from app.views.memory_estimate import estimate_memory
 from app.views.model_card import ModelCardView, ModelPicker, discover_models
+from app.views.plots import box
+from app.views.settings_file import read_settings, write_settings
 from app.views.settings_form import DATA_KEYS, SettingsForm
 
 ESTIMATE_ROW = "LoRA run estimate"
-DATA_KEY = "recent/dataset"
+DATA_KEY, PROMPTS_KEY = "recent/dataset", "recent/prompts"
 TABS = ("model", "dataset", "training")
+RUN_TYPES = (("sft", "Supervised (SFT)"), ("grpo", "GRPO (reward-driven)"))
+DATA_TABS = {"sft": "2  Dataset", "grpo": "2  Prompts and rewards"}
+GRPO_BATCH_TOKENS = GrpoConfig(model="", prompts="").micro_batch_tokens
 _NAME_OK = re.compile(r"^[\w.\-+ ]+$")
-
-
-def _create_and_queue(ctx: AppContext, path: Path, config: dict, start: bool) -> int | None:
-    """Write the run directory, queue it (first when `start`), make sure a worker runs.
-    Runs in a worker thread: disk and queue writes never hold the window up."""
-    from app.engine.jobs import PENDING
-    from app.engine.rundir import RunDir
-
-    run = RunDir.create(path, config)
-    priority = 0
-    if start:
-        pending = ctx.queue.list(PENDING)
-        priority = max((j.priority for j in pending), default=0) + (1 if pending else 0)
-    ctx.queue.add(run.path, priority)
-    return ctx.ensure_worker()
 
 
 class NewRunView(QWidget):
@@ -79,30 +77,36 @@ class NewRunView(QWidget):
         self._card_stack = QStackedWidget(objectName="content")
         self._card_stack.addWidget(self.card_view)
         self._card_stack.addWidget(self.model_error)
-        model_tab = QWidget()
-        ml = QHBoxLayout(model_tab)
-        ml.setContentsMargins(0, 0, 0, 0)
-        ml.setSpacing(0)
-        ml.addWidget(self.picker)
-        ml.addWidget(self._card_stack, 1)
+        model_tab = box(QHBoxLayout, self.picker, (self._card_stack, 1), widget=True)
+        model_tab.layout().setSpacing(0)
 
         self.dataset = DatasetPanel(lint=lint)
         self.dataset.data_changed.connect(self._on_data_changed)
         self.dataset.report_ready.connect(lambda _r: self._update_summary())
+        self.grpo_panel = GrpoPanel()
+        self.grpo_panel.changed.connect(self._update_summary)
+        self.grpo_panel.prompts_changed.connect(self._on_prompts_changed)
+        self.grpo_panel.preset_requested.connect(self.apply_settings)
+        self._data_stack = QStackedWidget()
+        self._data_stack.addWidget(self.dataset)
+        self._data_stack.addWidget(self.grpo_panel)
         self.form = SettingsForm()
         self.form.changed.connect(self._on_form_changed)
         self.memory_label = QLabel(objectName="memoryEstimate", wordWrap=True,
                                    textFormat=Qt.PlainText)
-        training_tab = QWidget()
-        tl = QVBoxLayout(training_tab)
-        tl.setContentsMargins(16, 10, 16, 0)
-        tl.addWidget(self.memory_label)
-        tl.addWidget(self.form, 1)
+        training_tab = box(QVBoxLayout, self.memory_label, (self.form, 1), widget=True)
+        training_tab.layout().setContentsMargins(16, 10, 16, 0)
 
         self.tabs = QTabWidget(documentMode=True)
         self.tabs.addTab(model_tab, "1  Model")
-        self.tabs.addTab(self.dataset, "2  Dataset")
+        self.tabs.addTab(self._data_stack, DATA_TABS["sft"])
         self.tabs.addTab(training_tab, "3  Training")
+        self.kind_box = combo(RUN_TYPES)
+        self.kind_box.currentIndexChanged.connect(lambda _i: self.set_run_type(self.kind()))
+        corner = box(QHBoxLayout, QLabel("Run type", objectName="formLabel"), self.kind_box,
+                     widget=True)
+        corner.layout().setContentsMargins(0, 2, 12, 2)
+        self.tabs.setCornerWidget(corner, Qt.TopRightCorner)
 
         self.name_field = QLineEdit(placeholderText="run name (default: date-time-dataset)")
         self.name_field.setMaximumWidth(280)
@@ -145,19 +149,42 @@ class NewRunView(QWidget):
 
         self._estimate_timer = QTimer(self, singleShot=True, interval=200)
         self._estimate_timer.timeout.connect(self._start_estimate)
-        model, data = self._initial_files()
+        model, data, prompts = self._initial_files()
         if data:
             self.dataset.set_data_path(data)
+        if prompts:
+            self.grpo_panel.set_prompts_path(prompts)
         if model:
             self.open_model(model)
         self._update_summary()
 
-    def _initial_files(self) -> tuple[str | None, str | None]:
-        """The last model and dataset used, else the bundled sample model and chat.jsonl."""
+    def _initial_files(self) -> tuple[str | None, str | None, str | None]:
+        """The last model, dataset and prompt file used, else the bundled sample model,
+        chat.jsonl and addition.jsonl."""
         recent = [p for p in self.picker.recent_models() if os.path.isfile(p)]
-        data = self.ctx.settings.value(DATA_KEY, "", type=str)
+        last = lambda key: self.ctx.settings.value(key, "", type=str)
+        data, prompts = last(DATA_KEY), last(PROMPTS_KEY)
         return (recent[0] if recent else sample_model_path(),
-                data if data and os.path.isfile(data) else sample_dataset_path())
+                data if data and os.path.isfile(data) else sample_dataset_path(),
+                prompts if prompts and os.path.isfile(prompts)
+                else sample_dataset_path("addition.jsonl"))
+
+    # ---------------------------------------------------------------- run type
+    def kind(self) -> str:
+        """"sft" or "grpo"."""
+        return self.kind_box.currentData()
+
+    def set_run_type(self, kind: str) -> None:
+        """Show the tabs and settings of a supervised ("sft") or a GRPO ("grpo") run."""
+        if kind != self.kind():
+            set_combo(self.kind_box, kind)              # comes back here through the signal
+            return
+        self._data_stack.setCurrentIndex(kind == "grpo")
+        self.tabs.setTabText(1, DATA_TABS[kind])
+        self.form.set_kind(kind)
+        self._relint()
+        self._estimate_timer.start()
+        self._update_summary()
 
     # ---------------------------------------------------------------- model
     def open_model(self, path: str) -> None:
@@ -200,7 +227,8 @@ class NewRunView(QWidget):
     def _start_estimate(self) -> None:
         if self.card is None:
             return
-        rank, ctx = self.form["rank"].value(), self.form["context"].value()
+        rank = self.form["rank"].value()
+        ctx = GRPO_BATCH_TOKENS if self.kind() == "grpo" else self.form["context"].value()
         self._bg.run("estimate", describe_model, self.card.path, rank, ctx,
                      on_done=self._show_estimate, on_error=lambda e: self._show_estimate(None))
 
@@ -208,21 +236,9 @@ class NewRunView(QWidget):
         card = sized or self.card
         if card is None or self.card is None:
             return
-        m = card.memory
-        trainable = self.form.trainable_params()
-        per_param = m.adapter / card.lora_params if card.lora_params else 16
-        if self.form.mode() == "full":
-            self.memory_estimate = None
-            text = (f"Full fine-tuning: weights {human_bytes(m.weights)} plus optimizer state "
-                    "for every unquantized tensor (no estimate yet).")
-        else:
-            adapter = int((trainable or 0) * per_param)
-            self.memory_estimate = m.weights + m.dequant_working + m.activations + adapter
-            text = (f"Estimated memory: {human_bytes(self.memory_estimate)} \u2014 weights "
-                    f"{human_bytes(m.weights)} (memory-mapped), dequantized layer "
-                    f"{human_bytes(m.dequant_working)}, adapter + optimizer {human_bytes(adapter)} "
-                    f"({human_count(trainable or 0)} trainable), activations "
-                    f"{human_bytes(m.activations)} (context {card.context})")
+        tokens = f"{card.context:,} tokens" if self.kind() == "grpo" else f"context {card.context}"
+        self.memory_estimate, text = estimate_memory(card, self.form.trainable_params(), tokens,
+                                                     full=self.form.mode() == "full")
         self.memory_label.setText(text)
         self.card_view.set_row(ESTIMATE_ROW, "Estimated memory (current settings)",
                                text.split(": ", 1)[-1])
@@ -248,8 +264,12 @@ class NewRunView(QWidget):
             self.ctx.settings.setValue(DATA_KEY, path)
         self._relint()
 
+    def _on_prompts_changed(self, path: str) -> None:
+        if path and os.path.isfile(path):
+            self.ctx.settings.setValue(PROMPTS_KEY, path)
+
     def _relint(self) -> None:
-        cfg = self.data_config()
+        cfg = None if self.kind() == "grpo" else self.data_config()
         if cfg is None:
             return
         self.dataset.set_inputs(self.data_path(), self.model_path(), replace(cfg))
@@ -263,18 +283,24 @@ class NewRunView(QWidget):
 
     # ---------------------------------------------------------------- the run
     def config_dict(self) -> dict:
-        """The RunConfig dict the screen would start (model and data included)."""
+        """The RunConfig dict the screen would start (model and data included), or of a GRPO
+        run the GrpoConfig dict (model, prompts and rewards included)."""
         d = self.form.values()
+        if self.kind() == "grpo":
+            return {**d, **self.grpo_panel.values(), "model": self.model_path()}
         d["model"], d["data"] = self.model_path(), self.data_path()
         return d
 
     def build_config(self):
-        """The RunConfig to start; raises ConfigError when something is missing or invalid."""
+        """The RunConfig (or GrpoConfig) to start; raises ConfigError when something is
+        missing or invalid."""
         from app.engine.run import RunConfig
 
         d = self.config_dict()
         if not d["model"]:
             raise ConfigError("Pick a model first.", "Open a GGUF file on the Model tab.")
+        if self.kind() == "grpo":
+            return build_grpo_config(d)
         if not d["data"]:
             raise ConfigError("Pick a dataset first.", "Choose a JSONL file on the Dataset tab.")
         cfg = RunConfig.from_dict(d)
@@ -286,7 +312,9 @@ class NewRunView(QWidget):
         out: list[tuple[str, str]] = []
         if self.card is None:
             out.append(("model", "Pick a model that opens (Model tab)."))
-        if not self.data_path():
+        if self.kind() == "grpo":
+            out += [("dataset", m) for m in self.grpo_panel.problems()]
+        elif not self.data_path():
             out.append(("dataset", "Pick a dataset (Dataset tab)."))
         elif not os.path.isfile(self.data_path()):
             out.append(("dataset", f"There is no file {self.data_path()}."))
@@ -303,7 +331,9 @@ class NewRunView(QWidget):
         return out
 
     def run_dir_for(self, name: str = "") -> Path:
-        name = name.strip() or time.strftime("%Y%m%d-%H%M%S-") + Path(self.data_path()).stem
+        stem = (f"grpo-{Path(self.grpo_panel.prompts_path()).stem}" if self.kind() == "grpo"
+                else Path(self.data_path()).stem)
+        name = name.strip() or time.strftime("%Y%m%d-%H%M%S-") + stem
         root = self.ctx.runs_root()
         path, i = root / name, 2
         while path.exists() or str(path) == self._creating:
@@ -329,7 +359,7 @@ class NewRunView(QWidget):
         path = self.run_dir_for(self.name_field.text())
         self._creating = str(path)
         self._update_summary()
-        self._bg.run("create", _create_and_queue, self.ctx, path, config.to_dict(), start,
+        self._bg.run("create", self.ctx.queue_new_run, path, config.to_dict(), start,
                      on_done=lambda _pid: self._on_created(str(path), start),
                      on_error=self._on_create_failed)
         return str(path)
@@ -358,7 +388,9 @@ class NewRunView(QWidget):
         if self.card is not None:
             parts.append(os.path.basename(self.card.path))
         r = self.dataset.report
-        if self.data_path():
+        if self.kind() == "grpo":
+            parts.append("GRPO: " + self.grpo_panel.summary())
+        elif self.data_path():
             name = os.path.basename(self.data_path())
             parts.append(f"{name} ({r.accepted:,} rows, {r.format})" if r else name)
         mode = self.form.mode()
@@ -377,33 +409,31 @@ class NewRunView(QWidget):
 
     # ---------------------------------------------------------------- settings files
     def save_settings(self, path: str) -> None:
-        Path(path).write_text(json.dumps(self.config_dict(), indent=2) + "\n", encoding="utf-8")
+        write_settings(path, self.config_dict())
         self.ctx.status(f"Saved settings to {path}")
 
     def load_settings(self, path: str) -> None:
         """Load a settings file or a run's config.json (model and dataset too, when they
-        exist); errors go to the window's error funnel."""
+        exist; a GRPO one switches the run type); errors go to the window's error funnel."""
         try:
-            try:
-                d = json.loads(Path(path).read_text(encoding="utf-8"))
-            except (OSError, ValueError) as e:
-                raise ConfigError(f"Could not read {os.path.basename(path)}: {e}.",
-                                  "Pick a settings file saved by the workbench or a run's "
-                                  "config.json.") from e
-            if not isinstance(d, dict):
-                raise ConfigError(f"{os.path.basename(path)} is not a settings file.")
-            from app.engine.run import RunConfig
-
-            RunConfig.from_dict({"model": "", "data": "", **d})     # unknown keys -> ConfigError
+            d = read_settings(path)
         except Exception as e:                      # noqa: BLE001
             self.ctx.report_error("Could not load the settings", e, f"File: {path}")
             return
+        self.apply_settings(d)
+        self.ctx.status(f"Loaded settings from {path}")
+
+    def apply_settings(self, d: dict) -> None:
+        """Show the settings of a RunConfig or GrpoConfig dict (its run type, its model and
+        dataset or prompts when they exist)."""
+        self.set_run_type(d.get("kind", "sft"))
         self.form.set_values(d)
-        if d.get("data") and os.path.isfile(d["data"]):
+        if self.kind() == "grpo":
+            self.grpo_panel.set_values(d)
+        elif d.get("data") and os.path.isfile(d["data"]):
             self.dataset.set_data_path(d["data"])
         if d.get("model") and os.path.isfile(d["model"]) and d["model"] != self.model_path():
             self.open_model(d["model"])
-        self.ctx.status(f"Loaded settings from {path}")
 
     def _save_dialog(self) -> None:
         path, _ = QFileDialog.getSaveFileName(self, "Save settings", "run-settings.json",

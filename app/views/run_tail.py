@@ -95,12 +95,15 @@ def describe_event(ev: dict) -> str | None:
     stamp = time.strftime("%H:%M:%S", time.localtime(ev["time"])) if "time" in ev else ""
     if kind == "log":
         text = str(ev.get("message", ""))
+    elif kind == "start" and ev.get("kind") == "grpo":
+        text = (f"start: {ev.get('total_steps')} steps of {ev.get('prompts_per_step')} prompts "
+                f"x {ev.get('group_size')} completions, {ev.get('trainable', 0):,} trainable "
+                f"parameters, {ev.get('train_prompts')} training / {ev.get('val_prompts')} "
+                f"held-out prompts ({ev.get('skipped_rows')} skipped)")
     elif kind == "start":
         text = (f"start: {ev.get('total_steps')} steps, {ev.get('epochs')} epoch(s), "
                 f"{ev.get('trainable', 0):,} trainable parameters, "
                 f"{ev.get('train_rows')} train / {ev.get('val_rows')} validation rows")
-        if ev.get("resumed_at"):
-            text += f", resumed at step {ev['resumed_at']}"
     elif kind == "checkpoint":
         tag = f" ({ev['tag']})" if ev.get("tag") else ""
         text = f"checkpoint at step {ev.get('step')}{tag}"
@@ -111,6 +114,8 @@ def describe_event(ev: dict) -> str | None:
             text += f", best validation loss {best:.4f} at step {ev.get('best_step')}"
     else:
         return None
+    if kind == "start" and ev.get("resumed_at"):
+        text += f", resumed at step {ev['resumed_at']}"
     return f"{stamp} {text}".strip()
 
 

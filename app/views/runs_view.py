@@ -1,8 +1,9 @@
 """The Queue and runs screen: every job in the queue and every run in the runs folder (runs
-started from the command line too), with progress, ETA and loss, and the actions on them.
+started from the command line too), with their type (SFT or GRPO), progress, ETA, loss and, for
+GRPO runs, the latest reward (the newest step's mean reward), and the actions on them.
 
-The rows are gathered in the reader thread (`collect_runs`: the queue's jobs, `list_runs`,
-each run's status.json) every second and applied on the GUI thread; actions call the job
+The rows are gathered in the reader thread (`run_rows.collect_runs`: the queue's jobs,
+`list_runs`, each run's status.json) every second and applied on the GUI thread; actions call the job
 queue and refresh at once. A failed run's stored error (kind, message, hint, detail) shows in
 the error panel. Test-visible state: `rows` (list of `RunRow`), `table`, `error_panel`,
 `selected_row()`, and the action methods (`move_up`, `cancel`, `pause_or_resume`, `retry`,
@@ -13,8 +14,6 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 
 from PySide6.QtCore import Qt, QUrl
 from PySide6.QtGui import QColor, QDesktopServices
@@ -23,117 +22,17 @@ from PySide6.QtWidgets import (QAbstractItemView, QHBoxLayout, QHeaderView, QLab
                                QWidget)
 
 from app.engine.errors import ConfigError, EngineError
-from app.engine.jobs import Job, JobStateError
-from app.engine.rundir import RunDir, list_runs
+from app.engine.jobs import JobStateError
+from app.engine.rundir import RunDir
 from app.views.error_panel import BUG_HINT, ErrorPanel
+from app.views.run_rows import RunRow, collect_runs
 from app.views.run_tail import BackgroundPoll, clock
 
-COLUMNS = ("Run", "State", "Progress", "ETA", "Loss", "Model", "Job")
-REQUESTED = {"pause": "pausing\u2026", "cancel": "cancelling\u2026"}
+COLUMNS = ("Run", "Type", "State", "Progress", "ETA", "Loss", "Reward", "Model", "Job")
+COL = {name: i for i, name in enumerate(COLUMNS)}
+KINDS = {"sft": "SFT", "grpo": "GRPO"}
 STATE_COLORS = {"running": "#2f6fde", "done": "#2e7d4f", "failed": "#c0392b",
                 "cancelled": "#6a737d", "paused": "#a15c07", "queued": "#4d545c"}
-STALE_S = 300            # a terminal run whose status has not changed for this long: stalled?
-
-
-@dataclass
-class RunRow:
-    path: str
-    name: str
-    state: str
-    job: Job | None = None
-    step: int = 0
-    total: int = 0
-    eta_s: float | None = None
-    loss: float | None = None
-    model: str = ""
-    epochs: int = 0
-    has_checkpoint: bool = False
-    error: dict | None = None
-    updated_at: float = 0.0
-    stalled: bool = False
-    status: dict = field(default_factory=dict)
-
-    @property
-    def label(self) -> str:
-        """The state as shown: 'running (pausing...)', 'running?' for a stalled terminal run."""
-        if self.job is not None and self.job.requested_action in REQUESTED:
-            return f"{self.state} ({REQUESTED[self.job.requested_action]})"
-        if self.stalled:
-            return f"{self.state}? (no update for {(time.time() - self.updated_at) / 60:.0f} min)"
-        return self.state + ("" if self.job else " (terminal)" if self.state == "running" else "")
-
-
-_configs: dict[str, tuple[float, str, int]] = {}      # path -> (mtime, model name, epochs)
-
-
-def _config_summary(run: RunDir) -> tuple[str, int]:
-    """(model file name, epochs) from config.json, re-read only when the file changed."""
-    try:
-        mtime = run.config_path.stat().st_mtime
-    except OSError:
-        return "", 0
-    cached = _configs.get(str(run.path))
-    if cached is None or cached[0] != mtime:
-        try:
-            cfg = run.config()
-        except EngineError:
-            cfg = {}
-        cached = (mtime, Path(str(cfg.get("model", ""))).name, int(cfg.get("epochs") or 0))
-        _configs[str(run.path)] = cached
-    return cached[1], cached[2]
-
-
-def _read_row(path: str, job: Job | None) -> RunRow:
-    run = RunDir(path)
-    try:
-        status = run.status()
-    except EngineError:
-        status = {}
-    model, epochs = _config_summary(run)
-    state = job.state if job is not None else str(status.get("state") or "new")
-    error = job.error if job is not None and job.error else status.get("error")
-    try:
-        has_ckpt = any(p.is_dir() for p in run.checkpoints_dir.iterdir())
-    except OSError:
-        has_ckpt = False
-    updated = float(status.get("updated_at") or 0.0)
-    total = int(status.get("total_steps") or 0)
-    return RunRow(
-        path=str(run.path), name=run.name, state=state, job=job,
-        step=int(status.get("step") or 0), total=total,
-        eta_s=status.get("eta_s") if state == "running" else None, loss=status.get("loss"),
-        model=model, epochs=epochs,
-        has_checkpoint=has_ckpt, error=error if isinstance(error, dict) else None,
-        updated_at=updated, status=status,
-        stalled=(job is None and state == "running" and updated > 0
-                 and time.time() - updated > STALE_S))
-
-
-def collect_runs(queue, runs_root) -> list[RunRow]:
-    """Rows for the queue's jobs (the newest job of each run directory; running and pending
-    ones first, in queue order) and the runs under `runs_root` that are not in the queue
-    (most recently updated first, with the finished jobs)."""
-    try:
-        jobs = queue.list()
-    except EngineError:
-        jobs = []
-    newest: dict[str, Job] = {}
-    for job in jobs:
-        key = str(RunDir(job.run_dir).path)
-        if key not in newest or job.id > newest[key].id:
-            newest[key] = job
-    rows = [_read_row(path, job) for path, job in newest.items()]
-    known = set(newest)
-    rows += [_read_row(str(r.path), None) for r in list_runs(runs_root)
-             if str(r.path) not in known]
-    order = {job.id: i for i, job in enumerate(jobs)}
-    active = [r for r in rows if r.job is not None and r.job.state in ("running", "queued",
-                                                                       "paused")]
-    active.sort(key=lambda r: order[r.job.id])
-    rest = [r for r in rows if r.job is None or r.job.state not in ("running", "queued",
-                                                                    "paused")]
-    rest.sort(key=lambda r: -(r.updated_at or (r.job.finished_at if r.job else 0) or 0))
-    return active + rest
 
 
 def error_from_dict(error: dict) -> EngineError:
@@ -176,8 +75,8 @@ class RunsView(QWidget):
         header = self.table.horizontalHeader()
         header.setSectionResizeMode(QHeaderView.ResizeToContents)
         header.setSectionResizeMode(0, QHeaderView.Stretch)
-        header.setSectionResizeMode(2, QHeaderView.Fixed)
-        self.table.setColumnWidth(2, 200)
+        header.setSectionResizeMode(COL["Progress"], QHeaderView.Fixed)
+        self.table.setColumnWidth(COL["Progress"], 200)
         self.table.itemSelectionChanged.connect(self._on_selection)
         self.table.cellDoubleClicked.connect(lambda *_: self.ctx.show_screen("monitor"))
 
@@ -252,20 +151,22 @@ class RunsView(QWidget):
                 for c in range(len(COLUMNS)):
                     t.setItem(i, c, QTableWidgetItem())
                 t.item(i, 0).setData(Qt.UserRole, row.path)
-                t.setCellWidget(i, 2, _progress_cell())
+                t.setCellWidget(i, COL["Progress"], _progress_cell())
             t.clearSelection()
             if self._selected in [r.path for r in rows]:
                 t.selectRow([r.path for r in rows].index(self._selected))
         for i, row in enumerate(rows):
             job = row.job
-            texts = (row.name, row.label, "", clock(row.eta_s) if row.eta_s is not None else "",
-                     f"{row.loss:.4f}" if isinstance(row.loss, (int, float)) else "",
-                     row.model, str(job.id) if job else "terminal")
+            number = lambda v: f"{v:.4f}" if isinstance(v, (int, float)) else ""
+            texts = (row.name, KINDS.get(row.kind, row.kind), row.label, "",
+                     clock(row.eta_s) if row.eta_s is not None else "", number(row.loss),
+                     number(row.reward), row.model, str(job.id) if job else "terminal")
             for c, text in enumerate(texts):
                 t.item(i, c).setText(text)
             t.item(i, 0).setToolTip(row.path)
-            t.item(i, 1).setForeground(QColor(STATE_COLORS.get(row.state, "#1f2328")))
-            bar = t.cellWidget(i, 2).bar
+            t.item(i, COL["State"]).setForeground(QColor(STATE_COLORS.get(row.state,
+                                                                          "#1f2328")))
+            bar = t.cellWidget(i, COL["Progress"]).bar
             total = max(row.total, 1)
             bar.setRange(0, total)
             bar.setValue(total if row.state == "done" and row.total else min(row.step, total))

@@ -4,9 +4,10 @@
 
 Opens the window on a private queue, runs folder and settings (nothing of the user's is
 touched), with the bundled sample model and dataset; shoots the New run tabs; starts a short
-real run in a real worker process; shoots Runs, Monitor and Experts when it has finished;
-exports a GGUF adapter and generates in the Playground; shoots those and an error. The worker
-it started is stopped at the end.
+real run in a real worker process; shoots Monitor and Experts when it has finished; exports a
+GGUF adapter and generates in the Playground; shoots those. Then the GRPO addition demo: its
+New run tabs, a real 40-step run, Monitor's Rewards and Completions pages; then Runs (both
+runs) and an error. The worker it started is stopped at the end.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             wait(lambda: any(r.path == run and r.state == "done" for r in runs.rows),
                  "the run to finish", 600)
             pump(1.5)                                   # the last events reach the screens
-            for key in ("runs", "monitor", "experts"):
+            for key in ("monitor", "experts"):
                 window.show_screen(key)
                 shoot(key, 0.8)
 
@@ -112,6 +113,31 @@ def main(argv: list[str] | None = None) -> int:
             shoot("playground")
 
             window.show_screen("new_run")
+            new_run.grpo_panel.demo_button.click()
+            for i, name in ((1, "new-run-grpo"), (2, "new-run-grpo-training")):
+                new_run.tabs.setCurrentIndex(i)
+                shoot(name)
+            new_run.name_field.setText("grpo-addition")
+            grpo_run = new_run.create_run(start=True)
+            wait(lambda: ctx.current_run == grpo_run, "the GRPO run to be queued", 30)
+            wait(lambda: any(r.path == grpo_run and r.state == "done" for r in runs.rows),
+                 "the GRPO run to finish", 900)
+            pump(1.5)
+            window.show_screen("monitor")
+            monitor.pages.setCurrentWidget(monitor.grpo)
+            shoot("monitor-grpo", 0.8)
+            monitor.pages.setCurrentWidget(monitor.completions)
+            table = monitor.completions          # the newest sampled step whose rewards differ
+            table.select(max(step for step, source, items in table.entries
+                             if source == "sampled" and any(it["advantage"] for it in items)))
+            items = table.current_entry()[2]                         # a rewarded completion
+            table.table.selectRow(next(r for r, it in enumerate(items) if it["advantage"] > 0))
+            shoot("completions", 0.8)
+            window.show_screen("runs")
+            shoot("runs", 0.8)
+
+            window.show_screen("new_run")
+            new_run.set_run_type("sft")
             new_run.tabs.setCurrentIndex(0)
             bad = Path(tmp) / "broken-download.gguf"
             bad.write_bytes(b"GGUF" + os.urandom(200))

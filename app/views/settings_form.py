@@ -4,6 +4,10 @@
 and `data`); `set_values(d)` loads one (a saved settings file or a run's config.json). Problems
 are shown inline, under the field (`errors()` returns them), never as pop-ups. The targets'
 checkboxes show the trainable parameters each group adds for the current model and rank.
+
+`set_kind("grpo")` turns it into the training half of a GRPO run: LoRA only, a number of steps,
+held-out prompts; the dataset-only settings are hidden, and `values()` / `set_values(d)` speak
+the GrpoConfig dict's keys (train, max_steps, val_split, eval_every, save_every, norms_every).
 """
 
 from __future__ import annotations
@@ -11,14 +15,14 @@ from __future__ import annotations
 import math
 import os
 
-from PySide6.QtCore import Qt, Signal
-from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog, QFrame,
-                               QGridLayout, QGroupBox, QHBoxLayout, QLabel, QLineEdit,
-                               QPushButton, QScrollArea, QSpinBox, QVBoxLayout, QWidget)
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import (QCheckBox, QFileDialog, QFrame, QGridLayout, QHBoxLayout, QLabel,
+                               QLineEdit, QPushButton, QScrollArea, QVBoxLayout, QWidget)
 
 from app.engine.config import TrainConfig
 from app.engine.lora import TARGET_GROUPS
 from app.engine.model_info import ModelCard, human_count, lora_param_count
+from app.views.form_fields import FormBase, combo, dspin, set_combo, set_field, spin
 
 GROUP_LABELS = {"attention": "Attention (q, k, v, out)", "ffn": "Dense FFN",
                 "experts": "Experts (MoE)", "shared": "Shared experts", "router": "Router",
@@ -48,6 +52,14 @@ SIMPLE_FIELDS = {
     "normalize": ("data_config", "normalize", "none"),
     "allow_negative": ("data_config", "allow_negative_weights", False)}
 WEIGHT_SOURCES = (("row", "From each row's field"), ("file", "From a weights file"))
+SFT_ONLY = ("mode", "epochs", "context", "batch", "grad_accum", "patience")
+GRPO_STEPS = 100                    # the steps of a first GRPO run
+# field -> ((label, special value text) of a supervised run, (the same) of a GRPO run)
+KIND_TEXTS = {"val_split": (("Validation split", ""), ("Held-out prompts", "")),
+              "max_steps": (("Max steps", "no cap"), ("Steps", "not set")),
+              "eval_every": (("Evaluate every", "end of epoch"), ("Evaluate every",
+                                                                  "start and end")),
+              "save_every": (("Save every", "end of epoch"), ("Save every", "at the end"))}
 
 
 def group_param_counts(card: ModelCard, rank: int) -> dict[str, int]:
@@ -62,53 +74,26 @@ def group_param_counts(card: ModelCard, rank: int) -> dict[str, int]:
     return out
 
 
-def _spin(lo: int, hi: int, value: int, special: str = "") -> QSpinBox:
-    box = QSpinBox(minimum=lo, maximum=hi, value=value)
-    box.setFocusPolicy(Qt.StrongFocus)
-    if special:
-        box.setSpecialValueText(special)
-    return box
-
-
-def _dspin(lo: float, hi: float, value: float, decimals: int, step: float) -> QDoubleSpinBox:
-    box = QDoubleSpinBox(minimum=lo, maximum=hi, value=value, decimals=decimals, singleStep=step)
-    box.setFocusPolicy(Qt.StrongFocus)
-    return box
-
-
-def _combo(items) -> QComboBox:
-    box = QComboBox()
-    for item in items:
-        key, text = item if isinstance(item, tuple) else (item, item)
-        box.addItem(text, key)
-    box.setFocusPolicy(Qt.StrongFocus)
-    return box
-
-
-class SettingsForm(QWidget):
+class SettingsForm(FormBase):
     """Every training setting with inline validation. `changed(str)` names the field."""
-
-    changed = Signal(str)
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
-        self.fields: dict[str, QWidget] = {}
-        self.error_labels: dict[str, QLabel] = {}
         self.target_boxes: dict[str, QCheckBox] = {}
         self.full_boxes: dict[str, QCheckBox] = {}
         self.card: ModelCard | None = None
-        self._loading = False
-        self._boxes: list[QGroupBox] = []
+        self.kind = "sft"
+        self._kind_steps: dict[str, int] = {}      # run type -> its max_steps when left
         t = TrainConfig()
 
         train = self._group("What to train")
-        self._row(train, "mode", "Mode", _combo([("lora", "LoRA adapters"),
+        self._row(train, "mode", "Mode", combo([("lora", "LoRA adapters"),
                                                   ("full", "Full fine-tuning"),
                                                   ("hybrid", "LoRA + full (hybrid)")]))
-        self._row(train, "rank", "LoRA rank", _spin(1, 4096, 8))
-        self._row(train, "alpha", "LoRA alpha", _dspin(0, 100000, 16, 2, 1))
+        self._row(train, "rank", "LoRA rank", spin(1, 4096, 8))
+        self._row(train, "alpha", "LoRA alpha", dspin(0, 100000, 16, 2, 1))
         self._row(train, "rslora", "", QCheckBox("rsLoRA scaling (alpha / sqrt(rank))"))
-        self._row(train, "dropout", "LoRA dropout", _dspin(0, 0.95, t.lora_dropout, 2, 0.05))
+        self._row(train, "dropout", "LoRA dropout", dspin(0, 0.95, t.lora_dropout, 2, 0.05))
         targets = QWidget()
         grid = QGridLayout(targets)
         grid.setContentsMargins(0, 0, 0, 0)
@@ -137,44 +122,44 @@ class SettingsForm(QWidget):
         self._row(train, "full_targets", "Fully trained", full)
 
         opt = self._group("Optimiser")
-        self._row(opt, "optimizer", "Optimiser", _combo([("adamw", "AdamW"), ("sgd", "SGD"),
+        self._row(opt, "optimizer", "Optimiser", combo([("adamw", "AdamW"), ("sgd", "SGD"),
                                                           ("lbfgs", "L-BFGS")]))
         self._row(opt, "lr", "Learning rate", QLineEdit("5e-3"))
-        self._row(opt, "schedule", "Schedule", _combo(["constant", "linear", "cosine"]))
-        self._row(opt, "warmup", "Warmup steps", _spin(0, 10**7, t.warmup_steps))
-        self._row(opt, "gclip", "Gradient clip", _dspin(0, 1e6, t.gclip, 3, 0.1))
-        self._row(opt, "weight_decay", "Weight decay", _dspin(0, 10, t.weight_decay, 4, 0.01))
-        self._row(opt, "seed", "Seed", _spin(0, 2**31 - 1, t.seed))
+        self._row(opt, "schedule", "Schedule", combo(["constant", "linear", "cosine"]))
+        self._row(opt, "warmup", "Warmup steps", spin(0, 10**7, t.warmup_steps))
+        self._row(opt, "gclip", "Gradient clip", dspin(0, 1e6, t.gclip, 3, 0.1))
+        self._row(opt, "weight_decay", "Weight decay", dspin(0, 10, t.weight_decay, 4, 0.01))
+        self._row(opt, "seed", "Seed", spin(0, 2**31 - 1, t.seed))
 
         length = self._group("Length and batches")
-        self._row(length, "epochs", "Epochs", _spin(0, 100000, 3, "0 (use steps)"))
-        self._row(length, "max_steps", "Max steps", _spin(0, 10**8, 0, "no cap"))
-        self._row(length, "context", "Context (tokens)", _spin(8, 1 << 20, 256))
-        self._row(length, "batch", "Batch (windows)", _spin(1, 4096, 1))
-        self._row(length, "grad_accum", "Gradient accumulation", _spin(1, 4096, 1))
+        self._row(length, "epochs", "Epochs", spin(0, 100000, 3, "0 (use steps)"))
+        self._row(length, "max_steps", "Max steps", spin(0, 10**8, 0, "no cap"))
+        self._row(length, "context", "Context (tokens)", spin(8, 1 << 20, 256))
+        self._row(length, "batch", "Batch (windows)", spin(1, 4096, 1))
+        self._row(length, "grad_accum", "Gradient accumulation", spin(1, 4096, 1))
         self._row(length, "checkpoint_interval", "Gradient checkpointing",
-                  _spin(0, 512, t.checkpoint_interval, "off"))
+                  spin(0, 512, t.checkpoint_interval, "off"))
         self.fields["checkpoint_interval"].setSuffix(" layers")
 
         ev = self._group("Evaluation and saving")
-        self._row(ev, "val_split", "Validation split", _dspin(0, 0.9, 0.1, 2, 0.05))
-        self._row(ev, "eval_every", "Evaluate every", _spin(0, 10**7, 30, "end of epoch"))
-        self._row(ev, "save_every", "Save every", _spin(0, 10**7, 0, "end of epoch"))
-        self._row(ev, "patience", "Early-stop patience", _spin(0, 1000, 0, "off"))
-        self._row(ev, "norms_every", "Heatmap every", _spin(0, 10**6, 5, "off"))
+        self._row(ev, "val_split", "Validation split", dspin(0, 0.9, 0.1, 2, 0.05))
+        self._row(ev, "eval_every", "Evaluate every", spin(0, 10**7, 30, "end of epoch"))
+        self._row(ev, "save_every", "Save every", spin(0, 10**7, 0, "end of epoch"))
+        self._row(ev, "patience", "Early-stop patience", spin(0, 1000, 0, "off"))
+        self._row(ev, "norms_every", "Heatmap every", spin(0, 10**6, 5, "off"))
         for key in ("eval_every", "save_every", "norms_every"):
             self.fields[key].setSuffix(" steps")
 
         data = self._group("Data")
-        self._row(data, "format", "Format", _combo(FORMATS))
+        self._row(data, "format", "Format", combo(FORMATS))
         self._row(data, "overflow", "Rows longer than context",
-                  _combo(["truncate", "split", "drop"]))
-        self._row(data, "packing", "Packing", _combo(["pack", "pad", "none"]))
+                  combo(["truncate", "split", "drop"]))
+        self._row(data, "packing", "Packing", combo(["pack", "pad", "none"]))
         self._row(data, "chat_loss", "Chat turns trained",
-                  _combo([("assistant", "every assistant turn"), ("last", "last turn only")]))
+                  combo([("assistant", "every assistant turn"), ("last", "last turn only")]))
 
         rw = self._group("Reward weights")
-        self._row(rw, "weights_source", "Weights", _combo(WEIGHT_SOURCES))
+        self._row(rw, "weights_source", "Weights", combo(WEIGHT_SOURCES))
         self._row(rw, "weight_field", "Field", QLineEdit(placeholderText="weight or reward"))
         path = QWidget()
         prow = QHBoxLayout(path)
@@ -186,11 +171,11 @@ class SettingsForm(QWidget):
         prow.addWidget(browse)
         self.fields["weights_path_edit"] = self.weights_path
         self._row(rw, "weights_path", "File", path)
-        self._row(rw, "normalize", "Normalisation", _combo(["none", "mean-std", "min-max", "clip"]))
+        self._row(rw, "normalize", "Normalisation", combo(["none", "mean-std", "min-max", "clip"]))
         clip = QWidget()
         crow = QHBoxLayout(clip)
         crow.setContentsMargins(0, 0, 0, 0)
-        self.clip_lo, self.clip_hi = _dspin(-1e6, 1e6, 0, 3, 0.1), _dspin(-1e6, 1e6, 1, 3, 0.1)
+        self.clip_lo, self.clip_hi = dspin(-1e6, 1e6, 0, 3, 0.1), dspin(-1e6, 1e6, 1, 3, 0.1)
         crow.addWidget(self.clip_lo)
         crow.addWidget(QLabel("to"))
         crow.addWidget(self.clip_hi)
@@ -199,6 +184,7 @@ class SettingsForm(QWidget):
 
         for w in (self.weights_path, self.clip_lo, self.clip_hi):
             self._connect(w, "weights_path" if w is self.weights_path else "clip")
+        self._sft_boxes = (data.parentWidget(), rw.parentWidget())
 
         body = QWidget(objectName="formBody")
         cols = QHBoxLayout(body)
@@ -218,43 +204,6 @@ class SettingsForm(QWidget):
         outer.addWidget(scroll)
         self.set_values({})
         self._update_visibility()
-
-    # ---------------------------------------------------------------- building
-    def _group(self, title: str) -> QGridLayout:
-        box = QGroupBox(title)
-        self._boxes.append(box)             # parented when the columns are laid out
-        grid = QGridLayout(box)
-        grid.setColumnStretch(1, 1)
-        grid.setHorizontalSpacing(10)
-        grid.setVerticalSpacing(4)
-        return grid
-
-    def _row(self, grid: QGridLayout, key: str, label: str, widget: QWidget) -> None:
-        r = grid.rowCount()
-        name = QLabel(label)
-        name.setObjectName("formLabel")
-        grid.addWidget(name, r, 0, Qt.AlignTop | Qt.AlignLeft)
-        grid.addWidget(widget, r, 1)
-        err = QLabel(objectName="fieldError", wordWrap=True, textFormat=Qt.PlainText)
-        err.hide()
-        grid.addWidget(err, r + 1, 1)
-        self.fields[key] = widget
-        self.error_labels[key] = err
-        widget.setProperty("formLabel", name)
-        self._connect(widget, key)
-
-    def _connect(self, widget: QWidget, key: str) -> None:
-        if isinstance(widget, QComboBox):
-            widget.currentIndexChanged.connect(lambda *_: self._changed(key))
-        elif isinstance(widget, (QSpinBox, QDoubleSpinBox)):
-            widget.valueChanged.connect(lambda *_: self._changed(key))
-        elif isinstance(widget, QLineEdit):
-            widget.textChanged.connect(lambda *_: self._changed(key))
-        elif isinstance(widget, QCheckBox):
-            widget.toggled.connect(lambda *_: self._changed(key))
-
-    def __getitem__(self, key: str) -> QWidget:
-        return self.fields[key]
 
     # ---------------------------------------------------------------- model-dependent parts
     def set_card(self, card: ModelCard | None) -> None:
@@ -320,7 +269,16 @@ class SettingsForm(QWidget):
         return value if math.isfinite(value) else None
 
     def values(self) -> dict:
-        """The RunConfig dict without model and data."""
+        """The RunConfig dict without model and data; of a GRPO run, its GrpoConfig keys."""
+        v = self._run_values()
+        if self.kind != "grpo":
+            return v
+        skip = ("mode", "full_targets", "grad_accum")
+        return {"kind": "grpo", "train": {k: x for k, x in v["train"].items() if k not in skip},
+                "val_split": v["data_config"]["val_fraction"],
+                **{k: v[k] for k in ("max_steps", "eval_every", "save_every", "norms_every")}}
+
+    def _run_values(self) -> dict:
         f = self.fields
         source = f["weights_source"].currentData()
         clip = [self.clip_lo.value(), self.clip_hi.value()] \
@@ -352,20 +310,17 @@ class SettingsForm(QWidget):
                 "norms_every": f["norms_every"].value()}
 
     def set_values(self, d: dict) -> None:
-        """Load a RunConfig dict (missing keys: the form's defaults for a first run)."""
+        """Load a RunConfig or GrpoConfig dict (missing keys: the form's defaults for a first
+        run; the run type stays as it is: see `set_kind`)."""
         t, dc = dict(d.get("train") or {}), dict(d.get("data_config") or {})
+        if d.get("kind") == "grpo":
+            dc["val_fraction"] = d.get("val_split", 0.0)
         f = self.fields
         self._loading = True
         try:
             for key, (section, name, default) in SIMPLE_FIELDS.items():
-                value = {"train": t, "data_config": dc, "": d}[section].get(name, default)
-                w = f[key]
-                if isinstance(w, QComboBox):
-                    _set_combo(w, value)
-                elif isinstance(w, QCheckBox):
-                    w.setChecked(bool(value))
-                else:
-                    w.setValue(type(w.value())(value))
+                set_field(f[key], {"train": t, "data_config": dc, "": d}[section].get(name,
+                                                                                     default))
             targets = set(t.get("lora_targets", ("attention", "experts", "router")))
             for g, box in self.target_boxes.items():
                 box.setChecked(g in targets)
@@ -374,7 +329,7 @@ class SettingsForm(QWidget):
                 box.setChecked(g in full)
             f["lr"].setText(f"{float(t.get('lr', 5e-3)):g}")
             f["batch"].setValue(1)
-            _set_combo(f["weights_source"], "file" if dc.get("weights_path") else "row")
+            set_combo(f["weights_source"], "file" if dc.get("weights_path") else "row")
             f["weight_field"].setText(dc.get("weight_field") or "")
             self.weights_path.setText(dc.get("weights_path") or "")
             clip = dc.get("clip_range") or (0.0, 1.0)
@@ -386,6 +341,30 @@ class SettingsForm(QWidget):
         self._update_counts()
         self.validate()
         self.changed.emit("all")
+
+    def set_kind(self, kind: str) -> None:
+        """Show the settings of a supervised ("sft") or a GRPO ("grpo") run. Each keeps its
+        own number of steps (a GRPO run needs one; a supervised run usually counts epochs)."""
+        steps = self.fields["max_steps"]
+        self._kind_steps[self.kind] = steps.value()
+        self.kind = kind
+        grpo = kind == "grpo"
+        self._loading = True
+        if grpo:
+            set_combo(self.fields["mode"], "lora")
+        steps.setValue(self._kind_steps.get(kind) or (GRPO_STEPS if grpo else 0))
+        self._loading = False
+        for box in self._sft_boxes:
+            box.setVisible(not grpo)
+        for key, texts in KIND_TEXTS.items():
+            label, special = texts[grpo]
+            self.label(key).setText(label)
+            if special:
+                self.fields[key].setSpecialValueText(special)
+        self._update_visibility()
+        self._update_counts()
+        self.validate()
+        self.changed.emit("kind")
 
     # ---------------------------------------------------------------- validation
     def validate(self) -> dict[str, str]:
@@ -407,6 +386,11 @@ class SettingsForm(QWidget):
             errors["alpha"] = "Alpha must be greater than 0 (scale = alpha / rank)."
         if not f["epochs"].value() and not f["max_steps"].value():
             errors["epochs"] = "Set a number of epochs, or of steps with epochs 0."
+        if self.kind == "grpo" and not f["max_steps"].value():
+            errors["max_steps"] = "A GRPO run counts steps: set how many."
+        if self.kind == "grpo" and f["optimizer"].currentData() == "lbfgs":
+            errors["optimizer"] = "GRPO runs use AdamW or SGD: L-BFGS needs the same batch " \
+                                  "at every step."
         if self.card is not None and f["context"].value() > self.card.config.context_length:
             errors["context"] = (f"The model was trained with a context of "
                                  f"{self.card.config.context_length:,} tokens; use at most that.")
@@ -422,16 +406,7 @@ class SettingsForm(QWidget):
                 errors["weights_path"] = f"There is no file {path}."
         if f["normalize"].currentData() == "clip" and self.clip_lo.value() >= self.clip_hi.value():
             errors["clip"] = "The lower bound must be below the upper bound."
-        errors = {k: v for k, v in errors.items() if not self.fields[k].isHidden()}
-        for key, label in self.error_labels.items():
-            msg = errors.get(key, "")
-            label.setText(msg)
-            label.setVisible(bool(msg))
-        return errors
-
-    def errors(self) -> dict[str, str]:
-        """The problems shown now, by field."""
-        return {k: lab.text() for k, lab in self.error_labels.items() if lab.text()}
+        return self._show_errors(errors)
 
     # ---------------------------------------------------------------- reactions
     def _changed(self, key: str) -> None:
@@ -441,8 +416,7 @@ class SettingsForm(QWidget):
             self._update_visibility()
         if key in ("rank", "mode", "targets"):
             self._update_counts()
-        self.validate()
-        self.changed.emit(key)
+        super()._changed(key)
 
     def _update_visibility(self) -> None:
         mode = self.mode()
@@ -450,17 +424,12 @@ class SettingsForm(QWidget):
         for key in ("rank", "alpha", "rslora", "dropout", "targets", "trainable"):
             self._show(key, lora or key == "trainable")
         self._show("full_targets", mode == "hybrid")
+        for key in SFT_ONLY:
+            self._show(key, self.kind != "grpo")
         source = self.fields["weights_source"].currentData()
         self._show("weight_field", source == "row")
         self._show("weights_path", source == "file")
         self._show("clip", self.fields["normalize"].currentData() == "clip")
-
-    def _show(self, key: str, visible: bool) -> None:
-        widget = self.fields[key]
-        widget.setVisible(visible)
-        widget.property("formLabel").setVisible(visible)
-        if not visible:
-            self.error_labels[key].hide()
 
     def _browse_weights(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self, "Reward weights", self.weights_path.text(),
@@ -469,7 +438,3 @@ class SettingsForm(QWidget):
         if path:
             self.weights_path.setText(path)
 
-
-def _set_combo(box: QComboBox, key) -> None:
-    i = box.findData(key)
-    box.setCurrentIndex(i if i >= 0 else 0)

@@ -18,6 +18,13 @@ SAMPLE_CHAT = REPO / "sample_data" / "chat.jsonl"
 GOLDEN = REPO / "tests" / "data" / "golden"
 
 
+def wait_ready(qtbot, view):
+    """Wait until a New run screen has read its model and checked its dataset."""
+    qtbot.waitUntil(lambda: view.card is not None and view.dataset.report is not None
+                    and not view.dataset.is_busy() and view.memory_estimate is not None,
+                    timeout=15_000)
+
+
 @pytest.fixture
 def settings(tmp_path):
     from PySide6.QtCore import QSettings
@@ -38,6 +45,19 @@ def ctx(tmp_path, settings, qapp):
     context.worker_starts = []
     context.ensure_worker = lambda: context.worker_starts.append(1)
     return context
+
+
+@pytest.fixture
+def new_run(qtbot, ctx):
+    """A shown New run screen that has read the sample model and checked chat.jsonl."""
+    from app.views.new_run import NewRunView
+
+    view = NewRunView(ctx, discover=lambda: [])
+    qtbot.addWidget(view)
+    view.resize(1100, 720)
+    view.show()
+    wait_ready(qtbot, view)
+    return view
 
 
 @pytest.fixture

@@ -169,3 +169,85 @@ class FakeRun:
         t = threading.Thread(target=self.play, args=(steps,), kwargs=kw, daemon=True)
         t.start()
         return t
+
+
+def fake_grpo_config(**overrides) -> dict:
+    """A GRPO run's config.json (app.engine.grpo.GrpoConfig.to_dict) with two rewards."""
+    from app.engine.config import TrainConfig
+    from app.engine.grpo import GrpoConfig
+    from app.engine.reward_functions import RewardSpec
+
+    config = GrpoConfig(model="/models/tiny-moe.gguf", prompts="/data/addition.jsonl",
+                        rewards=(RewardSpec("exact"), RewardSpec("format", 0.5, arg="answer")),
+                        train=TrainConfig(lora_rank=8, lora_alpha=16, lr=5e-4), group_size=4,
+                        prompts_per_step=2, max_steps=20, val_split=0.1, eval_every=10)
+    return {**config.to_dict(), **overrides}
+
+
+class FakeGrpoRun:
+    """A GRPO run directory written like `app.engine.grpo.train_grpo` writes it: the reward at
+    step s is `reward_at(s)`, the exact reward's mean that, the format reward's 1 - that."""
+
+    def __init__(self, path: str | Path, *, total_steps: int = 20, group_size: int = 4):
+        self.run = RunDir.create(path, fake_grpo_config(max_steps=total_steps,
+                                                        group_size=group_size))
+        self.path = str(self.run.path)
+        self.total_steps, self.group_size = total_steps, group_size
+        self.step_no = 0
+        self.run.write_status(state="running", step=0, total_steps=total_steps, fsync=False)
+        self.run.append_metrics({"type": "start", "kind": "grpo", "total_steps": total_steps,
+                                 "epochs": 1, "trainable": 1000, "prompt_rows": 20,
+                                 "train_prompts": 18, "val_prompts": 2, "skipped_rows": 0,
+                                 "group_size": group_size, "prompts_per_step": 2,
+                                 "advantage": "group-std", "kl": 0.0, "resumed_at": 0,
+                                 "rewards": [{"name": "exact", "kind": "exact", "weight": 1.0},
+                                             {"name": "format", "kind": "format",
+                                              "weight": 0.5}]})
+
+    @staticmethod
+    def reward_at(step: int) -> float:
+        return min(1.0, 0.05 * step)
+
+    def step(self, n: int = 1) -> None:
+        for _ in range(n):
+            self.step_no += 1
+            s, r = self.step_no, self.reward_at(self.step_no)
+            self.run.append_metrics({
+                "type": "step", "kind": "grpo", "step": s, "total_steps": self.total_steps,
+                "epoch": 1, "epochs": 1, "loss": -0.01 * s, "accuracy": 0.5, "lr": 5e-4,
+                "grad_norm": 1.0, "clipped_fraction": 0.0, "tokens": 40, "tokens_per_s": 400.0,
+                "skipped": False, "reward_mean": r + 0.5 * (1 - r), "reward_std": 0.1 * s,
+                "rewards": {"exact": {"mean": r, "std": 0.3}, "format": {"mean": 1 - r,
+                                                                         "std": 0.2}},
+                "zero_spread_fraction": 0.5 if s % 2 else 0.0,
+                "completion_len_mean": 3.0 + s, "completion_len_min": 1, "completion_len_max":
+                    5 + s, "completion_clipped_fraction": 0.25, "advantage_mean": 0.0,
+                "advantage_std": 1.0, "advantage_abs_mean": 0.8, "kl": None, "step_s": 0.5,
+                "elapsed_s": 0.5 * s, "eta_s": 0.5 * (self.total_steps - s)})
+        self.run.write_status(state="running", step=self.step_no, total_steps=self.total_steps,
+                              fsync=False)
+
+    def item(self, k: int, advantage: float | None) -> dict:
+        """Completion `k` of the step: prompt k // G, "What is k + 1?" and a long completion."""
+        prompt = f"What is {k // self.group_size} + 1?"
+        completion = f"{k} " + "and more " * (8 * (k % 2))
+        return {"prompt_index": k // self.group_size, "line": k // self.group_size + 1,
+                "sample": k % self.group_size, "prompt": prompt,
+                "answer": str(k // self.group_size + 1), "completion": completion,
+                "reward": float(k % 2), "rewards": {"exact": float(k % 2), "format": 0.0},
+                "advantage": advantage, "length": 2 + k, "finished": k % 3 != 0}
+
+    def samples(self) -> list[dict]:
+        items = [self.item(k, 1.0 if k % 2 else -1.0) for k in range(2 * self.group_size)]
+        self.run.append_metrics({"type": "samples", "kind": "grpo", "step": self.step_no,
+                                 "items": items})
+        return items
+
+    def eval(self, reward: float) -> None:
+        self.run.append_metrics({
+            "type": "eval", "kind": "grpo", "step": self.step_no, "prompts": 2,
+            "reward_mean": reward, "reward_std": 0.0,
+            "rewards": {"exact": {"mean": reward, "std": 0.0}, "format": {"mean": 0.0,
+                                                                          "std": 0.0}},
+            "completion_len_mean": 3.0, "completion_clipped_fraction": 0.0,
+            "examples": [self.item(k, None) for k in range(2)], "eval_s": 0.1})

@@ -164,29 +164,29 @@ def test_compare_runs_overlays_curves_and_diffs_settings(qtbot, ctx, monitor):
                 config=fake_config(train={"lr": 0.001}, epochs=3))
     b.step(25)
     ctx.select_run(a.path)
-    qtbot.waitUntil(lambda: monitor.compare_list.count() == 2)
-    items = {monitor.compare_list.item(i).text(): monitor.compare_list.item(i)
-             for i in range(monitor.compare_list.count())}
+    qtbot.waitUntil(lambda: monitor.compare.compare_list.count() == 2)
+    items = {monitor.compare.compare_list.item(i).text(): monitor.compare.compare_list.item(i)
+             for i in range(monitor.compare.compare_list.count())}
     assert items["lr-5e-3"].isHidden()                   # the followed run is always shown
-    assert monitor.diff_table.isHidden() and "Tick runs" in monitor.diff_hint.text()
+    assert monitor.compare.diff_table.isHidden() and "Tick runs" in monitor.compare.diff_hint.text()
     items["lr-1e-3"].setCheckState(Qt.Checked)
-    assert list(monitor.compare_curves) == [b.path]
-    qtbot.waitUntil(lambda: n_points(monitor.compare_curves[b.path]) == 25)
-    np.testing.assert_allclose(monitor.compare_curves[b.path].getData()[1],
+    assert list(monitor.compare.compare_curves) == [b.path]
+    qtbot.waitUntil(lambda: n_points(monitor.compare.compare_curves[b.path]) == 25)
+    np.testing.assert_allclose(monitor.compare.compare_curves[b.path].getData()[1],
                                [FakeRun.loss_at(s) for s in range(1, 26)])
-    assert monitor.settings_diff() == {"epochs": {"lr-5e-3": 2, "lr-1e-3": 3},
+    assert monitor.compare.settings_diff() == {"epochs": {"lr-5e-3": 2, "lr-1e-3": 3},
                                        "train.lr": {"lr-5e-3": 0.005, "lr-1e-3": 0.001}}
-    table = monitor.diff_table
+    table = monitor.compare.diff_table
     assert table.rowCount() == 2 and table.columnCount() == 3
     assert [table.item(r, 0).text() for r in range(2)] == ["epochs", "train.lr"]
     assert table.item(1, 2).text() == "0.001"
-    assert not table.isHidden() and monitor.diff_hint.isHidden()
+    assert not table.isHidden() and monitor.compare.diff_hint.isHidden()
     items["lr-1e-3"].setCheckState(Qt.Unchecked)
-    assert monitor.compare_curves == {} and monitor.settings_diff() == {}
+    assert monitor.compare.compare_curves == {} and monitor.compare.settings_diff() == {}
     assert table.rowCount() == 0
-    monitor.set_compared(b.path)
+    monitor.compare.set_compared(b.path)
     assert items["lr-1e-3"].checkState() == Qt.Checked
     ctx.select_run(b.path)                      # the compared run becomes the followed one
-    assert monitor.compare_curves == {}
+    assert monitor.compare.compare_curves == {}
     assert items["lr-1e-3"].isHidden() and items["lr-1e-3"].checkState() == Qt.Unchecked
     assert not items["lr-5e-3"].isHidden()

@@ -20,19 +20,8 @@ from tests.views.conftest import GOLDEN, SAMPLE_CHAT, SAMPLE_MODEL
 
 
 @pytest.fixture
-def view(qtbot, ctx):
-    v = NewRunView(ctx, discover=lambda: [])
-    qtbot.addWidget(v)
-    v.resize(1100, 720)
-    v.show()
-    wait_ready(qtbot, v)
-    return v
-
-
-def wait_ready(qtbot, v):
-    qtbot.waitUntil(lambda: v.card is not None and v.dataset.report is not None
-                    and not v.dataset.is_busy() and v.memory_estimate is not None,
-                    timeout=15_000)
+def view(new_run):
+    return new_run
 
 
 def wait_lint(qtbot, v):

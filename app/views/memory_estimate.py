@@ -1,0 +1,30 @@
+"""The memory a LoRA run needs, estimated from the model card for the current settings.
+
+`estimate_memory(card, trainable, tokens)`: `card` is `describe_model(path, rank, tokens)` (its
+`memory` holds the weights, the dequantized working layer, the activations of `tokens` tokens
+and the adapter bytes of all LoRA targets); `trainable` the parameters of the chosen targets.
+Returns (bytes, the sentence the New run screen shows); None bytes for full fine-tuning, which
+has no estimate yet.
+"""
+
+from __future__ import annotations
+
+from app.engine.model_info import ModelCard, human_bytes, human_count
+
+
+def estimate_memory(card: ModelCard, trainable: int | None, tokens: str,
+                    full: bool = False) -> tuple[int | None, str]:
+    """See the module docstring; `tokens` says what the activations are for ("context
+    256")."""
+    m = card.memory
+    if full:
+        return None, (f"Full fine-tuning: weights {human_bytes(m.weights)} plus optimizer state "
+                      "for every unquantized tensor (no estimate yet).")
+    per_param = m.adapter / card.lora_params if card.lora_params else 16
+    adapter = int((trainable or 0) * per_param)
+    total = m.weights + m.dequant_working + m.activations + adapter
+    return total, (f"Estimated memory: {human_bytes(total)} \u2014 weights "
+                   f"{human_bytes(m.weights)} (memory-mapped), dequantized layer "
+                   f"{human_bytes(m.dequant_working)}, adapter + optimizer "
+                   f"{human_bytes(adapter)} ({human_count(trainable or 0)} trainable), "
+                   f"activations {human_bytes(m.activations)} ({tokens})")

@@ -1,0 +1,156 @@
+"""Plot helpers shared by the Monitor's panels: layouts, small plots, bands, and the view ranges
+that follow a run.
+
+`RunRanges` keeps every plot of a run showing the whole run (step 0 to its total) until the
+user zooms or pans one of them; values are refit only when they outgrow the view (or fill less
+than half of it). A range that changed on every update would make pyqtgraph re-lay out the axes
+and paint each plot twice (5-20 ms).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtWidgets import QWidget
+
+ACCENT = "#2f6fde"
+ORANGE = "#e08a1e"
+PALETTE = ("#d1453b", "#2e9d5b", "#8e44ad", "#e08a1e", "#16a2b8", "#7f8c8d", "#c2185b")
+
+
+def num(ev: dict, key: str) -> float:
+    """`ev[key]` as a float; NaN when missing, null or not a number."""
+    v = ev.get(key)
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else np.nan
+
+
+def box(kind, *items, widget: bool = False):
+    """A layout of `items`: widgets, layouts, (item, stretch), an int (spacing), None
+    (stretch); with `widget`, a margin-less QWidget holding it."""
+    layout = kind()
+    for item in items:
+        item, stretch = item if isinstance(item, tuple) else (item, 0)
+        if item is None:
+            layout.addStretch(1)
+        elif isinstance(item, int):
+            layout.addSpacing(item)
+        elif isinstance(item, QWidget):
+            layout.addWidget(item, stretch)
+        else:
+            layout.addLayout(item, stretch)
+    if not widget:
+        return layout
+    holder = QWidget()
+    layout.setContentsMargins(0, 0, 0, 0)
+    holder.setLayout(layout)
+    return holder
+
+
+def small_plot(title: str, grid: bool = False) -> pg.PlotWidget:
+    plot = pg.PlotWidget(background="w")
+    plot.setTitle(title, color="#3a4047", size="9pt")
+    plot.showGrid(x=grid, y=grid, alpha=0.12)       # grid lines cost ~3 ms a paint
+    plot.setMinimumHeight(120)
+    plot.getAxis("left").setWidth(54)          # fixed: a changing label width would relayout
+    item = plot.getPlotItem()
+    item.setDownsampling(auto=True, mode="peak")
+    item.setClipToView(True)
+    for axis in ("left", "bottom"):
+        item.getAxis(axis).setTextPen("#4d545c")
+        item.getAxis(axis).setPen("#aab1b8")
+    return plot
+
+
+def title_with_keys(plot: pg.PlotWidget, title: str, keys: list[tuple[str, str]]) -> None:
+    """A plot title that is its own legend: `title` then each (name, colour) in its colour."""
+    names = " ".join(f'<span style="color:{color}">\u25ac {name}</span>' for name, color in keys)
+    plot.setTitle(f"{title} {names}", color="#3a4047", size="9pt")
+
+
+def filled_curve(plot: pg.PlotWidget, color: str = ACCENT) -> pg.PlotDataItem:
+    """A line filled down to 0 (the fill keeps 0 in view)."""
+    c = pg.mkColor(color)
+    return plot.plot(pen=pg.mkPen(c, width=1.5), connect="finite", fillLevel=0,
+                     brush=(c.red(), c.green(), c.blue(), 40))
+
+
+class Band:
+    """A shaded band between two curves (mean +- std, min .. max) on `plot`."""
+
+    def __init__(self, plot: pg.PlotWidget, color: str, alpha: int = 45,
+                 name: str | None = None):
+        c = pg.mkColor(color)
+        rgba = (c.red(), c.green(), c.blue(), alpha)
+        edge = pg.mkPen((0, 0, 0, 0))          # invisible; pen=None would build no path to fill
+        self.upper = pg.PlotDataItem(pen=edge, connect="finite")
+        self.lower = pg.PlotDataItem(pen=edge, connect="finite")
+        self.fill = pg.FillBetweenItem(self.upper, self.lower, brush=rgba)
+        for item in (self.upper, self.lower, self.fill):
+            plot.addItem(item)
+        legend = plot.getPlotItem().legend
+        if name and legend is not None:       # the legend draws a wide line for the band
+            legend.addItem(pg.PlotDataItem(pen=pg.mkPen(rgba, width=10)), name)
+
+    def set_data(self, x: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> None:
+        self.lower.setData(x, lo)
+        self.upper.setData(x, hi)
+
+
+class RunRanges:
+    """The view ranges of a run's plots (see the module docstring). `x_max()` gives the last
+    step to show; `watch(plot, y=(lo, hi))` registers a plot (with a fixed value range)."""
+
+    def __init__(self, x_max: Callable[[], float]):
+        self.x_max = x_max
+        self.follow = True                  # False once the user zooms or pans
+        self._plots: dict[pg.PlotWidget, tuple | None] = {}
+        self._refit: set = set()            # plots whose value range is set afresh
+
+    def watch(self, plot: pg.PlotWidget, y: tuple[float, float] | None = None) -> None:
+        self._plots[plot] = y
+        plot.getPlotItem().enableAutoRange(False)
+        if y is not None:
+            plot.setYRange(*y, padding=0.02)
+        plot.getViewBox().sigRangeChangedManually.connect(self._on_user_zoom)
+
+    def _on_user_zoom(self, *_) -> None:
+        self.follow = False
+
+    def refit(self, *plots: pg.PlotWidget) -> None:
+        """Set the value range of `plots` (default: all) afresh at their next fit."""
+        self._refit.update(plots or self._plots)
+
+    def reset(self) -> None:
+        """Back to the whole run: steps 0 .. total, values refit."""
+        self.follow = True
+        for plot, y in self._plots.items():
+            if y is not None:
+                plot.setYRange(*y, padding=0.02)
+        self.refit()
+
+    def fit(self, plot: pg.PlotWidget, ys: list, log: bool = False,
+            from_zero: bool = False) -> None:
+        """Fit `plot` to steps 0 .. x_max() and to the values `ys` (a list of arrays; plots
+        with a fixed value range ignore them), with hysteresis."""
+        if not self.follow:
+            return
+        vb = plot.getViewBox()
+        x_max = self.x_max()
+        if x_max > 0 and vb.viewRange()[0] != [0.0, x_max]:
+            vb.setXRange(0, x_max, padding=0)
+        if self._plots.get(plot) is not None:
+            return
+        y = np.concatenate([np.asarray(v, float) for v in ys]) if ys else np.empty(0)
+        y = y[np.isfinite(y) & (y > 0)] if log else y[np.isfinite(y)]
+        if not y.size:
+            return
+        y = np.log10(y) if log else y
+        lo, hi = (min(0.0, float(y.min())) if from_zero else float(y.min())), float(y.max())
+        span = (hi - lo) or abs(hi) * 0.2 or 1.0
+        bottom, top = vb.viewRange()[1]
+        if plot in self._refit or lo < bottom or hi > top or (hi - lo) < 0.4 * (top - bottom):
+            self._refit.discard(plot)
+            below = 0.0 if from_zero else 0.25 * span    # room to fall: fewer refits
+            vb.setYRange(lo - below, hi + 0.08 * span, padding=0)

@@ -1,0 +1,153 @@
+"""What the Runs screen lists: one `RunRow` per run directory, gathered off the GUI thread.
+
+`collect_runs(queue, runs_root)` reads the queue's jobs, the runs folder and each run's
+status.json; config.json is re-read only when it changed, and a GRPO run's latest reward (the
+newest step event's mean reward, looked for in the last 64 KB of metrics.jsonl) only when
+metrics.jsonl changed size.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from app.engine.errors import EngineError
+from app.engine.jobs import Job
+from app.engine.rundir import RunDir, list_runs
+
+REQUESTED = {"pause": "pausing\u2026", "cancel": "cancelling\u2026"}
+STALE_S = 300            # a terminal run whose status has not changed for this long: stalled?
+TAIL_BYTES = 64 * 1024   # where the newest step event of metrics.jsonl is looked for
+
+
+@dataclass
+class RunRow:
+    path: str
+    name: str
+    state: str
+    job: Job | None = None
+    step: int = 0
+    total: int = 0
+    eta_s: float | None = None
+    loss: float | None = None
+    reward: float | None = None
+    kind: str = "sft"
+    model: str = ""
+    epochs: int = 0
+    has_checkpoint: bool = False
+    error: dict | None = None
+    updated_at: float = 0.0
+    stalled: bool = False
+    status: dict = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        """The state as shown: 'running (pausing...)', 'running?' for a stalled terminal run."""
+        if self.job is not None and self.job.requested_action in REQUESTED:
+            return f"{self.state} ({REQUESTED[self.job.requested_action]})"
+        if self.stalled:
+            return f"{self.state}? (no update for {(time.time() - self.updated_at) / 60:.0f} min)"
+        return self.state + ("" if self.job else " (terminal)" if self.state == "running" else "")
+
+
+_configs: dict[str, tuple] = {}      # path -> (mtime, model name, epochs, kind)
+_rewards: dict[str, tuple[int, float | None]] = {}    # path -> (metrics size, latest reward)
+
+
+def _config_summary(run: RunDir) -> tuple[str, int, str]:
+    """(model file name, epochs, kind) from config.json, re-read only when the file changed."""
+    try:
+        mtime = run.config_path.stat().st_mtime
+    except OSError:
+        return "", 0, "sft"
+    cached = _configs.get(str(run.path))
+    if cached is None or cached[0] != mtime:
+        try:
+            cfg = run.config()
+        except EngineError:
+            cfg = {}
+        cached = (mtime, Path(str(cfg.get("model", ""))).name, int(cfg.get("epochs") or 0),
+                  str(cfg.get("kind", "sft")))
+        _configs[str(run.path)] = cached
+    return cached[1:]
+
+
+def latest_reward(run: RunDir) -> float | None:
+    """The mean reward of the newest step event in the last 64 KB of metrics.jsonl (a GRPO
+    run's), re-read only when the file changed size."""
+    try:
+        size = run.metrics_path.stat().st_size
+    except OSError:
+        return None
+    cached = _rewards.get(str(run.path))
+    if cached is None or cached[0] != size:
+        reward = None
+        with open(run.metrics_path, "rb") as f:
+            f.seek(max(0, size - TAIL_BYTES))
+            lines = f.read().splitlines()
+        for line in reversed(lines):                 # the first may be cut: not JSON
+            try:
+                ev = json.loads(line) if b"reward_mean" in line else {}
+            except ValueError:
+                continue
+            if ev.get("type") == "step":
+                reward = ev.get("reward_mean")
+                break
+        cached = _rewards[str(run.path)] = (size, reward)
+    return cached[1]
+
+
+def _read_row(path: str, job: Job | None) -> RunRow:
+    run = RunDir(path)
+    try:
+        status = run.status()
+    except EngineError:
+        status = {}
+    model, epochs, kind = _config_summary(run)
+    state = job.state if job is not None else str(status.get("state") or "new")
+    error = job.error if job is not None and job.error else status.get("error")
+    try:
+        has_ckpt = any(p.is_dir() for p in run.checkpoints_dir.iterdir())
+    except OSError:
+        has_ckpt = False
+    updated = float(status.get("updated_at") or 0.0)
+    total = int(status.get("total_steps") or 0)
+    return RunRow(
+        path=str(run.path), name=run.name, state=state, job=job,
+        step=int(status.get("step") or 0), total=total,
+        eta_s=status.get("eta_s") if state == "running" else None, loss=status.get("loss"),
+        reward=latest_reward(run) if kind == "grpo" else None, kind=kind,
+        model=model, epochs=epochs,
+        has_checkpoint=has_ckpt, error=error if isinstance(error, dict) else None,
+        updated_at=updated, status=status,
+        stalled=(job is None and state == "running" and updated > 0
+                 and time.time() - updated > STALE_S))
+
+
+def collect_runs(queue, runs_root) -> list[RunRow]:
+    """Rows for the queue's jobs (the newest job of each run directory; running and pending
+    ones first, in queue order) and the runs under `runs_root` that are not in the queue
+    (most recently updated first, with the finished jobs)."""
+    try:
+        jobs = queue.list()
+    except EngineError:
+        jobs = []
+    newest: dict[str, Job] = {}
+    for job in jobs:
+        key = str(RunDir(job.run_dir).path)
+        if key not in newest or job.id > newest[key].id:
+            newest[key] = job
+    rows = [_read_row(path, job) for path, job in newest.items()]
+    known = set(newest)
+    rows += [_read_row(str(r.path), None) for r in list_runs(runs_root)
+             if str(r.path) not in known]
+    order = {job.id: i for i, job in enumerate(jobs)}
+    active = [r for r in rows if r.job is not None and r.job.state in ("running", "queued",
+                                                                       "paused")]
+    active.sort(key=lambda r: order[r.job.id])
+    rest = [r for r in rows if r.job is None or r.job.state not in ("running", "queued",
+                                                                    "paused")]
+    rest.sort(key=lambda r: -(r.updated_at or (r.job.finished_at if r.job else 0) or 0))
+    return active + rest
