@@ -69,6 +69,8 @@ def add_grpo_parser(sub) -> None:
     g.add_argument("--checkpoint-interval", type=int, help="gradient checkpointing every N layers")
     g.add_argument("--save-every", type=int, help="steps between checkpoints (default 25)")
     g.add_argument("--seed", type=int)
+    g.add_argument("--device", choices=("cpu", "cuda"),
+                   help="where the step computes: cpu (NumPy, default) or cuda (CuPy)")
 
 
 def grpo_config_from_args(args):
@@ -102,7 +104,7 @@ def grpo_config_from_args(args):
                      "schedule": args.schedule, "warmup_steps": args.warmup, "gclip": args.gclip,
                      "max_grad_norm": args.max_grad_norm, "weight_decay": args.weight_decay,
                      "checkpoint_interval": args.checkpoint_interval, "seed": args.seed,
-                     "lora_targets": targets(args.targets) if args.targets else None}
+                     "device": args.device, "lora_targets": targets(args.targets) if args.targets else None}
     train.update({k: v for k, v in train_options.items() if v is not None})
     return build_grpo_config(base)
 
@@ -187,5 +189,9 @@ def cmd_grpo(args) -> int:
             raise ConfigError(f"{run_dir.path} is not a GRPO run.",
                               "Resume training runs with: workbench resume RUN_DIR")
         return execute_grpo(run_dir, args.json)
+    from app.engine.backend import array_module
+
     config = grpo_config_from_args(args)
+    if args.queue is None:
+        array_module(config.train.device)  # no usable GPU: say so before a run folder exists
     return start_run(args, config.to_dict(), f"grpo-{Path(config.prompts).stem}", execute_grpo)

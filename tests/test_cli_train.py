@@ -53,3 +53,12 @@ def test_train_into_the_queue(tmp_path, capsys):
 def test_train_without_data_is_a_clear_error(tmp_path, capsys):
     assert run_cli(["train", "-m", str(SAMPLE / "tiny-moe.gguf"), "-o", str(tmp_path / "r")]) == 2
     assert "needs a model and a dataset" in capsys.readouterr().err
+
+
+def test_cuda_without_a_gpu_is_refused_before_a_run_folder_exists(tmp_path, capsys):
+    assert _train(tmp_path / "run", "--epochs", "1", "--device", "cuda") == 2
+    assert "No CUDA GPU is usable here" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+    assert _train(tmp_path / "q", "--epochs", "1", "--device", "cuda",      # a GPU machine's queue
+                  "--queue", str(tmp_path / "q.sqlite3")) == 0
+    assert json.loads((tmp_path / "q" / "config.json").read_text())["train"]["device"] == "cuda"
