@@ -4,22 +4,24 @@
 `memory` holds the weights, the dequantized working layer, the activations of `tokens` tokens
 and the adapter bytes of all LoRA targets); `trainable` the parameters of the chosen targets.
 Returns (bytes, the sentence the New run screen shows); None bytes for full fine-tuning, which
-has no estimate yet.
+has no estimate yet. On device "cuda" the sentence ends with the GPU's memory, total and free.
 """
 
 from __future__ import annotations
 
+from app.engine.backend import array_module, device_memory, gpu_available
 from app.engine.model_info import ModelCard, human_bytes, human_count
 
 
 def estimate_memory(card: ModelCard, trainable: int | None, tokens: str,
-                    full: bool = False) -> tuple[int | None, str]:
+                    full: bool = False, device: str = "cpu") -> tuple[int | None, str]:
     """See the module docstring; `tokens` says what the activations are for ("context
     256")."""
     m = card.memory
+    where = _gpu_memory() if device == "cuda" else ""
     if full:
         return None, (f"Full fine-tuning: weights {human_bytes(m.weights)} plus optimizer state "
-                      "for every unquantized tensor (no estimate yet).")
+                      f"for every unquantized tensor (no estimate yet){where}.")
     per_param = m.adapter / card.lora_params if card.lora_params else 16
     adapter = int((trainable or 0) * per_param)
     total = m.weights + m.dequant_working + m.activations + adapter
@@ -27,4 +29,12 @@ def estimate_memory(card: ModelCard, trainable: int | None, tokens: str,
                    f"{human_bytes(m.weights)} (memory-mapped), dequantized layer "
                    f"{human_bytes(m.dequant_working)}, adapter + optimizer "
                    f"{human_bytes(adapter)} ({human_count(trainable or 0)} trainable), "
-                   f"activations {human_bytes(m.activations)} ({tokens})")
+                   f"activations {human_bytes(m.activations)} ({tokens}){where}")
+
+
+def _gpu_memory() -> str:
+    """ " - GPU: 24 GB, 20 GB free" for the estimate's sentence, or a note that there is none."""
+    if not gpu_available():
+        return " — no usable CUDA GPU here"
+    free, total = device_memory(array_module("cuda"))
+    return f" — GPU memory {human_bytes(total)}, {human_bytes(free)} free"

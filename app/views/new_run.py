@@ -238,7 +238,8 @@ class NewRunView(QWidget):
             return
         tokens = f"{card.context:,} tokens" if self.kind() == "grpo" else f"context {card.context}"
         self.memory_estimate, text = estimate_memory(card, self.form.trainable_params(), tokens,
-                                                     full=self.form.mode() == "full")
+                                                     full=self.form.mode() == "full",
+                                                     device=self.form["device"].currentData())
         self.memory_label.setText(text)
         self.card_view.set_row(ESTIMATE_ROW, "Estimated memory (current settings)",
                                text.split(": ", 1)[-1])
@@ -277,7 +278,7 @@ class NewRunView(QWidget):
     def _on_form_changed(self, key: str) -> None:
         if key in DATA_KEYS or key in ("all", "seed", "clip", "weights_path"):
             self._relint()
-        if key in ("rank", "context", "targets", "mode", "all"):
+        if key in ("rank", "context", "targets", "mode", "device", "all"):
             self._estimate_timer.start()
         self._update_summary()
 

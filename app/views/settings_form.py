@@ -19,6 +19,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import (QCheckBox, QFileDialog, QFrame, QGridLayout, QHBoxLayout, QLabel,
                                QLineEdit, QPushButton, QScrollArea, QVBoxLayout, QWidget)
 
+from app.engine.backend import gpu_available
 from app.engine.config import TrainConfig
 from app.engine.lora import TARGET_GROUPS
 from app.engine.model_info import ModelCard, human_count, lora_param_count
@@ -40,6 +41,7 @@ SIMPLE_FIELDS = {
     "schedule": ("train", "schedule", "constant"), "warmup": ("train", "warmup_steps", 0),
     "gclip": ("train", "gclip", 0.0), "weight_decay": ("train", "weight_decay", 0.0),
     "seed": ("train", "seed", 0), "grad_accum": ("train", "grad_accum", 1),
+    "device": ("train", "device", "cpu"),
     "checkpoint_interval": ("train", "checkpoint_interval", 0), "epochs": ("", "epochs", 3),
     "max_steps": ("", "max_steps", 0), "eval_every": ("", "eval_every", 30),
     "save_every": ("", "save_every", 0), "patience": ("", "patience", 0),
@@ -130,6 +132,8 @@ class SettingsForm(FormBase):
         self._row(opt, "gclip", "Gradient clip", dspin(0, 1e6, t.gclip, 3, 0.1))
         self._row(opt, "weight_decay", "Weight decay", dspin(0, 10, t.weight_decay, 4, 0.01))
         self._row(opt, "seed", "Seed", spin(0, 2**31 - 1, t.seed))
+        self._row(opt, "device", "Compute on", combo([("cpu", "CPU (NumPy)"),
+                                                       ("cuda", "CUDA GPU (CuPy)")]))
 
         length = self._group("Length and batches")
         self._row(length, "epochs", "Epochs", spin(0, 100000, 3, "0 (use steps)"))
@@ -292,7 +296,8 @@ class SettingsForm(FormBase):
             "schedule": f["schedule"].currentData(), "warmup_steps": f["warmup"].value(),
             "gclip": f["gclip"].value(), "weight_decay": f["weight_decay"].value(),
             "grad_accum": f["batch"].value() * f["grad_accum"].value(),
-            "checkpoint_interval": f["checkpoint_interval"].value(), "seed": f["seed"].value()}
+            "checkpoint_interval": f["checkpoint_interval"].value(), "seed": f["seed"].value(),
+            "device": f["device"].currentData()}
         data = {
             "format": f["format"].currentData(), "context": f["context"].value(),
             "overflow": f["overflow"].currentData(), "packing": f["packing"].currentData(),
@@ -386,6 +391,9 @@ class SettingsForm(FormBase):
             errors["alpha"] = "Alpha must be greater than 0 (scale = alpha / rank)."
         if not f["epochs"].value() and not f["max_steps"].value():
             errors["epochs"] = "Set a number of epochs, or of steps with epochs 0."
+        if f["device"].currentData() == "cuda" and not gpu_available():
+            errors["device"] = ("This machine has no usable CUDA GPU (CuPy with a device): "
+                                "compute on the CPU, or queue the run on a GPU machine.")
         if self.kind == "grpo" and not f["max_steps"].value():
             errors["max_steps"] = "A GRPO run counts steps: set how many."
         if self.kind == "grpo" and f["optimizer"].currentData() == "lbfgs":

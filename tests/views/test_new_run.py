@@ -24,6 +24,13 @@ def view(new_run):
     return new_run
 
 
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """Call it to make the app see a GPU (tests/fake_cupy.py)."""
+    from tests import fake_cupy
+    return lambda: fake_cupy.install(monkeypatch)
+
+
 def wait_lint(qtbot, v):
     qtbot.wait(10)
     qtbot.waitUntil(lambda: not v.dataset.is_busy(), timeout=15_000)
@@ -133,6 +140,20 @@ def test_memory_estimate_follows_rank_context_and_targets(qtbot, view):
     smaller = view.memory_estimate
     view.form["context"].setValue(64)
     qtbot.waitUntil(lambda: view.memory_estimate < smaller, timeout=5000)
+
+
+def test_compute_device_choice_checks_for_a_gpu_and_shows_its_memory(qtbot, view, fake_gpu):
+    form = view.form
+    form["device"].setCurrentIndex(form["device"].findData("cuda"))
+    assert "no usable CUDA GPU" in form.errors()["device"]
+    qtbot.waitUntil(lambda: "no usable CUDA GPU here" in view.memory_label.text(), timeout=5000)
+    fake_gpu()                                      # the CuPy stand-in: one 16 GB device
+    form["seed"].setValue(form["seed"].value() + 1)    # any change re-validates
+    assert "device" not in form.errors()
+    form["device"].setCurrentIndex(form["device"].findData("cpu"))
+    form["device"].setCurrentIndex(form["device"].findData("cuda"))
+    qtbot.waitUntil(lambda: "GPU memory 16" in view.memory_label.text(), timeout=5000)
+    assert view.config_dict()["train"]["device"] == "cuda"
 
 
 def test_inline_validation(qtbot, view):
