@@ -109,8 +109,9 @@ def parallel_map(fn: Callable[[T], R], items: Iterable[T], xp=np) -> list[R]:
     return results
 
 
-def matmul(a, b):
-    """a (M, K) @ b (K, N) -> (M, N), blocks of output columns on the engine's threads.
+def matmul(a, b, out=None):
+    """a (M, K) @ b (K, N) -> (M, N) (into `out` if given), blocks of output columns on the
+    engine's threads.
 
     Each block reads its own columns of b (the weight, usually the larger operand) and writes
     its own columns of the result. Small products, CuPy and nested calls: one plain matmul.
@@ -120,11 +121,20 @@ def matmul(a, b):
     n = b.shape[1]
     threads = thread_count()
     if m * k * n < MIN_SPLIT_WORK or _serial(xp, threads):
-        return a @ b
-    out = np.empty((m, n), np.result_type(a.dtype, b.dtype))
+        return xp.matmul(a, b, out=out)
+    if out is None:
+        out = np.empty((m, n), np.result_type(a.dtype, b.dtype))
     blocks = 2 * threads if m * k * n >= 4 * threads * MIN_SPLIT_WORK else threads
     step = -(-n // blocks)
     step += -step % 16                 # whole SIMD widths per block
     parts = [slice(lo, min(lo + step, n)) for lo in range(0, n, step)]
     parallel_map(lambda cols: np.matmul(a, b[:, cols], out=out[:, cols]), parts)
     return out
+
+
+def row_blocks(n_rows: int, min_rows: int = 16) -> list[slice]:
+    """Row ranges for element-wise work split across the engine's threads (two per thread, so
+    a thread that loses its core holds back little), none shorter than min_rows."""
+    parts = max(1, min(2 * thread_count(), n_rows // max(min_rows, 1)))
+    step = max(1, -(-n_rows // parts))
+    return [slice(lo, min(lo + step, n_rows)) for lo in range(0, n_rows, step)]

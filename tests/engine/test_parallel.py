@@ -75,3 +75,26 @@ def test_one_thread_and_exceptions(monkeypatch):
         return i
     with pytest.raises(ValueError, match="piece 3"):
         parallel.parallel_map(fail, range(6))
+
+
+@pytest.mark.parametrize("softcap", [0.0, 30.0])
+def test_chunked_cross_entropy_is_bit_identical_on_threads(monkeypatch, softcap):
+    from app.engine.kernels.loss import cross_entropy_backward, cross_entropy_forward
+
+    rng = np.random.default_rng(3)
+    t, c, v, r = 100, 64, 3000, 4
+    h = rng.standard_normal((t, c), dtype=np.float32)
+    w = rng.standard_normal((v, c), dtype=np.float32) * 0.3
+    lora = (rng.standard_normal((r, c), dtype=np.float32), rng.standard_normal((v, r),
+            dtype=np.float32), 0.5)
+    labels = rng.integers(0, v, t)
+    labels[::7] = -1
+    results = []
+    for threads in ("1", "2"):
+        monkeypatch.setenv("WORKBENCH_THREADS", threads)
+        loss, stats, cache = cross_entropy_forward(h, w, labels, None, lora, softcap, chunk=1024)
+        results.append((loss, stats, *cross_entropy_backward(cache, need_dw=True)))
+    (loss1, stats1, dh1, dw1, dl1), (loss2, stats2, dh2, dw2, dl2) = results
+    assert loss1 == loss2 and stats1 == stats2
+    for a, b in ((dh1, dh2), (dw1, dw2), *zip(dl1, dl2)):
+        np.testing.assert_array_equal(a, b)

@@ -13,21 +13,25 @@ per pass (ARCHITECTURE.md, performance notes).
 from __future__ import annotations
 
 from app.engine.backend import get_array_module
+from app.engine.parallel import matmul, parallel_map, row_blocks
 
 
-def _chunk_logits(xp, h, w_out, lo, hi, lora, ha, softcap):
-    """Logits of vocabulary rows lo:hi for the active tokens: (n, hi - lo).
-
-    Returns (z, w_chunk): z capped when softcap > 0, and the rows read from w_out."""
+def _chunk_logits(xp, h, w_out, lo, hi, lora, ha):
+    """Uncapped logits of vocabulary rows lo:hi for the active tokens: (z (n, hi - lo), the
+    rows read from w_out). The GEMM runs on the engine's threads; the softcap is applied per
+    row block by the caller."""
     w_chunk = w_out[lo:hi]                                              # (v, C)
-    z = h @ w_chunk.T                                                   # (n, v)
+    z = matmul(h, w_chunk.T)                                            # (n, v)
     if lora is not None:
         z += (lora[2] * ha) @ lora[1][lo:hi].T                          # (n, v)
-    if softcap > 0.0:
-        z /= softcap
-        xp.tanh(z, out=z)
-        z *= softcap                                                    # cap * tanh(z / cap)
     return z, w_chunk
+
+
+def _softcap(xp, z, softcap):
+    """In place: z = cap * tanh(z / cap) (softcap > 0)."""
+    z /= softcap
+    xp.tanh(z, out=z)
+    z *= softcap
 
 
 def cross_entropy_forward(h, w_out, labels, token_weights=None, lora=None, softcap: float = 0.0,
@@ -60,22 +64,29 @@ def cross_entropy_forward(h, w_out, labels, token_weights=None, lora=None, softc
     run_sum = xp.zeros(n, dtype=h.dtype)                                # (N,)
     label_logit = xp.zeros(n, dtype=h.dtype)                            # (N,)
     best_idx = xp.zeros(n, dtype=xp.int64)                              # (N,)
-    rows = xp.arange(n)
+    blocks = row_blocks(n)
     if n:
         for lo in range(0, v, chunk):
             hi = min(lo + chunk, v)
-            z, _ = _chunk_logits(xp, h_act, w_out, lo, hi, lora, ha, softcap)  # (N, v)
-            arg = z.argmax(1)                                           # (N,)
-            cmax = z[rows, arg]                                         # (N,)
-            better = cmax > run_max                                     # first index wins ties
-            best_idx = xp.where(better, arg + lo, best_idx)
-            sel = xp.nonzero((lab >= lo) & (lab < hi))[0]               # labels in this chunk
-            label_logit[sel] = z[sel, lab[sel] - lo]
-            new_max = xp.maximum(run_max, cmax)                         # (N,)
-            z -= new_max[:, None]
-            xp.exp(z, out=z)
-            run_sum = run_sum * xp.exp(run_max - new_max) + z.sum(1)    # (N,)
-            run_max = new_max
+            z, _ = _chunk_logits(xp, h_act, w_out, lo, hi, lora, ha)   # (N, v)
+
+            def merge(r: slice) -> None:       # the chunk into the running statistics of rows r
+                zr = z[r]                                               # (n_r, v)
+                if softcap > 0.0:
+                    _softcap(xp, zr, softcap)
+                arg = zr.argmax(1)                                      # (n_r,)
+                cmax = zr[xp.arange(len(arg)), arg]                     # (n_r,)
+                better = cmax > run_max[r]                              # first index wins ties
+                best_idx[r] = xp.where(better, arg + lo, best_idx[r])
+                lab_r = lab[r]
+                sel = xp.nonzero((lab_r >= lo) & (lab_r < hi))[0]       # labels in this chunk
+                label_logit[r][sel] = zr[sel, lab_r[sel] - lo]
+                new_max = xp.maximum(run_max[r], cmax)                  # (n_r,)
+                zr -= new_max[:, None]
+                xp.exp(zr, out=zr)
+                run_sum[r] = run_sum[r] * xp.exp(run_max[r] - new_max) + zr.sum(1)
+                run_max[r] = new_max
+            parallel_map(merge, blocks, xp)
     lse = run_max + xp.log(run_sum) if n else run_max                   # (N,)
     nll = lse - label_logit                                             # (N,)
     loss = float((wt * nll).sum() / n) if n else 0.0
@@ -105,22 +116,33 @@ def cross_entropy_backward(cache, need_dw: bool = False):
     if lora is not None:
         dha = xp.zeros(ha.shape, dtype=h.dtype)                         # (N, R)
         db = xp.zeros(lora[1].shape, dtype=h.dtype)                     # (V, R)
+    blocks = row_blocks(n)
     if n:
         for lo in range(0, v, chunk):
             hi = min(lo + chunk, v)
-            z, w_chunk = _chunk_logits(xp, h, w_out, lo, hi, lora, ha, softcap)  # (N, v)
-            dz = z - lse[:, None]
-            xp.exp(dz, out=dz)                                          # softmax (N, v)
-            inside = xp.nonzero((lab >= lo) & (lab < hi))[0]
-            dz[inside, lab[inside] - lo] -= 1.0                         # - onehot
-            dz *= coef[:, None]
-            if softcap > 0.0:
-                z /= softcap
-                z *= z
-                dz *= 1.0 - z                                           # d cap*tanh(z/cap) / dz
-            dh_rows += dz @ w_chunk                                     # (N, C)
+            dz, w_chunk = _chunk_logits(xp, h, w_out, lo, hi, lora, ha)  # (N, v) logits
+
+            def softmax_grad(r: slice) -> None:  # dz of rows r, in place of their logits
+                zr = dz[r]                                              # (n_r, v)
+                capped = None
+                if softcap > 0.0:
+                    capped = zr.copy()
+                    _softcap(xp, zr, softcap)
+                zr -= lse[r][:, None]
+                xp.exp(zr, out=zr)                                      # softmax (n_r, v)
+                lab_r = lab[r]
+                inside = xp.nonzero((lab_r >= lo) & (lab_r < hi))[0]
+                zr[inside, lab_r[inside] - lo] -= 1.0                   # - onehot
+                zr *= coef[r][:, None]
+                if capped is not None:                                  # d cap*tanh(z/cap) / dz
+                    capped /= softcap
+                    xp.tanh(capped, out=capped)
+                    capped *= capped
+                    zr *= 1.0 - capped
+            parallel_map(softmax_grad, blocks, xp)
+            dh_rows += matmul(dz, w_chunk)                              # (N, C)
             if need_dw:
-                xp.matmul(dz.T, h, out=dw_out[lo:hi])                   # (v, C)
+                matmul(dz.T, h, out=dw_out[lo:hi])                      # (v, C)
             if lora is not None:
                 dha += dz @ lora[1][lo:hi]                              # (N, R)
                 xp.matmul(dz.T, ha, out=db[lo:hi])                      # (v, R)
