@@ -98,3 +98,25 @@ def test_chunked_cross_entropy_is_bit_identical_on_threads(monkeypatch, softcap)
     assert loss1 == loss2 and stats1 == stats2
     for a, b in ((dh1, dh2), (dw1, dw2), *zip(dl1, dl2)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_split_linear_layer_with_bias_lora_and_dropout_is_bit_identical(monkeypatch):
+    from app.engine.kernels.linear import linear_backward, linear_forward
+
+    rng = np.random.default_rng(4)
+    t, n_in, n_out, r = 256, 512, 1536, 8                     # big enough to be split
+    x = rng.standard_normal((t, n_in), dtype=np.float32)
+    w = rng.standard_normal((n_out, n_in), dtype=np.float32)
+    bias = rng.standard_normal(n_out, dtype=np.float32)
+    lora = (rng.standard_normal((r, n_in), dtype=np.float32),
+            rng.standard_normal((n_out, r), dtype=np.float32), 0.7)
+    mask = (rng.random((t, n_in)) > 0.1).astype(np.float32) / np.float32(0.9)
+    dout = rng.standard_normal((t, n_out), dtype=np.float32)
+    results = []
+    for threads in ("1", "2"):
+        monkeypatch.setenv("WORKBENCH_THREADS", threads)
+        y, cache = linear_forward(x, w, bias, lora, mask)
+        dx, dw, dbias, (da, db) = linear_backward(dout, cache, need_dw=True)
+        results.append((y, dx, dw, dbias, da, db))
+    for one, two in zip(*results):
+        np.testing.assert_array_equal(one, two)
