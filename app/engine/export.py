@@ -303,12 +303,13 @@ def verify_gguf_lora(path: str | os.PathLike, model: Model, live: LoraAdapter,
         cmp.add(name + ".lora_b (scaled)", rb * np.float32(reread.scale(name)),
                 b * np.float32(live.scale(name, user_scale)), stored_types[name + ".lora_b"])
     report.add(cmp.check())
-    got = model.logits(tokens, adapter=reread, adapter_scale=1.0)
-    live_logits = model.logits(tokens, adapter=live, adapter_scale=user_scale)
+    plain = dict(llamacpp_numerics=False)   # engine self-consistency: float32, as trained
+    got = model.logits(tokens, adapter=reread, adapter_scale=1.0, **plain)
+    live_logits = model.logits(tokens, adapter=live, adapter_scale=user_scale, **plain)
     rounded = sorted({type_name(t) for t in stored_types.values()} - {"F32"})
     intent = None
     if rounded:
-        intent = model.logits(tokens, adapter=rounded_adapter(intended, stored_types))
+        intent = model.logits(tokens, adapter=rounded_adapter(intended, stored_types), **plain)
     add_logit_checks(report, prefix, got, live_logits, _base(model, tokens, intent),
                      "the live adapter", intent, "/".join(rounded))
     types = {t.ggml_type for t in model.gguf.tensors.values()} | set(stored_types.values())
@@ -319,7 +320,7 @@ def verify_gguf_lora(path: str | os.PathLike, model: Model, live: LoraAdapter,
 def _base(model: Model, tokens, intent):
     """The base model's logits, needed (for the size of the trained change) only when the
     export is compared with the live result directly (intent None)."""
-    return model.logits(tokens) if intent is None else None
+    return model.logits(tokens, llamacpp_numerics=False) if intent is None else None
 
 
 # ---- merged model ------------------------------------------------------------------------------
@@ -527,7 +528,7 @@ def verify_merged(path: str | os.PathLike, model: Model, adapter: LoraAdapter | 
     finally:
         _close(f)
     merged = load_model(path)
-    got = merged.logits(tokens)
+    got = merged.logits(tokens, llamacpp_numerics=False)   # float32, as engine_logits
     live = engine_logits(model, tokens, adapter, scale, full)
     reference = "base + live adapter" if adapter is not None else "the trained tensors"
     quantized = sorted({type_name(t) for t in summary.changed.values()} - {"F32"})
@@ -619,11 +620,13 @@ def verify_peft(out_dir: str | os.PathLike, model: Model, live: LoraAdapter, use
         cmp.add(name + ".lora_b (scaled)", rb * np.float32(reread.scale(name)),
                 b * np.float32(live.scale(name, user_scale)), dtype)
     report.add(cmp.check())
-    got = model.logits(tokens, adapter=reread, adapter_scale=1.0)
-    live_logits = model.logits(tokens, adapter=live, adapter_scale=user_scale)
+    plain = dict(llamacpp_numerics=False)   # engine self-consistency: float32, as trained
+    got = model.logits(tokens, adapter=reread, adapter_scale=1.0, **plain)
+    live_logits = model.logits(tokens, adapter=live, adapter_scale=user_scale, **plain)
     intent = None
     if dtype != F32:
-        intent = model.logits(tokens, adapter=rounded_adapter(fold_scale(live, user_scale), dtype))
+        intent = model.logits(tokens, adapter=rounded_adapter(fold_scale(live, user_scale), dtype),
+                              **plain)
     add_logit_checks(report, "", got, live_logits, _base(model, tokens, intent), "the live adapter",
                      intent, type_name(dtype) if dtype != F32 else "")
 

@@ -122,12 +122,13 @@ def _prefill(model: Model, params, prompts: list[tuple[int, ...]]) -> dict:
 
 def _decode(model: Model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
             temperature: float, top_p: float, seeds: Sequence[int | None], adapter,
-            adapter_scale: float, stop_ids: set[int]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+            adapter_scale: float, stop_ids: set[int],
+            llamacpp_numerics: bool = False) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Yield (sequence indices (n,), their next tokens (n,)) at each step while any sequence is
     live. A sequence ends after a token in `stop_ids` (yielded), after max_new_tokens tokens or
-    when its prompt and tokens fill the context."""
+    when its prompt and tokens fill the context. llamacpp_numerics: see Model.logits."""
     cfg = model.config
-    params = model.params(adapter, adapter_scale)
+    params = model.params(adapter, adapter_scale, llamacpp_numerics=llamacpp_numerics)
     prompts = [tuple(model._check_tokens(p).tolist()) for p in prompts]
     budget = np.array([min(max_new_tokens, cfg.context_length - len(p)) for p in prompts])
     live = np.flatnonzero(budget > 0)                        # (B,) the sequences decoding
@@ -155,11 +156,11 @@ def _decode(model: Model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
 
 def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float,
              top_p: float, seed: int | None, adapter, adapter_scale: float,
-             stop: Sequence[int] | None) -> Iterator[int]:
+             stop: Sequence[int] | None, llamacpp_numerics: bool) -> Iterator[int]:
     """`Model.generate`: the new ids one at a time, without the stop token."""
     stop_ids = _stop_ids(model, stop)
     for _, (token,) in _decode(model, [prompt_ids], max_new_tokens, temperature, top_p, [seed],
-                               adapter, adapter_scale, stop_ids):
+                               adapter, adapter_scale, stop_ids, llamacpp_numerics):
         if token in stop_ids:
             return
         yield int(token)
@@ -167,14 +168,16 @@ def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, tempe
 
 def generate_batch(model: Model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                    temperature: float, top_p: float, seeds: Sequence[int | None] | None, adapter,
-                   adapter_scale: float, stop: Iterable[int] | None) -> list[list[int]]:
+                   adapter_scale: float, stop: Iterable[int] | None,
+                   llamacpp_numerics: bool) -> list[list[int]]:
     """`Model.generate_batch`: each sequence's new ids, its stop token kept as the last id."""
     seeds = [None] * len(prompts) if seeds is None else seeds
     if len(seeds) != len(prompts):
         raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts: give one per prompt")
     out: list[list[int]] = [[] for _ in prompts]
     for rows, tokens in _decode(model, prompts, max_new_tokens, temperature, top_p, seeds,
-                                adapter, adapter_scale, _stop_ids(model, stop)):
+                                adapter, adapter_scale, _stop_ids(model, stop),
+                                llamacpp_numerics):
         for b, token in zip(rows, tokens.tolist()):
             out[b].append(token)
     return out

@@ -324,7 +324,8 @@ def sample_groups(model: Model, rows: Sequence[PromptRow], group_size: int, adap
         batch = todo[start:start + size]
         generated = model.generate_batch(
             [row.ids for row, _ in batch], config.max_new_tokens, temp, config.top_p,
-            [sample_seed(seed, step, row.index, j) for row, j in batch], adapter, stop=stop_ids)
+            [sample_seed(seed, step, row.index, j) for row, j in batch], adapter, stop=stop_ids,
+            llamacpp_numerics=False)     # sample from the float32 numerics that are trained
         for (row, j), ids in zip(batch, generated):
             finished = bool(ids) and ids[-1] in stop_ids
             out.append(Completion(row, j, ids, finished, tok.decode(ids[:-1] if finished else ids)))
@@ -357,7 +358,8 @@ def token_log_probs(model: Model, prompt: Sequence[int], completion: Sequence[in
                     adapter=None) -> np.ndarray:
     """log pi(o_t | prompt, o_<t) of each completion token (float64), from `Model.logits`."""
     seq = np.asarray(list(prompt) + list(completion), np.int64)
-    logits = model.logits(seq[:-1], adapter).astype(np.float64)            # (T-1, V)
+    logits = model.logits(seq[:-1], adapter,
+                          llamacpp_numerics=False).astype(np.float64)     # (T-1, V) as trained
     z = logits[len(prompt) - 1:]                                          # (n, V)
     m = z.max(axis=-1, keepdims=True)
     lse = (m + np.log(np.exp(z - m).sum(axis=-1, keepdims=True)))[:, 0]    # (n,)

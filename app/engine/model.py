@@ -9,7 +9,7 @@ way llama.cpp's graphs do (SPEC-llamacpp.md sections 2-3); `Model.generate` and
 from __future__ import annotations
 
 import os
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Iterable, Iterator, Sequence
 
 import numpy as np
@@ -162,18 +162,25 @@ class Model:
 
     # ---- parameters --------------------------------------------------------------------
     def params(self, adapter: LoraAdapter | None = None, adapter_scale: float = 1.0,
-               full: dict | None = None, dtype=np.float32, training: bool = False) -> Params:
-        """A view of the weights for one forward pass (see app.engine.params)."""
+               full: dict | None = None, dtype=np.float32, training: bool = False,
+               llamacpp_numerics: bool = False) -> Params:
+        """A view of the weights for one forward pass (see app.engine.params; llamacpp_numerics:
+        round activations as llama.cpp does before quantized matmuls, inference only)."""
         if adapter is not None:
             check_adapter_fits(adapter, self.config.arch, self.tensor_shapes)
-        return Params(self.weights, dtype, full, adapter, adapter_scale, training)
+        return Params(self.weights, dtype, full, adapter, adapter_scale, training,
+                      llamacpp_numerics)
 
     # ---- inference ---------------------------------------------------------------------
     def logits(self, token_ids: Sequence[int], adapter: LoraAdapter | None = None,
-               adapter_scale: float = 1.0) -> np.ndarray:
-        """Logits (T, V) float32 for every position of `token_ids` (no BOS added)."""
+               adapter_scale: float = 1.0, llamacpp_numerics: bool = True) -> np.ndarray:
+        """Logits (T, V) float32 for every position of `token_ids` (no BOS added).
+
+        llamacpp_numerics (default): quantized weights multiply activations rounded as
+        llama.cpp's CPU backend rounds them (Params.base_input), which matches its logits to
+        ~1e-6; False computes in plain float32, as training does."""
         tokens = self._check_tokens(token_ids)
-        params = self.params(adapter, adapter_scale)
+        params = self.params(adapter, adapter_scale, llamacpp_numerics=llamacpp_numerics)
         x = self._hidden(tokens, params, _Context.build(self.config, tokens.size, None, xp=self.xp))
         return to_host(self._head_logits(x, params))
 
@@ -197,7 +204,8 @@ class Model:
         cfg = self.config
         h, _ = rmsnorm_forward(x, params.weight("output_norm.weight"), cfg.rms_eps)
         head = self.head_name
-        logits, _ = linear_forward(h, params.weight(head), lora=self._head_lora(params))  # (T, V)
+        logits, _ = linear_forward(h, params.weight(head), lora=self._head_lora(params),
+                                   x_base=params.base_input(head, h))                  # (T, V)
         if cfg.final_logit_softcap:
             cap = np.float32(cfg.final_logit_softcap)
             logits = cap * self.xp.tanh(logits / cap)
@@ -356,7 +364,8 @@ class Model:
         bias = params.weight(bias_name) if params.has(bias_name) else None
         lora = params.lora(name + ".weight")
         mask = None if lora is None else params.dropout_mask(name, x.shape, x.dtype)
-        y, cache = linear_forward(x, params.weight(name + ".weight"), bias, lora, mask)
+        y, cache = linear_forward(x, params.weight(name + ".weight"), bias, lora, mask,
+                                  params.base_input(name + ".weight", x))
         return y, (name, cache)
 
     def _linear_backward(self, dy, lcache, params: Params, grads: Grads):
@@ -441,8 +450,9 @@ class Model:
             ys, c_experts = experts_forward_train(h, order, offsets, token_of, *weights_e,
                                                   cfg.act, loras)                   # (T*K, C)
         else:                # ggml's fp16 GELU table, as llama.cpp computes it
+            base_inputs = tuple(partial(params.base_input, n) for n in names)
             ys, c_experts = experts_forward(h, order, offsets, token_of, *weights_e, cfg.act,
-                                            loras), None
+                                            loras, base_inputs), None
         out, c_combine = combine_forward(ys, order, weights.astype(h.dtype))         # (T, C)
         c_shared = None
         if cfg.n_ff_shexp:
@@ -484,30 +494,35 @@ class Model:
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int = 64,
                  temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                  adapter: LoraAdapter | None = None, adapter_scale: float = 1.0,
-                 stop: Sequence[int] | None = None) -> Iterator[int]:
+                 stop: Sequence[int] | None = None,
+                 llamacpp_numerics: bool = True) -> Iterator[int]:
         """Yield new token ids one at a time (greedy when temperature is 0), with a KV cache.
 
         Stops after max_new_tokens, at a token in `stop` (default: the tokenizer's end-of-turn
         ids; the stop token itself is not yielded) or at the context length.
+        llamacpp_numerics: as in `logits` (on: the CLI and the playground decode like llama.cpp).
         """
         from app.engine.generation import generate
 
         return generate(self, prompt_ids, max_new_tokens, temperature, top_p, seed, adapter,
-                        adapter_scale, stop)
+                        adapter_scale, stop, llamacpp_numerics)
 
     def generate_batch(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64,
                        temperature: float = 0.0, top_p: float = 1.0,
                        seeds: Sequence[int | None] | None = None,
                        adapter: LoraAdapter | None = None, adapter_scale: float = 1.0,
-                       stop: Iterable[int] | None = None) -> list[list[int]]:
+                       stop: Iterable[int] | None = None,
+                       llamacpp_numerics: bool = False) -> list[list[int]]:
         """New token ids of every prompt, decoded together: sequence b gets what
-        `generate(prompts[b], ..., seed=seeds[b])` yields, plus the stop token that ended it, if
-        one did, as its last id. Repeated prompts (G samples of one prompt) are run once.
+        `generate(prompts[b], ..., seed=seeds[b], llamacpp_numerics=...)` yields, plus the stop
+        token that ended it, if one did, as its last id. Repeated prompts (G samples of one
+        prompt) are run once. llamacpp_numerics is off by default: GRPO samples with it and
+        must sample from the plain float32 numerics that it trains.
         """
         from app.engine.generation import generate_batch
 
         return generate_batch(self, prompts, max_new_tokens, temperature, top_p, seeds, adapter,
-                              adapter_scale, stop)
+                              adapter_scale, stop, llamacpp_numerics)
 
 
 def _add_full(grads: Grads, params: Params, name: str, g) -> None:

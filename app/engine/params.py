@@ -5,6 +5,14 @@
 - else the frozen base weight from the memory-mapped file (dequantized when used),
 and whether a LoRA pair applies to it (`adapter`). Gradient names follow the GGUF adapter
 format: `<tensor>` for a full tensor, `<tensor>.lora_a` / `<tensor>.lora_b` for LoRA.
+
+It also decides what a base weight multiplies (`base_input`): with `llamacpp_numerics` the
+activations rounded as llama.cpp's CPU backend rounds them for the weight's stored type
+(Q8_0/Q8_1/Q8_K/F16, app.engine.kernels.act_quants), so that inference logits match
+llama.cpp's to ~1e-6 on quantized models; without it plain float32. It is on for what a user
+reads (Model.logits, Model.generate: the CLI, the playground) and off for everything that
+trains or samples for training (TrainSession, GRPO's Model.generate_batch and log-probs):
+a quantizer has no useful gradient, and GRPO samples from the numerics it trains.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ import zlib
 
 import numpy as np
 
+from app.engine.kernels.act_quants import quantize_activations
 from app.engine.lora import LoraAdapter
 from app.engine.weights import WeightStore
 
@@ -33,13 +42,16 @@ class _Cast:
 class Params:
     def __init__(self, store: WeightStore, dtype=np.float32, full: dict | None = None,
                  adapter: LoraAdapter | None = None, adapter_scale: float = 1.0,
-                 training: bool = False):
+                 training: bool = False, llamacpp_numerics: bool = False):
+        if training and llamacpp_numerics:
+            raise ValueError("llamacpp_numerics is for inference: training computes in float32")
         self.store = store
         self.dtype = np.dtype(dtype)
         self.full = full or {}
         self.adapter = adapter
         self.adapter_scale = adapter_scale
         self.training = training  # exact GELU instead of ggml's fp16 table (differentiable)
+        self.llamacpp_numerics = llamacpp_numerics  # see base_input
         self.lora_dropout = 0.0
         self.dropout_seed: tuple[int, ...] = (0,)  # set per micro-batch by the trainer
 
@@ -68,6 +80,16 @@ class Params:
         if isinstance(view, np.ndarray):
             return view.astype(self.dtype, copy=False)
         return view if self.dtype == np.float32 else _Cast(view, self.dtype)
+
+    def base_input(self, name: str, x):
+        """What the base weight `name` multiplies, for activations x (..., in): with
+        llamacpp_numerics and a weight read from the file, x rounded to the activation type of
+        the weight's stored GGML type (a new array, or x itself for F32); else x itself (a
+        trained tensor in `full` is float32). LoRA branches always read x: llama.cpp's adapters
+        are float32."""
+        if not self.llamacpp_numerics or name in self.full:
+            return x
+        return quantize_activations(x, self.store.gguf.tensors[name].ggml_type)
 
     def rows(self, name: str, index: np.ndarray):
         if name in self.full:

@@ -136,9 +136,10 @@ def verification_prompt(model, text: str = VERIFY_TEXT) -> list[int]:
 
 
 def engine_logits(model, tokens, adapter=None, scale: float = 1.0, full: dict | None = None):
-    """The engine's logits (T, V) with an adapter and fully trained tensors in place of the base."""
+    """The engine's logits (T, V) with an adapter and fully trained tensors in place of the base,
+    in plain float32 (trained tensors are float32: no llama.cpp activation rounding)."""
     if not full:
-        return model.logits(tokens, adapter=adapter, adapter_scale=scale)
+        return model.logits(tokens, adapter=adapter, adapter_scale=scale, llamacpp_numerics=False)
     from app.engine.model import _Context  # the same walk as Model.logits, with `full`
 
     tokens = model._check_tokens(tokens)

@@ -1,9 +1,9 @@
 """Golden parity: our logits against llama.cpp's for 8 tiny random models (tests/data/golden).
 
 Tolerances from golden/README.md: 1e-4 for F32 (+LoRA); gemma3 1e-3 (we emulate ggml's fp16
-GELU table; residual fp16 bucket flips move logits by a few 1e-4); quantized models 0.25
-(llama.cpp also quantizes activations to Q8_0; a dequantize-then-matmul engine lands within
-0.06-0.18 of it on these models).
+GELU table; residual fp16 bucket flips move logits by a few 1e-4); quantized models 1e-5: like
+llama.cpp, Model.logits rounds the activations to Q8_0 before each quantized matmul
+(app.engine.kernels.act_quants), which brings it from 0.04-0.18 to ~1e-6 of llama.cpp.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from app.engine import load_adapter, load_model
+from app.engine.kernels import act_quants
 from tests.conftest import GOLDEN, GOLDEN_MODELS
 
 F32_ATOL = {"gemma3": 1e-3}
@@ -35,13 +36,47 @@ def test_f32_and_lora_logits_match_llamacpp(name):
         np.testing.assert_allclose(got, ref[key], rtol=0, atol=atol, err_msg=key)
 
 
+# Positions where an activation rounding sits exactly on a tie that float32 noise decides:
+# olmoe-q8_0 position 17, the output head's input: amax/127 of its first block is exactly
+# half-way between two fp16 values, and llama.cpp's last-bit-different amax rounds the Q8_0
+# scale the other way (test_olmoe_outlier_is_the_fp16_scale_tie).
+TIES = {("olmoe", "q8_0"): [17]}
+
+
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
 @pytest.mark.parametrize("name", GOLDEN_MODELS)
 def test_quantized_logits_match_llamacpp(name, qtype):
     ref = _ref(name)
     model = load_model(GOLDEN / f"{name}-{qtype}.gguf")
-    got = model.logits(ref["tokens"])
-    np.testing.assert_allclose(got, ref[f"logits_{qtype}"], rtol=0, atol=0.25)
+    got, want = model.logits(ref["tokens"]), ref[f"logits_{qtype}"]
+    ties = TIES.get((name, qtype), [])
+    rest = np.setdiff1d(np.arange(len(got)), ties)
+    np.testing.assert_allclose(got[rest], want[rest], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(got[ties], want[ties], rtol=0, atol=1e-2)  # one fp16 step of d
+    plain = model.logits(ref["tokens"], llamacpp_numerics=False)   # what training computes
+    assert 0.03 < np.abs(plain - want).max() < 0.25
+
+
+def test_olmoe_outlier_is_the_fp16_scale_tie(monkeypatch):
+    """Rounding the exactly-half-way fp16 Q8_0 scales to the other neighbour reproduces
+    llama.cpp at the tie position too."""
+    ref = _ref("olmoe")
+    model = load_model(GOLDEN / "olmoe-q8_0.gguf")
+    q8_0 = act_quants._q8_0
+
+    def other_tie(xp, x):
+        out = q8_0(xp, x).reshape(-1, 32)                                   # (n, 32)
+        r = np.abs(x.reshape(-1, 32)).max(1) / np.float32(127)               # (n,)
+        d = r.astype(np.float16)
+        up = np.where(d.astype(np.float32) < r, np.inf, -np.inf).astype(np.float16)
+        other = np.nextafter(d, up)                                          # the other neighbour
+        tie = (d.astype(np.float64) + other.astype(np.float64)) / 2 == r     # exactly half-way
+        out[tie] *= (other[tie].astype(np.float32) / d[tie].astype(np.float32))[:, None]
+        return out.reshape(x.shape)
+
+    monkeypatch.setattr(act_quants, "_ROUND_TRIPS", {
+        t: other_tie if f is q8_0 else f for t, f in act_quants._ROUND_TRIPS.items()})
+    np.testing.assert_allclose(model.logits(ref["tokens"]), ref["logits_q8_0"], rtol=0, atol=1e-5)
 
 
 def test_adapter_changes_logits_and_scale_is_linear_in_lora_term():

@@ -5,15 +5,17 @@ from __future__ import annotations
 from app.engine.parallel import matmul
 
 
-def linear_forward(x, w, bias=None, lora=None, dropout_mask=None):
+def linear_forward(x, w, bias=None, lora=None, dropout_mask=None, x_base=None):
     """x: (T, in), w: (out, in), bias: (out,), lora: (A (R, in), B (out, R), scale) or None.
 
     The LoRA product is bracketed as (x A^T) B^T, never B @ A: rank R is small.
     dropout_mask: (T, in) LoRA dropout on the LoRA branch's input only, already scaled by
     1/(1-p) (0 where dropped), or None.
+    x_base: (T, in) what the base product reads instead of x, or None (inference only:
+    llama.cpp's rounded activations, app.engine.params.Params.base_input); the cache keeps x.
     Cache: (x, w, has_bias, lora, xa, mask) with xa = (x * mask) A^T (T, R) kept for dB.
     """
-    y = matmul(x, w.T)                                   # (T, out)
+    y = matmul(x if x_base is None else x_base, w.T)     # (T, out)
     if bias is not None:
         y += bias
     xa = None

@@ -103,25 +103,32 @@ def busiest_first(offsets) -> list[int]:
     return [e for n, e in sorted(counts, reverse=True) if n]
 
 
-def experts_forward(x, order, offsets, token_of, w_gate, w_up, w_down, act: str, loras=(None,) * 3):
+def experts_forward(x, order, offsets, token_of, w_gate, w_up, w_down, act: str, loras=(None,) * 3,
+                    base_inputs=(None,) * 3):
     """x: (T, C) -> per-slot expert outputs in sorted order (T*K, C). Inference path (GeGLU uses
     ggml's fp16 GELU table, like llama.cpp); training uses experts_forward_train.
 
     w_gate/w_up: (E, F, C), w_down: (E, C, F), each indexable by expert (a lazily dequantizing
     view works). loras: per projection (A (E, R, in), B (E, out, R), scale) or None.
+    base_inputs: per projection a row-wise function giving what its base weight multiplies
+    (llama.cpp's rounded activations, Params.base_input; the LoRA branch reads the rows as
+    they are), or None.
     """
     xp = get_array_module(x)
     xs = x[token_of]                                                    # (T*K, C)
     ys = xp.zeros_like(xs)                                              # (T*K, C)
     host_offsets = [int(o) for o in offsets]
+    fg, fu, fd = base_inputs
+    xg, xu = (xs if f is None else f(x)[token_of] for f in (fg, fu))    # (T*K, C) each
 
     def run(e: int) -> None:
         lo, hi = host_offsets[e], host_offsets[e + 1]
         lg, lu, ld = (None if l is None else (l[0][e], l[1][e], l[2]) for l in loras)
-        g, _ = linear_forward(xs[lo:hi], w_gate[e], lora=lg)            # (n_e, F)
-        u, _ = linear_forward(xs[lo:hi], w_up[e], lora=lu)              # (n_e, F)
+        g, _ = linear_forward(xs[lo:hi], w_gate[e], lora=lg, x_base=xg[lo:hi])  # (n_e, F)
+        u, _ = linear_forward(xs[lo:hi], w_up[e], lora=lu, x_base=xu[lo:hi])    # (n_e, F)
         h, _ = glu_forward(act, g, u)                                   # (n_e, F)
-        ys[lo:hi], _ = linear_forward(h, w_down[e], lora=ld)            # (n_e, C)
+        ys[lo:hi], _ = linear_forward(h, w_down[e], lora=ld,
+                                      x_base=None if fd is None else fd(h))     # (n_e, C)
     parallel_map(run, busiest_first(host_offsets), xp)
     return ys
 
