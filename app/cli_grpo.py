@@ -11,7 +11,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from app.cli_train import TARGET_ALIASES, Progress, _clock, _read_config_file, start_run
+from app.cli_train import (TARGET_ALIASES, Progress, _clock, _read_config_file, add_compute_options,
+                           start_run)
 from app.engine.errors import ConfigError
 
 REWARD_HELP = ("reward function, repeatable, weight after the last colon (default 1): "
@@ -69,8 +70,7 @@ def add_grpo_parser(sub) -> None:
     g.add_argument("--checkpoint-interval", type=int, help="gradient checkpointing every N layers")
     g.add_argument("--save-every", type=int, help="steps between checkpoints (default 25)")
     g.add_argument("--seed", type=int)
-    g.add_argument("--device", choices=("cpu", "cuda"),
-                   help="where the step computes: cpu (NumPy, default) or cuda (CuPy)")
+    add_compute_options(g)
 
 
 def grpo_config_from_args(args):
@@ -104,7 +104,8 @@ def grpo_config_from_args(args):
                      "schedule": args.schedule, "warmup_steps": args.warmup, "gclip": args.gclip,
                      "max_grad_norm": args.max_grad_norm, "weight_decay": args.weight_decay,
                      "checkpoint_interval": args.checkpoint_interval, "seed": args.seed,
-                     "device": args.device, "lora_targets": targets(args.targets) if args.targets else None}
+                     "device": args.device, "weight_cache_mb": args.weight_cache_mb,
+                     "lora_targets": targets(args.targets) if args.targets else None}
     train.update({k: v for k, v in train_options.items() if v is not None})
     return build_grpo_config(base)
 

@@ -50,8 +50,7 @@ def add_train_parsers(sub) -> None:
     g.add_argument("--weight-decay", type=float)
     g.add_argument("--checkpoint-interval", type=int, help="gradient checkpointing every N layers")
     g.add_argument("--seed", type=int)
-    g.add_argument("--device", choices=("cpu", "cuda"),
-                   help="where the step computes: cpu (NumPy, default) or cuda (CuPy)")
+    add_compute_options(g)
     g = p.add_argument_group("data")
     g.add_argument("--ctx", type=int, help="context (tokens per window)")
     g.add_argument("--format", help="auto, text, completion, chat, alpaca, sharegpt")
@@ -88,6 +87,14 @@ def _read_config_file(path: str) -> dict:
     return json.loads(text)
 
 
+def add_compute_options(group) -> None:
+    """--device and --weight-cache-mb (TrainConfig.device, .weight_cache_mb): train and grpo."""
+    group.add_argument("--device", choices=("cpu", "cuda"),
+                       help="where the step computes: cpu (NumPy, default) or cuda (CuPy)")
+    group.add_argument("--weight-cache-mb", type=int, help="dequantized weights kept in memory "
+                       "(default 40%% of RAM; 0: dequantize at every use, least memory)")
+
+
 def run_config_from_args(args):
     """A RunConfig from --config (if any) with the command-line options on top."""
     from app.engine.run import RunConfig
@@ -108,6 +115,7 @@ def run_config_from_args(args):
                "schedule": args.schedule, "warmup_steps": args.warmup, "gclip": args.gclip,
                "weight_decay": args.weight_decay, "checkpoint_interval": args.checkpoint_interval,
                "seed": args.seed, "device": args.device,
+               "weight_cache_mb": args.weight_cache_mb,
                "lora_targets": targets(args.targets) if args.targets else None,
                "full_targets": targets(args.full_targets) if args.full_targets else None}
     if args.batch or args.grad_accum:

@@ -62,3 +62,19 @@ def test_cuda_without_a_gpu_is_refused_before_a_run_folder_exists(tmp_path, caps
     assert _train(tmp_path / "q", "--epochs", "1", "--device", "cuda",      # a GPU machine's queue
                   "--queue", str(tmp_path / "q.sqlite3")) == 0
     assert json.loads((tmp_path / "q" / "config.json").read_text())["train"]["device"] == "cuda"
+
+
+def test_weight_cache_option_reaches_the_model(tmp_path, monkeypatch, capsys):
+    import app.engine.run as run
+
+    budgets = []
+    real = run.load_model
+    monkeypatch.setattr(run, "load_model", lambda path, budget=None, device="cpu":
+                        budgets.append(budget) or real(path, budget, device))
+    assert _train(tmp_path / "run", "--epochs", "1", "--max-steps", "1",
+                  "--weight-cache-mb", "0") == 0
+    assert budgets == [0]
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["train"][
+        "weight_cache_mb"] == 0
+    assert _train(tmp_path / "bad", "--epochs", "1", "--weight-cache-mb", "-1") == 2
+    assert "weight_cache_mb must not be negative" in capsys.readouterr().err

@@ -279,6 +279,12 @@ class TrainConfig:
     vocab_chunk: int = 8192
     seed: int = 0
     device: str = "cpu"             # "cpu" (NumPy) or "cuda" (CuPy): where the step computes
+    weight_cache_mb: int | None = None  # dequantized frozen weights kept (None: 40% of memory)
+
+    @property
+    def cache_budget(self) -> int | None:
+        """weight_cache_mb in bytes, for load_model (None: its default)."""
+        return None if self.weight_cache_mb is None else self.weight_cache_mb << 20
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
@@ -307,6 +313,9 @@ class TrainConfig:
                               "Use one of: " + ", ".join(OPTIMIZERS) + ".")
         if self.mode == "hybrid" and not self.full_targets:
             raise ConfigError("A hybrid run needs full_targets (e.g. norms, router).")
+        if self.weight_cache_mb is not None and self.weight_cache_mb < 0:
+            raise ConfigError("weight_cache_mb must not be negative.",
+                              "Use 0 to dequantize at every use, or leave it unset.")
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"Unknown device '{self.device}'.", "Use cpu or cuda.")
         for name in ("max_steps", "grad_accum"):

@@ -458,7 +458,7 @@ def train_grpo(config: GrpoConfig, report: Report, should_stop: ShouldStop,
     """
     config.validate()
     t_start = time.perf_counter()
-    model = load_model(config.model, device=config.train.device)
+    model = load_model(config.model, config.train.cache_budget, config.train.device)
     tok = model.tokenizer
     seed = config.train.seed
     total = config.max_steps

@@ -122,7 +122,7 @@ def train(config: RunConfig, report: Report, should_stop: ShouldStop,
     """
     config.validate()
     t_start = time.perf_counter()
-    model = load_model(config.model, device=config.train.device)
+    model = load_model(config.model, config.train.cache_budget, config.train.device)
     report({"type": "log", "message": f"tokenizing {Path(config.data).name}"})
     dataset = load_dataset(config.data, model.tokenizer, config.data_config,
                            should_stop=lambda: bool(should_stop()))
