@@ -2,7 +2,8 @@
 
 The first time the engine computes in parallel it sets BLAS to one thread for the rest of the
 process, and from then on it decides what runs side by side:
-* `matmul` splits one large GEMM into blocks of output columns (linear layers, the loss head);
+* `matmul` splits one large GEMM into one block of output columns per thread (linear layers,
+  the loss head);
 * `parallel_map` runs independent pieces: the experts of an MoE layer, the kv-head groups of
   attention, the chunks of the optimizer update.
 Pieces are taken one at a time from a shared counter by the pool's threads and by the calling
@@ -35,8 +36,13 @@ from app.engine.backend import get_array_module
 T = TypeVar("T")
 R = TypeVar("R")
 
-# A GEMM of fewer multiply-adds than this is not split (about 0.1 ms on one core).
+# A GEMM of fewer multiply-adds than this is not split (about 0.1 ms on one core), nor into
+# blocks narrower than MIN_BLOCK_COLUMNS: one block per thread. Measured on the dev machine,
+# (256 x 512) @ (512 x N) on 2 threads: N = 1536 246 GFLOP/s, N = 512 190, N = 256 in two
+# 128-column blocks 125, against 147 on one thread; four blocks per GEMM instead of two lost
+# 10-35% on every shape.
 MIN_SPLIT_WORK = 1 << 23
+MIN_BLOCK_COLUMNS = 256
 
 _pool: ThreadPoolExecutor | None = None
 _setup = threading.Lock()
@@ -119,12 +125,11 @@ def matmul(a, b, out=None):
     xp = get_array_module(a, b)
     m, k = a.shape
     n = b.shape[1]
-    threads = thread_count()
-    if m * k * n < MIN_SPLIT_WORK or _serial(xp, threads):
+    blocks = min(thread_count(), n // MIN_BLOCK_COLUMNS)
+    if m * k * n < MIN_SPLIT_WORK or _serial(xp, blocks):
         return xp.matmul(a, b, out=out)
     if out is None:
         out = np.empty((m, n), np.result_type(a.dtype, b.dtype))
-    blocks = 2 * threads if m * k * n >= 4 * threads * MIN_SPLIT_WORK else threads
     step = -(-n // blocks)
     step += -step % 16                 # whole SIMD widths per block
     parts = [slice(lo, min(lo + step, n)) for lo in range(0, n, step)]
