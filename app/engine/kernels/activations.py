@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from app.engine.backend import get_array_module
+from app.engine.parallel import parallel_map, row_blocks
 
 _SQRT_2_OVER_PI = np.float32(0.79788456080286535587989211986876)
 _GELU_COEF_A = np.float32(0.044715)
@@ -57,23 +58,40 @@ def gelu_ggml(x):
 
 
 def swiglu_forward(g, u):
-    """g, u: (T, F) -> silu(g) * u."""
-    sg = sigmoid(g)                                      # (T, F)
-    return g * sg * u, (g, u, sg)
+    """g, u: (T, F) -> silu(g) * u (blocks of rows on the engine's threads)."""
+    xp = get_array_module(g)
+    sg, out = xp.empty_like(g), xp.empty_like(g)         # (T, F)
+
+    def rows(r: slice) -> None:
+        sg[r] = sigmoid(g[r])
+        xp.multiply(g[r] * sg[r], u[r], out=out[r])
+    parallel_map(rows, row_blocks(len(g)), xp)
+    return out, (g, u, sg)
 
 
 def swiglu_backward(dout, cache):
     """dout: (T, F) -> (dg, du): d silu(g)/dg = s (1 + g (1 - s)) with s = sigmoid(g)."""
     g, u, sg = cache
-    du = dout * g * sg                                   # (T, F)
-    dg = dout * u * sg * (1.0 + g * (1.0 - sg))          # (T, F)
+    xp = get_array_module(g)
+    dg, du = xp.empty_like(g), xp.empty_like(g)          # (T, F)
+
+    def rows(r: slice) -> None:
+        xp.multiply(dout[r] * g[r], sg[r], out=du[r])
+        xp.multiply(dout[r] * u[r] * sg[r], 1.0 + g[r] * (1.0 - sg[r]), out=dg[r])
+    parallel_map(rows, row_blocks(len(g)), xp)
     return dg, du
 
 
 def geglu_forward(g, u, exact: bool = False):
     """g, u: (T, F) -> gelu(g) * u, with ggml's table unless exact (the training path)."""
-    act = gelu_tanh(g) if exact else gelu_ggml(g)        # (T, F)
-    return act * u, (g, u, act)
+    xp = get_array_module(g)
+    act, out = xp.empty_like(g), xp.empty_like(g)        # (T, F)
+
+    def rows(r: slice) -> None:
+        act[r] = gelu_tanh(g[r]) if exact else gelu_ggml(g[r])
+        xp.multiply(act[r], u[r], out=out[r])
+    parallel_map(rows, row_blocks(len(g)), xp)
+    return out, (g, u, act)
 
 
 def geglu_backward(dout, cache):
@@ -85,8 +103,13 @@ def geglu_backward(dout, cache):
     is; for a table-GELU cache, dg is still the exact GELU's derivative (a surrogate).
     """
     g, u, act = cache
-    du = dout * act                                      # (T, F)
-    dg = dout * u * gelu_tanh_grad(g)                    # (T, F)
+    xp = get_array_module(g)
+    dg, du = xp.empty_like(g), xp.empty_like(g)          # (T, F)
+
+    def rows(r: slice) -> None:
+        xp.multiply(dout[r], act[r], out=du[r])
+        xp.multiply(dout[r] * u[r], gelu_tanh_grad(g[r]), out=dg[r])
+    parallel_map(rows, row_blocks(len(g)), xp)
     return dg, du
 
 

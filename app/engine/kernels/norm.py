@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 from app.engine.backend import get_array_module
+from app.engine.parallel import parallel_map, row_blocks
 
 
 def rmsnorm_forward(x, w, eps: float):
-    """x: (..., C) normalised over the last axis; w: (C,) or (D,) for per-head norms."""
+    """x: (..., C) normalised over the last axis; w: (C,) or (D,) for per-head norms.
+    Blocks of rows run on the engine's threads."""
     xp = get_array_module(x)
-    ms = (x.astype(xp.float64) ** 2).mean(-1, keepdims=True)      # (..., 1) summed in double, as ggml
-    rstd = (1.0 / xp.sqrt(ms + eps)).astype(x.dtype)               # (..., 1)
-    out = x * rstd * w                                             # (..., C)
+    out = xp.empty_like(x)                                         # (..., C)
+    rstd = xp.empty((*x.shape[:-1], 1), x.dtype)                   # (..., 1)
+
+    def rows(r: slice) -> None:
+        ms = (x[r].astype(xp.float64) ** 2).mean(-1, keepdims=True)  # summed in double, as ggml
+        rstd[r] = 1.0 / xp.sqrt(ms + eps)
+        xp.multiply(x[r] * rstd[r], w, out=out[r])
+    parallel_map(rows, row_blocks(len(x)), xp)
     return out, (x, w, rstd)
 
 
@@ -21,9 +28,14 @@ def rmsnorm_backward(dout, cache):
     over every leading axis, so a per-head norm (x (T, H, D), w (D,)) gets dw of shape (D,).
     """
     x, w, rstd = cache
+    xp = get_array_module(x)
     xn = x * rstd                                                  # (..., C) normalised x
     dw = (dout * xn).reshape(-1, x.shape[-1]).sum(0)               # (C,)
-    g = dout * w                                                   # (..., C)
-    gx = (g * xn).mean(-1, keepdims=True)                          # (..., 1) = r * mean(g * x)
-    dx = rstd * (g - xn * gx)                                      # (..., C)
+    dx = xp.empty_like(x)                                          # (..., C)
+
+    def rows(r: slice) -> None:
+        g = dout[r] * w                                            # (n, ..., C)
+        gx = (g * xn[r]).mean(-1, keepdims=True)                   # (n, ..., 1) = r mean(g x)
+        xp.multiply(rstd[r], g - xn[r] * gx, out=dx[r])
+    parallel_map(rows, row_blocks(len(x)), xp)
     return dx, dw
