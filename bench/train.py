@@ -185,7 +185,7 @@ def compare_logits(peer_logits: np.ndarray, model_path: str, tokens: np.ndarray)
     """Max |peer - ours| over the (T, V) logits, relative to the largest |logit| of ours."""
     from app.engine import load_model
 
-    ours = load_model(model_path).logits(tokens)
+    ours = load_model(model_path).logits(tokens, llamacpp_numerics=False)  # as both train
     diff = float(np.abs(peer_logits - ours).max())
     scale = float(np.abs(ours).max())
     return {"max_abs_diff": diff, "max_abs_logit": scale, "rel": diff / scale,

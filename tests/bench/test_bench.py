@@ -168,3 +168,15 @@ def test_peer_gradients_equal_ours(name, mode, checkpoint):
     assert set(peer_grads) == set(grads)
     for n, g in grads.items():
         assert np.abs(peer_grads[n] - g).max() <= 1e-4 * np.abs(g).max(), n
+
+
+def test_the_peer_check_compares_with_our_training_numerics_on_quantized_models():
+    """The peer multiplies dequantized weights in plain float32, as our trainer does; our
+    inference default rounds activations like llama.cpp, which would fail the check."""
+    from bench.train import compare_logits
+
+    path = GOLDEN / "mixtral-q8_0.gguf"
+    tokens = np.arange(24) % 259
+    plain = load_model(path).logits(tokens, llamacpp_numerics=False)
+    assert compare_logits(plain, str(path), tokens)["ok"]
+    assert not compare_logits(plain + 0.01, str(path), tokens)["ok"]
