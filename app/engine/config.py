@@ -241,6 +241,7 @@ def config_from_metadata(meta: Mapping[str, Any], tensor_names=()) -> ModelConfi
 # ---- training ------------------------------------------------------------------------------
 
 TRAIN_MODES = ("lora", "full", "hybrid")
+TRAINABLE_TYPES = (0, 1, 30)  # F32, F16, BF16: quantized tensors stay frozen (stop-gradient)
 OPTIMIZERS = ("adamw", "sgd", "lbfgs")
 
 

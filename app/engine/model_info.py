@@ -10,7 +10,7 @@ import os
 from collections import Counter
 from dataclasses import dataclass, field
 
-from app.engine.config import ModelConfig, config_from_metadata
+from app.engine.config import TRAINABLE_TYPES, ModelConfig, config_from_metadata
 from app.engine.gguf_io import GGUFFile, read_gguf, type_name
 
 DEFAULT_LORA_TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output",
@@ -47,6 +47,7 @@ class ModelCard:
     memory: MemoryEstimate
     lora_rank: int
     context: int
+    full_params: int = 0    # elements full fine-tuning trains (every F32/F16/BF16 tensor)
     tensor_shapes: dict[str, tuple[int, ...]] = field(repr=False, default_factory=dict)
 
     def rows(self) -> list[tuple[str, str]]:
@@ -148,6 +149,8 @@ def describe_model(path: str | os.PathLike, rank: int = 16, context: int = 512) 
             has_chat_template=bool(f.metadata.get("tokenizer.chat_template")),
             tokenizer_model=str(f.metadata.get("tokenizer.ggml.model", "none")),
             lora_params=n_lora, memory=memory, lora_rank=rank, context=context,
+            full_params=sum(t.n_elements for t in f.tensors.values()
+                            if t.ggml_type in TRAINABLE_TYPES),
             tensor_shapes={n: t.shape for n, t in f.tensors.items()})
     finally:
         f.close()

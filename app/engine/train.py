@@ -14,7 +14,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from app.engine.backend import to_host
-from app.engine.config import TrainConfig
+from app.engine.config import TRAINABLE_TYPES, TrainConfig
 from app.engine.errors import CheckpointError, ConfigError
 from app.engine.lora import (LoraAdapter, LoraConfig, adapter_on, adapter_parameters, init_adapter,
                              tensor_kind)
@@ -22,7 +22,6 @@ from app.engine.model import Model
 from app.engine.optim import LBFGS, SGD, AdamW, GradAccumulator, make_schedule
 from app.engine.timing import phase
 
-TRAINABLE_TYPES = (0, 1, 30)  # F32, F16, BF16: quantized tensors stay frozen (stop-gradient)
 
 FULL_GROUPS = {
     "norms": lambda name: "norm" in name,

@@ -1,10 +1,11 @@
-"""The memory a LoRA run needs, estimated from the model card for the current settings.
+"""The memory a run needs (LoRA or full fine-tuning), estimated from the model card for the current settings.
 
 `estimate_memory(card, trainable, tokens)`: `card` is `describe_model(path, rank, tokens)` (its
 `memory` holds the weights, the dequantized working layer, the activations of `tokens` tokens
 and the adapter bytes of all LoRA targets); `trainable` the parameters of the chosen targets.
-Returns (bytes, the sentence the New run screen shows); None bytes for full fine-tuning, which
-has no estimate yet. On device "cuda" the sentence ends with the GPU's memory, total and free.
+Full fine-tuning (`full`) counts 16 bytes for every unquantized parameter instead of the adapter
+(its float32 copy, gradient and two AdamW moments). Returns (bytes, the sentence the New run
+screen shows). On device "cuda" the sentence ends with the GPU's memory, total and free.
 """
 
 from __future__ import annotations
@@ -20,8 +21,12 @@ def estimate_memory(card: ModelCard, trainable: int | None, tokens: str,
     m = card.memory
     where = _gpu_memory() if device == "cuda" else ""
     if full:
-        return None, (f"Full fine-tuning: weights {human_bytes(m.weights)} plus optimizer state "
-                      f"for every unquantized tensor (no estimate yet){where}.")
+        state = card.full_params * 16       # float32 copy, gradient and two AdamW moments
+        total = m.weights + state + m.activations
+        return total, (f"Estimated memory: {human_bytes(total)} \u2014 weights "
+                       f"{human_bytes(m.weights)} (memory-mapped), trained copies + gradients + "
+                       f"optimizer {human_bytes(state)} ({human_count(card.full_params)} "
+                       f"trainable), activations {human_bytes(m.activations)} ({tokens}){where}")
     per_param = m.adapter / card.lora_params if card.lora_params else 16
     adapter = int((trainable or 0) * per_param)
     total = m.weights + m.dequant_working + m.activations + adapter

@@ -142,6 +142,16 @@ def test_memory_estimate_follows_rank_context_and_targets(qtbot, view):
     qtbot.waitUntil(lambda: view.memory_estimate < smaller, timeout=5000)
 
 
+def test_full_finetuning_has_a_memory_estimate(qtbot, view):
+    lora = view.memory_estimate
+    view.form["mode"].setCurrentIndex(view.form["mode"].findData("full"))
+    card = describe_model(str(SAMPLE_MODEL), 8, 256)
+    want = card.memory.weights + 16 * card.full_params + card.memory.activations
+    qtbot.waitUntil(lambda: view.memory_estimate == want, timeout=5000)
+    assert card.full_params == card.n_params                   # the sample model is all F32
+    assert view.memory_estimate > lora and "trained copies" in view.memory_label.text()
+
+
 def test_compute_device_choice_checks_for_a_gpu_and_shows_its_memory(qtbot, view, fake_gpu):
     form = view.form
     form["device"].setCurrentIndex(form["device"].findData("cuda"))
