@@ -5,7 +5,8 @@ process, and from then on it decides what runs side by side:
 * `matmul` splits one large GEMM into one block of output columns per thread (linear layers,
   the loss head);
 * `parallel_map` runs independent pieces: the experts of an MoE layer, the kv-head groups of
-  attention, the chunks of the optimizer update.
+  attention, the chunks of the optimizer update, and blocks of rows (`row_blocks`) of
+  element-wise work (RMSNorm, the gated activations, the loss head's softmax).
 Pieces are taken one at a time from a shared counter by the pool's threads and by the calling
 thread itself, so a thread that the OS has taken off its core for another process delays only
 the piece it holds: the others go on with the rest. NumPy releases the GIL in matmul and in ufunc
