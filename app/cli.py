@@ -249,6 +249,8 @@ def _fmt_progress(status: dict) -> str:
     if status.get("step") is not None:
         total = status.get("total_steps")
         parts.append(f"step {status['step']}" + (f"/{total}" if total else ""))
+    if isinstance(status.get("reward_mean"), (int, float)):
+        parts.append(f"reward {status['reward_mean']:.3f}")
     if isinstance(status.get("loss"), (int, float)):
         parts.append(f"loss {status['loss']:.4f}")
     if status.get("eta_s") is not None and status.get("state") == "running":

@@ -51,7 +51,7 @@ Runner = Callable[[RunDir, "JobControl"], Optional[str]]
 
 RESULTS = {None: "done", "done": "done", "paused": "paused", "cancelled": "cancelled"}
 STATUS_KEYS = ("step", "total_steps", "epoch", "total_epochs", "loss", "accuracy", "lr",
-               "tokens_per_s", "elapsed_s", "eta_s")
+               "tokens_per_s", "elapsed_s", "eta_s", "reward_mean")  # the last: GRPO runs
 DEFAULT_HEARTBEAT_S = 5.0
 
 

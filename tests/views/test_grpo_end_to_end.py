@@ -53,6 +53,7 @@ def test_a_tiny_grpo_run_from_new_run_to_monitor(qtbot, ctx, tmp_path):
     steps = [e for e in events if e["type"] == "step"]
     samples = [e for e in events if e["type"] == "samples"]
     assert [e["step"] for e in steps] == [1, 2] and len(samples) == 2
+    assert run.status()["reward_mean"] == steps[-1]["reward_mean"]     # for `runs list`, Runs
 
     monitor = MonitorView(ctx)
     qtbot.addWidget(monitor)
