@@ -1,14 +1,12 @@
 """What the Runs screen lists: one `RunRow` per run directory, gathered off the GUI thread.
 
 `collect_runs(queue, runs_root)` reads the queue's jobs, the runs folder and each run's
-status.json; config.json is re-read only when it changed, and a GRPO run's latest reward (the
-newest step event's mean reward, looked for in the last 64 KB of metrics.jsonl) only when
-metrics.jsonl changed size.
+status.json (a GRPO run's latest mean reward included); config.json is re-read only when it
+changed.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +17,6 @@ from app.engine.rundir import RunDir, list_runs
 
 REQUESTED = {"pause": "pausing\u2026", "cancel": "cancelling\u2026"}
 STALE_S = 300            # a terminal run whose status has not changed for this long: stalled?
-TAIL_BYTES = 64 * 1024   # where the newest step event of metrics.jsonl is looked for
 
 
 @dataclass
@@ -53,7 +50,6 @@ class RunRow:
 
 
 _configs: dict[str, tuple] = {}      # path -> (mtime, model name, epochs, kind)
-_rewards: dict[str, tuple[int, float | None]] = {}    # path -> (metrics size, latest reward)
 
 
 def _config_summary(run: RunDir) -> tuple[str, int, str]:
@@ -72,31 +68,6 @@ def _config_summary(run: RunDir) -> tuple[str, int, str]:
                   str(cfg.get("kind", "sft")))
         _configs[str(run.path)] = cached
     return cached[1:]
-
-
-def latest_reward(run: RunDir) -> float | None:
-    """The mean reward of the newest step event in the last 64 KB of metrics.jsonl (a GRPO
-    run's), re-read only when the file changed size."""
-    try:
-        size = run.metrics_path.stat().st_size
-    except OSError:
-        return None
-    cached = _rewards.get(str(run.path))
-    if cached is None or cached[0] != size:
-        reward = None
-        with open(run.metrics_path, "rb") as f:
-            f.seek(max(0, size - TAIL_BYTES))
-            lines = f.read().splitlines()
-        for line in reversed(lines):                 # the first may be cut: not JSON
-            try:
-                ev = json.loads(line) if b"reward_mean" in line else {}
-            except ValueError:
-                continue
-            if ev.get("type") == "step":
-                reward = ev.get("reward_mean")
-                break
-        cached = _rewards[str(run.path)] = (size, reward)
-    return cached[1]
 
 
 def _read_row(path: str, job: Job | None) -> RunRow:
@@ -118,7 +89,7 @@ def _read_row(path: str, job: Job | None) -> RunRow:
         path=str(run.path), name=run.name, state=state, job=job,
         step=int(status.get("step") or 0), total=total,
         eta_s=status.get("eta_s") if state == "running" else None, loss=status.get("loss"),
-        reward=latest_reward(run) if kind == "grpo" else None, kind=kind,
+        reward=status.get("reward_mean") if kind == "grpo" else None, kind=kind,
         model=model, epochs=epochs,
         has_checkpoint=has_ckpt, error=error if isinstance(error, dict) else None,
         updated_at=updated, status=status,

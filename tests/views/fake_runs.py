@@ -225,7 +225,7 @@ class FakeGrpoRun:
                 "advantage_std": 1.0, "advantage_abs_mean": 0.8, "kl": None, "step_s": 0.5,
                 "elapsed_s": 0.5 * s, "eta_s": 0.5 * (self.total_steps - s)})
         self.run.write_status(state="running", step=self.step_no, total_steps=self.total_steps,
-                              fsync=False)
+                              reward_mean=r + 0.5 * (1 - r), fsync=False)   # as the worker
 
     def item(self, k: int, advantage: float | None) -> dict:
         """Completion `k` of the step: prompt k // G, "What is k + 1?" and a long completion."""
