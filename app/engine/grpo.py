@@ -74,16 +74,15 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from app.engine.backend import memory_report
 from app.engine.checkpoint import (latest_checkpoint, load_checkpoint, prune_checkpoints,
                                    save_checkpoint)
 from app.engine.config import TrainConfig
-from app.engine.errors import ConfigError, DatasetError, OutOfMemoryError
+from app.engine.errors import ConfigError, DatasetError
 from app.engine.formats import Rejection, iter_lines, parse_line
 from app.engine.lora import load_adapter, save_adapter
 from app.engine.model import Model, load_model
 from app.engine.reward_functions import RewardScorer, RewardSpec, ScoreItem
-from app.engine.run import TrainingDiverged, peak_rss_mb, report_norms
+from app.engine.run import guarded_step, peak_rss_mb, report_norms
 from app.engine.train import Batch, TrainSession
 
 Report = Callable[[dict], None]
@@ -567,22 +566,11 @@ def train_grpo(config: GrpoConfig, report: Report, should_stop: ShouldStop,
                              for c, a in zip(completions, adv)]
             batches = policy_batches(sequences, config.micro_batch_tokens)
             t3 = time.perf_counter()
-            try:
-                metrics = session.step(batches)
-            except MemoryError:
-                raise OutOfMemoryError(
-                    f"Out of memory at step {step + 1} ({memory_report(model.xp)}).",
-                    "Lower prompts_per_step, group_size or max_new_tokens, or the LoRA rank."
-                ) from None
+            metrics, bad = guarded_step(
+                session, batches, state, config.max_bad_steps,
+                oom_hint="Lower prompts_per_step, group_size or max_new_tokens, or the LoRA rank.",
+                diverged_hint="Lower the learning rate, or set max_grad_norm / gclip.")
             t4 = time.perf_counter()
-            bad = metrics.skipped or not math.isfinite(metrics.loss)
-            state["bad_streak"] = state["bad_streak"] + 1 if bad else 0
-            state["skipped_steps"] += int(bad)
-            if state["bad_streak"] >= config.max_bad_steps:
-                raise TrainingDiverged(
-                    f"The loss or gradients were NaN/Inf for {state['bad_streak']} steps in a "
-                    f"row (step {session.step_count}).",
-                    "Lower the learning rate, or set max_grad_norm / gclip.")
             for layer, counts in metrics.routing.items():
                 routing_window[layer] = routing_window.get(layer, 0) + counts
             lengths = np.array([len(c.ids) for c in completions])

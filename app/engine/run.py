@@ -184,23 +184,12 @@ def train(config: RunConfig, report: Report, should_stop: ShouldStop,
         for micro in dataset.train_batches(epoch, tc.grad_accum, state["step_in_epoch"]):
             if session.step_count >= total:
                 break
-            try:
-                metrics = session.step(micro)
-            except MemoryError:
-                raise OutOfMemoryError(
-                    f"Out of memory at step {session.step_count + 1} ({memory_report(model.xp)}).",
-                    "Lower the context or the batch, set checkpoint-interval 1 (gradient "
-                    "checkpointing), use LoRA instead of full fine-tuning, or a smaller rank."
-                ) from None
+            metrics, bad = guarded_step(
+                session, micro, state, config.max_bad_steps,
+                oom_hint="Lower the context or the batch, set checkpoint-interval 1 (gradient "
+                         "checkpointing), use LoRA instead of full fine-tuning, or a smaller rank.",
+                diverged_hint="Lower the learning rate, set gclip (e.g. 1.0), or check the data.")
             state["step_in_epoch"] += 1
-            bad = metrics.skipped or not math.isfinite(metrics.loss)
-            state["bad_streak"] = state["bad_streak"] + 1 if bad else 0
-            state["skipped_steps"] += int(bad)
-            if state["bad_streak"] >= config.max_bad_steps:
-                raise TrainingDiverged(
-                    f"The loss or gradients were NaN/Inf for {state['bad_streak']} steps in a "
-                    f"row (step {session.step_count}).",
-                    "Lower the learning rate, set gclip (e.g. 1.0), or check the data.")
             if not bad:
                 running.add(metrics.loss, metrics.accuracy, metrics.tokens)
             for layer, counts in metrics.routing.items():
@@ -248,6 +237,26 @@ def train(config: RunConfig, report: Report, should_stop: ShouldStop,
             "best_loss": state["best_loss"] if math.isfinite(state["best_loss"]) else None,
             "skipped_steps": state["skipped_steps"], "elapsed_s": time.perf_counter() - t_start})
     return "done"
+
+
+def guarded_step(session: TrainSession, batches, state: dict, max_bad_steps: int,
+                 oom_hint: str, diverged_hint: str):
+    """One optimizer step of a run: (metrics, bad). Running out of memory becomes an
+    OutOfMemoryError that names the device's memory; a NaN/Inf step is counted in
+    state["bad_streak"] / state["skipped_steps"], and max_bad_steps of them in a row raise
+    TrainingDiverged."""
+    try:
+        metrics = session.step(batches)
+    except MemoryError:
+        raise OutOfMemoryError(f"Out of memory at step {session.step_count + 1} "
+                               f"({memory_report(session.model.xp)}).", oom_hint) from None
+    bad = metrics.skipped or not math.isfinite(metrics.loss)
+    state["bad_streak"] = state["bad_streak"] + 1 if bad else 0
+    state["skipped_steps"] += int(bad)
+    if state["bad_streak"] >= max_bad_steps:
+        raise TrainingDiverged(f"The loss or gradients were NaN/Inf for {state['bad_streak']} "
+                               f"steps in a row (step {session.step_count}).", diverged_hint)
+    return metrics, bad
 
 
 def report_norms(report: Report, session: TrainSession, routing: dict, step: int) -> None:
