@@ -74,15 +74,14 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from app.engine.checkpoint import (latest_checkpoint, load_checkpoint, prune_checkpoints,
-                                   save_checkpoint)
+from app.engine.checkpoint import prune_checkpoints, save_checkpoint
 from app.engine.config import TrainConfig
 from app.engine.errors import ConfigError, DatasetError
 from app.engine.formats import Rejection, iter_lines, parse_line
 from app.engine.lora import load_adapter, save_adapter
 from app.engine.model import Model, load_model
 from app.engine.reward_functions import RewardScorer, RewardSpec, ScoreItem
-from app.engine.run import guarded_step, peak_rss_mb, report_norms
+from app.engine.run import guarded_step, peak_rss_mb, report_norms, resume
 from app.engine.train import Batch, TrainSession
 
 Report = Callable[[dict], None]
@@ -477,12 +476,7 @@ def train_grpo(config: GrpoConfig, report: Report, should_stop: ShouldStop,
         adapter = load_adapter(config.adapter) if config.adapter else None
         session = TrainSession(model, dataclasses.replace(config.train, max_steps=total), adapter)
         state = {"bad_streak": 0, "skipped_steps": 0, "last_eval_step": -1}
-        ckpt_dir = Path(checkpoints) if checkpoints else None
-        if ckpt_dir is not None and latest_checkpoint(ckpt_dir) is not None:
-            ckpt = load_checkpoint(latest_checkpoint(ckpt_dir))
-            session.load_state_dict(ckpt.state)
-            state.update(ckpt.meta.get("run", {}))
-            report({"type": "log", "message": f"resumed from step {session.step_count}"})
+        ckpt_dir = resume(session, checkpoints, state, report)
         names = list(scorer.names)
         per_epoch = len(train_rows) / config.prompts_per_step
         report({"type": "start", "kind": KIND, "total_steps": total,

@@ -139,12 +139,7 @@ def train(config: RunConfig, report: Report, should_stop: ShouldStop,
     session = TrainSession(model, dataclasses.replace(tc, max_steps=total), adapter)
     state = {"epoch": 0, "step_in_epoch": 0, "best_loss": math.inf, "best_step": 0,
              "evals_without_gain": 0, "bad_streak": 0, "skipped_steps": 0}
-    ckpt_dir = Path(checkpoints) if checkpoints else None
-    if ckpt_dir is not None and latest_checkpoint(ckpt_dir) is not None:
-        ckpt = load_checkpoint(latest_checkpoint(ckpt_dir))
-        session.load_state_dict(ckpt.state)
-        state.update(ckpt.meta.get("run", {}))
-        report({"type": "log", "message": f"resumed from step {session.step_count}"})
+    ckpt_dir = resume(session, checkpoints, state, report)
     stats = dataset.stats
     report({"type": "start", "total_steps": total, "epochs": n_epochs,
             "steps_per_epoch": steps_per_epoch, "trainable": session.n_trainable,
@@ -237,6 +232,19 @@ def train(config: RunConfig, report: Report, should_stop: ShouldStop,
             "best_loss": state["best_loss"] if math.isfinite(state["best_loss"]) else None,
             "skipped_steps": state["skipped_steps"], "elapsed_s": time.perf_counter() - t_start})
     return "done"
+
+
+def resume(session: TrainSession, checkpoints, state: dict, report: Report) -> Path | None:
+    """The run's checkpoint folder (None without one). When it holds a checkpoint, the newest
+    is loaded into `session` and its saved run state into `state`, and a log event says so."""
+    ckpt_dir = Path(checkpoints) if checkpoints else None
+    newest = latest_checkpoint(ckpt_dir) if ckpt_dir is not None else None
+    if newest is not None:
+        ckpt = load_checkpoint(newest)
+        session.load_state_dict(ckpt.state)
+        state.update(ckpt.meta.get("run", {}))
+        report({"type": "log", "message": f"resumed from step {session.step_count}"})
+    return ckpt_dir
 
 
 def guarded_step(session: TrainSession, batches, state: dict, max_bad_steps: int,
