@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -46,6 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
+from app.engine.backend import peak_rss_mb
 from app.engine.config import TrainConfig
 from app.engine.timing import PhaseClock, phase
 
@@ -97,10 +97,6 @@ def threads() -> int:
     from app.engine.parallel import thread_count
 
     return thread_count()
-
-
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024      # Linux: KiB
 
 
 class EngineTrainer:

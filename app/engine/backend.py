@@ -7,13 +7,12 @@ inputs. This module is the only place that knows CuPy's own API (device count, m
 
 from __future__ import annotations
 
+import os
 import resource
 
 import numpy as np
 
 from app.engine.errors import ConfigError
-
-DEVICES = ("cpu", "cuda")
 
 try:  # CuPy is an optional extra (`pip install .[gpu]`); these machines have no GPU.
     import cupy as _cupy  # type: ignore
@@ -69,9 +68,13 @@ def device_memory(xp) -> tuple[int, int]:
     if xp is not np:
         free, total = xp.cuda.runtime.memGetInfo()
         return int(free), int(total)
-    import os
     page = os.sysconf("SC_PAGE_SIZE")
     return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def memory_report(xp) -> str:
@@ -79,5 +82,4 @@ def memory_report(xp) -> str:
     if xp is not np:
         free, total = device_memory(xp)
         return (f"GPU memory: {(total - free) / 2**20:.0f} MB in use of {total / 2**20:.0f} MB")
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return f"peak resident memory {peak:.0f} MB"
+    return f"peak resident memory {peak_rss_mb():.0f} MB"

@@ -74,6 +74,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from app.engine.backend import peak_rss_mb
 from app.engine.checkpoint import prune_checkpoints, save_checkpoint
 from app.engine.config import TrainConfig
 from app.engine.errors import ConfigError, DatasetError
@@ -81,7 +82,7 @@ from app.engine.formats import Rejection, iter_lines, parse_line
 from app.engine.lora import load_adapter, save_adapter
 from app.engine.model import Model, load_model
 from app.engine.reward_functions import RewardScorer, RewardSpec, ScoreItem
-from app.engine.run import guarded_step, peak_rss_mb, report_norms, resume
+from app.engine.run import guarded_step, report_norms, resume
 from app.engine.train import Batch, TrainSession
 
 Report = Callable[[dict], None]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import resource
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import Callable
 
 import numpy as np
 
-from app.engine.backend import memory_report
+from app.engine.backend import memory_report, peak_rss_mb
 from app.engine.checkpoint import (latest_checkpoint, load_checkpoint, prune_checkpoints,
                                    save_checkpoint)
 from app.engine.config import TrainConfig
@@ -106,10 +105,6 @@ class _RunningStats:
         acc_se = math.sqrt(acc * (1 - acc) / (self.tokens - 1)) if self.tokens > 1 else 0.0
         return {"epoch_loss": loss, "epoch_loss_se": loss_se, "epoch_accuracy": acc,
                 "epoch_accuracy_se": acc_se}
-
-
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def train(config: RunConfig, report: Report, should_stop: ShouldStop,

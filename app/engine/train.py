@@ -22,7 +22,6 @@ from app.engine.model import Model
 from app.engine.optim import LBFGS, SGD, AdamW, GradAccumulator, make_schedule
 from app.engine.timing import phase
 
-
 FULL_GROUPS = {
     "norms": lambda name: "norm" in name,
     "router": lambda name: tensor_kind(name) == "ffn_gate_inp",
