@@ -13,8 +13,9 @@ layer in -> out over `rows` input rows (T; T·K for expert projections, summed o
 Attention per layer: forward Q·K^T and P·V over the full T x T square (the engine computes the
 masked half as well): 2 · 2·H·T²·D; backward 5 · 2·H·T²·D (P recomputed from the saved
 log-sum-exp, then dV, dP, dQ, dK). The output head (C -> vocabulary V) runs as a linear layer,
-and the engine's chunked cross-entropy computes the logits a second time in backward
-(2·T·C·V, plus 2·T·R·V with a LoRA): counted under "loss". Gradient checkpointing (interval
+counted under "loss". When the head is trained (in full or with a LoRA), the engine's chunked
+cross-entropy computes the logits a second time in backward (2·T·C·V, plus 2·T·R·V with a
+LoRA); a frozen head takes one pass (app.engine.kernels.loss.cross_entropy_frozen_head). Gradient checkpointing (interval
 > 0) runs the forward of every block a second time during backward: "recompute". This is
 exactly what the engine computes; the PyTorch peer does less (no logit recompute; autograd
 skips dx where nothing upstream needs it; SDPA skips the masked half).
@@ -113,7 +114,8 @@ def step_flops(cfg: ModelConfig, n_tokens: int, ranks: dict[str, int], trained: 
     head = head_linear(cfg, n_tokens)
     rank = 0 if cfg.tied_output else ranks.get(head.name, 0)
     f, b = linear_flops(head, head.name in trained, rank)
-    logits = 2 * head.rows * head.n_out * (head.n_in + rank)             # recomputed in backward
+    recomputed = rank or head.name in trained                            # two passes, else one
+    logits = 2 * head.rows * head.n_out * (head.n_in + rank) if recomputed else 0
     out = {"forward": fwd, "backward": bwd, "recompute": fwd if checkpoint else 0,
            "loss": f + b + logits}
     out["total"] = sum(out.values())

@@ -24,7 +24,8 @@ from app.engine.kernels.attention import attention_backward, attention_forward, 
 from app.engine.kernels.embedding import (embedding_backward, embedding_forward,
                                           lora_embedding_backward, lora_embedding_forward)
 from app.engine.kernels.linear import linear_backward, linear_forward
-from app.engine.kernels.loss import cross_entropy_backward, cross_entropy_forward
+from app.engine.kernels.loss import (cross_entropy_backward, cross_entropy_forward,
+                                     cross_entropy_frozen_head)
 from app.engine.kernels.moe import (combine_backward, combine_forward, dispatch_order,
                                     experts_backward, experts_forward, experts_forward_train, router_backward,
                                     router_forward)
@@ -263,13 +264,17 @@ class Model:
                     x, saved[il] = self._block_forward(il, x, params, ctx)
         with phase("loss"):
             h, norm_cache = rmsnorm_forward(x, params.weight("output_norm.weight"), cfg.rms_eps)
-            head = self.head_name
-            loss, stats, loss_cache = cross_entropy_forward(
-                h, params.row_view(head), self.xp.asarray(labels), token_weights,
-                self._head_lora(params), cfg.final_logit_softcap, vocab_chunk)
-            dh, dw, dlora = cross_entropy_backward(loss_cache, need_dw=params.trains(head))
-            del loss_cache
-            _add_weight_grads(grads, head, dw, dlora)
+            head, head_lora = self.head_name, self._head_lora(params)
+            head_args = (h, params.row_view(head), self.xp.asarray(labels), token_weights)
+            if params.trains(head) or head_lora is not None:
+                loss, stats, loss_cache = cross_entropy_forward(
+                    *head_args, head_lora, cfg.final_logit_softcap, vocab_chunk)
+                dh, dw, dlora = cross_entropy_backward(loss_cache, need_dw=params.trains(head))
+                del loss_cache
+                _add_weight_grads(grads, head, dw, dlora)
+            else:                       # a frozen head: dh in the same pass as the loss
+                loss, stats, dh = cross_entropy_frozen_head(*head_args, cfg.final_logit_softcap,
+                                                            vocab_chunk)
             dx, dnorm = rmsnorm_backward(dh, norm_cache)
             _add_full(grads, params, "output_norm.weight", dnorm)
         if every:

@@ -42,8 +42,11 @@ def test_step_flops_of_dense_lora_match_a_hand_count():
     backward = 2 * (qkvo + ffn + 2 * lora + 5 * attn // 2)      # dx only: nothing trained in full
     head = 2 * t * 32 * 259
     flops = step_flops(cfg, t, ranks, set(), checkpoint=0)
-    assert flops == {"forward": forward, "backward": backward, "recompute": 0, "loss": 3 * head,
-                     "total": forward + backward + 3 * head}
+    assert flops == {"forward": forward, "backward": backward, "recompute": 0, "loss": 2 * head,
+                     "total": forward + backward + 2 * head}   # frozen head: logits and dx, one pass
+    ranks["output.weight"] = r                                  # a LoRA head: logits recomputed
+    lora_head = 2 * t * r * (32 + 259)
+    assert step_flops(cfg, t, ranks, set(), 0)["loss"] == 3 * head + 3 * lora_head + 2 * t * r * 259
     assert step_flops(cfg, t, ranks, set(), checkpoint=1)["recompute"] == forward
 
 

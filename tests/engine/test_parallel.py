@@ -100,6 +100,25 @@ def test_chunked_cross_entropy_is_bit_identical_on_threads(monkeypatch, softcap)
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("softcap", [0.0, 30.0])
+def test_one_pass_frozen_head_is_bit_identical_on_threads(monkeypatch, softcap):
+    from app.engine.kernels.loss import cross_entropy_frozen_head
+
+    rng = np.random.default_rng(5)
+    t, c, v = 300, 64, 3000
+    h = rng.standard_normal((t, c), dtype=np.float32)
+    w = rng.standard_normal((v, c), dtype=np.float32) * 0.3
+    labels = rng.integers(0, v, t)
+    labels[::7] = -1
+    results = []
+    for threads in ("1", "2", "3"):
+        monkeypatch.setenv("WORKBENCH_THREADS", threads)
+        results.append(cross_entropy_frozen_head(h, w, labels, None, softcap, chunk=1024))
+    for loss, stats, dh in results[1:]:
+        assert loss == results[0][0] and stats == results[0][1]
+        np.testing.assert_array_equal(dh, results[0][2])
+
+
 def test_a_split_linear_layer_with_bias_lora_and_dropout_is_bit_identical(monkeypatch):
     from app.engine.kernels.linear import linear_backward, linear_forward
 

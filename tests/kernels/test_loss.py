@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from app.engine.kernels.gradcheck import directional_check
-from app.engine.kernels.loss import cross_entropy_backward, cross_entropy_forward
+from app.engine.kernels.loss import (cross_entropy_backward, cross_entropy_forward,
+                                   cross_entropy_frozen_head)
 
 TOL = 1e-6
 
@@ -189,3 +190,47 @@ def test_label_outside_vocabulary_is_an_error():
     labels[0] = w.shape[0]
     with pytest.raises(ValueError, match="outside the vocabulary"):
         cross_entropy_forward(h, w, labels)
+
+
+FROZEN_CASES = [(False, 0.0, 8192), (True, 0.0, 8), (True, 3.0, 10), (False, 5.0, 37), (True, 0.0, 1)]
+
+
+@pytest.mark.parametrize("use_w,softcap,chunk", FROZEN_CASES)
+def test_frozen_head_in_one_pass_matches_naive_full_logits(use_w, softcap, chunk):
+    h, w, labels, tw, _ = _problem(scale=2.0)
+    tw = tw if use_w else None
+    loss, stats, dh = cross_entropy_frozen_head(h, w, labels, tw, softcap, chunk)
+    ref_loss, ref_correct, ref_sum, ref_dh = _naive(h, w, labels, tw, None, softcap)
+    assert abs(loss - ref_loss) <= 1e-12 * max(1.0, abs(ref_loss))
+    assert stats == dict(n_tokens=int((labels >= 0).sum()), n_correct=ref_correct,
+                         loss_sum_unweighted=stats["loss_sum_unweighted"])
+    assert abs(stats["loss_sum_unweighted"] - ref_sum) <= 1e-12 * abs(ref_sum)
+    np.testing.assert_allclose(dh, ref_dh, rtol=1e-11, atol=1e-13)
+    assert not dh[labels < 0].any()
+
+
+@pytest.mark.parametrize("softcap", [0.0, 4.0])
+def test_frozen_head_gradcheck_and_a_growing_maximum(softcap):
+    """The running max grows chunk after chunk (logits sorted upward across the vocabulary), so
+    every chunk rescales the accumulated rows; large logits must not overflow."""
+    h, w, labels, tw, _ = _problem()
+    w = w[np.argsort(w @ h[0])]                                          # rising logits for token 0
+    loss = lambda xs: cross_entropy_forward(xs[0], w, labels, tw, None, softcap, 3)[0]
+    _, _, dh = cross_entropy_frozen_head(h, w, labels, tw, softcap, 3)
+    for seed in range(3):
+        assert directional_check(loss, [h], [dh], seed=seed) < TOL
+    big = h * 300.0
+    loss_big, _, dh_big = cross_entropy_frozen_head(big, w, labels, None, softcap, 5)
+    ref = _naive(big, w, labels, None, None, softcap)
+    assert np.isfinite(loss_big) and abs(loss_big - ref[0]) <= 1e-12 * abs(ref[0])
+    np.testing.assert_allclose(dh_big, ref[3], rtol=1e-10, atol=1e-12)
+
+
+def test_frozen_head_float32_matches_the_two_pass_path():
+    h, w, labels, tw, _ = _problem(t=33, c=16, v=301)
+    h32, view = h.astype(np.float32), _RowView(w, np.float32)
+    loss1, stats1, dh1 = cross_entropy_frozen_head(h32, view, labels, tw, 4.0, chunk=64)
+    loss2, stats2, cache = cross_entropy_forward(h32, view, labels, tw, None, 4.0, chunk=64)
+    dh2 = cross_entropy_backward(cache)[0]
+    assert dh1.dtype == np.float32 and stats1 == stats2 and loss1 == loss2
+    np.testing.assert_allclose(dh1, dh2, rtol=2e-5, atol=1e-6 * np.abs(dh2).max())

@@ -6,6 +6,12 @@ passes) and a running argmax; backward makes a second pass recomputing each chun
 dz = w_t / N * (softmax - onehot). Chunking over the vocabulary streams the output matrix once
 per pass (ARCHITECTURE.md, performance notes).
 
+A head that gets no gradient (frozen, without LoRA: the usual LoRA run) needs only dh, which
+`cross_entropy_frozen_head` computes in the forward pass itself, the way flash attention does:
+the softmax-weighted sum of the head's rows is accumulated against the running max and rescaled
+when the max grows. That saves the second pass's logits, a third of the head's FLOPs (on
+Gemma 3's 262,144-token vocabulary, 172 GFLOP of a 800 GFLOP step at context 512).
+
 `w_out` is anything with `.shape == (V, C)` whose row slices `w_out[lo:hi]` are float arrays
 (a lazily dequantizing view of a quantized matrix works); it is only ever read by row slices.
 """
@@ -44,26 +50,11 @@ def cross_entropy_forward(h, w_out, labels, token_weights=None, lora=None, softc
     Returns (loss: float, stats: dict(n_tokens, n_correct, loss_sum_unweighted), cache).
     """
     xp = get_array_module(h)
-    t = h.shape[0]
     v = w_out.shape[0]
-    labels = xp.asarray(labels)
-    active = xp.nonzero(labels >= 0)[0]                                 # (N,)
-    n = int(active.shape[0])
-    all_active = n == t
-    h_act = h if all_active else h[active]                              # (N, C)
-    lab = labels if all_active else labels[active]                      # (N,)
-    if n and int(lab.max()) >= v:
-        raise ValueError(f"label {int(lab.max())} is outside the vocabulary of {v} tokens")
-    if token_weights is None:
-        wt = xp.ones(n, dtype=h.dtype)                                  # (N,)
-    else:
-        tw = xp.asarray(token_weights, dtype=h.dtype)
-        wt = tw if all_active else tw[active]                           # (N,)
+    tokens = _Tokens(xp, h, labels, token_weights, v)
+    h_act, lab, wt, n = tokens.h, tokens.labels, tokens.weights, tokens.n
     ha = None if lora is None else h_act @ lora[0].T                    # (N, R)
-    run_max = xp.full(n, -xp.inf, dtype=h.dtype)                        # (N,)
-    run_sum = xp.zeros(n, dtype=h.dtype)                                # (N,)
-    label_logit = xp.zeros(n, dtype=h.dtype)                            # (N,)
-    best_idx = xp.zeros(n, dtype=xp.int64)                              # (N,)
+    run = _Running(xp, n, h.dtype)
     blocks = row_blocks(n)
     if n:
         for lo in range(0, v, chunk):
@@ -74,27 +65,135 @@ def cross_entropy_forward(h, w_out, labels, token_weights=None, lora=None, softc
                 zr = z[r]                                               # (n_r, v)
                 if softcap > 0.0:
                     _softcap(xp, zr, softcap)
-                arg = zr.argmax(1)                                      # (n_r,)
-                cmax = zr[xp.arange(len(arg)), arg]                     # (n_r,)
-                better = cmax > run_max[r]                              # first index wins ties
-                best_idx[r] = xp.where(better, arg + lo, best_idx[r])
-                lab_r = lab[r]
-                sel = xp.nonzero((lab_r >= lo) & (lab_r < hi))[0]       # labels in this chunk
-                label_logit[r][sel] = zr[sel, lab_r[sel] - lo]
-                new_max = xp.maximum(run_max[r], cmax)                  # (n_r,)
-                zr -= new_max[:, None]
-                xp.exp(zr, out=zr)
-                run_sum[r] = run_sum[r] * xp.exp(run_max[r] - new_max) + zr.sum(1)
-                run_max[r] = new_max
+                run.merge(zr, r, lab[r], lo, hi)
             parallel_map(merge, blocks, xp)
-    lse = run_max + xp.log(run_sum) if n else run_max                   # (N,)
-    nll = lse - label_logit                                             # (N,)
-    loss = float((wt * nll).sum() / n) if n else 0.0
-    stats = dict(n_tokens=n, n_correct=int((best_idx == lab).sum()) if n else 0,
-                 loss_sum_unweighted=float(nll.sum()) if n else 0.0)
+    lse, loss, stats = run.result(wt, lab)
     cache = dict(h=h_act, w_out=w_out, labels=lab, coef=wt / max(n, 1), lse=lse, lora=lora,
-                 ha=ha, softcap=softcap, chunk=chunk, active=active, t=t, all_active=all_active)
+                 ha=ha, softcap=softcap, chunk=chunk, tokens=tokens)
     return loss, stats, cache
+
+
+def cross_entropy_frozen_head(h, w_out, labels, token_weights=None, softcap: float = 0.0,
+                              chunk: int = 8192):
+    """Loss, stats and dh (T, C) in one pass over the vocabulary, for a head that gets no
+    gradient (frozen, no LoRA); arguments and figures as in cross_entropy_forward.
+
+    With coef_t = w_t / N, p = softmax(z) and the softcap's slope s_v = 1 - (z_v / cap)^2 (1
+    without a cap): dh_t = coef_t * (sum_v p_tv s_v w_v - s_label w_label). Per chunk and row
+    block, acc_t = sum_v exp(z_tv - m_t) s_v w_v (C,) runs beside the running max m_t and sum
+    S_t: when the max grows, acc_t is rescaled by exp(m_old - m_new) as S_t is, and at the end
+    sum_v p_tv s_v w_v = acc_t / S_t. Each row block computes its own logits, so a chunk is one
+    piece per row block.
+    """
+    xp = get_array_module(h)
+    v = w_out.shape[0]
+    tokens = _Tokens(xp, h, labels, token_weights, v)
+    h_act, lab, n = tokens.h, tokens.labels, tokens.n
+    run = _Running(xp, n, h.dtype)
+    acc = xp.zeros(h_act.shape, h.dtype)                                # (N, C)
+    label_rows = xp.zeros(h_act.shape, h.dtype)                         # (N, C) s_label w_label
+    blocks = row_blocks(n)
+    if n:
+        for lo in range(0, v, chunk):
+            hi = min(lo + chunk, v)
+            w_chunk = w_out[lo:hi]                                      # (v, C)
+
+            def accumulate(r: slice) -> None:
+                zr = h_act[r] @ w_chunk.T                               # (n_r, v) logits
+                slope = None
+                if softcap > 0.0:
+                    _softcap(xp, zr, softcap)
+                    slope = zr / softcap
+                    slope *= slope
+                    xp.subtract(1.0, slope, out=slope)                  # 1 - tanh^2 (n_r, v)
+                rescale, inside = run.merge(zr, r, lab[r], lo, hi)      # zr = exp(z - m_new)
+                cols = lab[r][inside] - lo                              # (n_in,)
+                rows = w_chunk[cols]                                    # (n_in, C) w_label
+                if slope is not None:
+                    zr *= slope
+                    rows = rows * slope[inside, cols][:, None]
+                label_rows[r][inside] = rows
+                acc_r = acc[r]                                          # (n_r, C)
+                acc_r *= rescale[:, None]
+                acc_r += zr @ w_chunk
+            parallel_map(accumulate, blocks, xp)
+    wt = tokens.weights
+    lse, loss, stats = run.result(wt, lab)
+    coef = (wt / max(n, 1))[:, None]                                    # (N, 1)
+    acc /= run.sum[:, None]
+    acc -= label_rows
+    acc *= coef                                                         # dh rows (N, C)
+    return loss, stats, tokens.scatter(acc)
+
+
+class _Tokens:
+    """The tokens with a label (label >= 0): their rows of h, labels and weights."""
+
+    def __init__(self, xp, h, labels, token_weights, v: int):
+        labels = xp.asarray(labels)
+        self.xp, self.t = xp, h.shape[0]
+        self.active = xp.nonzero(labels >= 0)[0]                        # (N,)
+        self.n = int(self.active.shape[0])
+        self.all_active = self.n == self.t
+        self.h = h if self.all_active else h[self.active]               # (N, C)
+        self.labels = labels if self.all_active else labels[self.active]  # (N,)
+        if self.n and int(self.labels.max()) >= v:
+            raise ValueError(f"label {int(self.labels.max())} is outside the vocabulary of "
+                             f"{v} tokens")
+        if token_weights is None:
+            self.weights = xp.ones(self.n, dtype=h.dtype)               # (N,)
+        else:
+            tw = xp.asarray(token_weights, dtype=h.dtype)
+            self.weights = tw if self.all_active else tw[self.active]   # (N,)
+
+    def scatter(self, rows):
+        """(N, C) rows of the labelled tokens -> (T, C), zero for the others."""
+        if self.all_active:
+            return rows
+        out = self.xp.zeros((self.t, rows.shape[1]), dtype=rows.dtype)  # (T, C)
+        out[self.active] = rows
+        return out
+
+
+class _Running:
+    """Per-token running statistics over vocabulary chunks: max and sum of exp (online
+    log-sum-exp), the label's logit (picked when its chunk passes) and the argmax."""
+
+    def __init__(self, xp, n: int, dtype):
+        self.xp = xp
+        self.max = xp.full(n, -xp.inf, dtype=dtype)                     # (N,)
+        self.sum = xp.zeros(n, dtype=dtype)                             # (N,)
+        self.label_logit = xp.zeros(n, dtype=dtype)                     # (N,)
+        self.best = xp.zeros(n, dtype=xp.int64)                         # (N,)
+
+    def merge(self, zr, r: slice, lab_r, lo: int, hi: int):
+        """Fold the (capped) logits zr (n_r, hi - lo) of rows r into the statistics; zr becomes
+        exp(zr - new max) in place. Returns (exp(old max - new max) (n_r,), the indices of the
+        rows whose label is in this chunk)."""
+        xp = self.xp
+        arg = zr.argmax(1)                                              # (n_r,)
+        cmax = zr[xp.arange(len(arg)), arg]                             # (n_r,)
+        better = cmax > self.max[r]                                     # first index wins ties
+        self.best[r] = xp.where(better, arg + lo, self.best[r])
+        inside = xp.nonzero((lab_r >= lo) & (lab_r < hi))[0]            # labels in this chunk
+        self.label_logit[r][inside] = zr[inside, lab_r[inside] - lo]
+        new_max = xp.maximum(self.max[r], cmax)                         # (n_r,)
+        zr -= new_max[:, None]
+        xp.exp(zr, out=zr)
+        rescale = xp.exp(self.max[r] - new_max)                         # (n_r,)
+        self.sum[r] = self.sum[r] * rescale + zr.sum(1)
+        self.max[r] = new_max
+        return rescale, inside
+
+    def result(self, wt, lab):
+        """(lse (N,), loss, stats) once every chunk has been merged."""
+        xp, n = self.xp, self.max.shape[0]
+        lse = self.max + xp.log(self.sum) if n else self.max            # (N,)
+        nll = lse - self.label_logit                                    # (N,)
+        loss = float((wt * nll).sum() / n) if n else 0.0
+        stats = dict(n_tokens=n, n_correct=int((self.best == lab).sum()) if n else 0,
+                     loss_sum_unweighted=float(nll.sum()) if n else 0.0)
+        return lse, loss, stats
 
 
 def cross_entropy_backward(cache, need_dw: bool = False):
@@ -152,9 +251,4 @@ def cross_entropy_backward(cache, need_dw: bool = False):
         dh_rows += dha @ a                                              # (N, C)
         db *= scale
         dlora = (dha.T @ h, db)                                         # (R, C), (V, R)
-    if cache["all_active"]:
-        dh = dh_rows
-    else:
-        dh = xp.zeros((cache["t"], c), dtype=h.dtype)                   # (T, C)
-        dh[cache["active"]] = dh_rows
-    return dh, dw_out, dlora
+    return cache["tokens"].scatter(dh_rows), dw_out, dlora
