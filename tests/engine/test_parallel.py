@@ -119,6 +119,26 @@ def test_one_pass_frozen_head_is_bit_identical_on_threads(monkeypatch, softcap):
         np.testing.assert_array_equal(dh, results[0][2])
 
 
+def test_attention_split_by_query_rows_is_bit_identical_on_threads(monkeypatch):
+    from app.engine.kernels.attention import (_pieces, attention_backward, attention_forward,
+                                              attention_mask)
+
+    rng = np.random.default_rng(6)
+    t, n_head, d = 300, 4, 32
+    q = rng.standard_normal((t, n_head, d), dtype=np.float32)
+    k, v, dout = (rng.standard_normal((t, 1, d), dtype=np.float32) for _ in range(3))
+    mask = attention_mask(np, np.arange(t), np.arange(t)).astype(np.float32)
+    assert _pieces(1, t)[1] == 4                                # one kv head: 4 row blocks
+    results = []
+    for threads in ("1", "2", "3"):
+        monkeypatch.setenv("WORKBENCH_THREADS", threads)
+        out, cache = attention_forward(q, k, v, 0.2, mask)
+        results.append((out, *attention_backward(dout.repeat(n_head, 1), cache)))
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            np.testing.assert_array_equal(a, b)
+
+
 def test_a_split_linear_layer_with_bias_lora_and_dropout_is_bit_identical(monkeypatch):
     from app.engine.kernels.linear import linear_backward, linear_forward
 

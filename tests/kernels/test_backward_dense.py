@@ -62,6 +62,9 @@ ATTN_CASES = {
     "scale": (6, 6, 2, 1, 4, 0, 1.7),
     "decode_prefix": (3, 10, 4, 2, 4, 0, 0.4),
     "decode_prefix_window": (3, 10, 4, 2, 4, 4, 0.4),
+    # one kv head: query rows split into blocks (attention.MIN_PIECES), dk/dv summed over them
+    "query_row_blocks": (150, 150, 4, 1, 4, 0, 0.5),
+    "query_row_blocks_prefix_window": (140, 160, 2, 1, 3, 20, 0.4),
 }
 
 

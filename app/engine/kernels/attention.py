@@ -4,12 +4,28 @@ The forward keeps no (Tq, Tk) probabilities in its cache: only q, k, v, the mask
 the scale, the output and the per-row log-sum-exp. The backward recomputes the probabilities one
 kv head at a time (flash-attention style), so training never holds more than one layer's
 probabilities alive.
+
+The pieces on the engine's threads are kv heads and, for models with fewer than MIN_PIECES kv
+heads (Gemma 3 has one), blocks of query rows of each; the backward sums a kv head's dk and dv
+over its row blocks in block order. The split depends on the shapes only, never on the thread
+count, so the results do not either.
 """
 
 from __future__ import annotations
 
 from app.engine.backend import get_array_module
 from app.engine.parallel import parallel_map
+
+MIN_PIECES = 4         # kv heads x query-row blocks per layer, at least (when rows allow)
+MIN_BLOCK_ROWS = 64
+
+
+def _pieces(n_kv: int, tq: int) -> tuple[list[tuple[int, int, slice]], int]:
+    """([(kv head, block index, query rows)], blocks per kv head)."""
+    blocks = max(1, min(-(-MIN_PIECES // n_kv), tq // MIN_BLOCK_ROWS))
+    step = -(-tq // blocks)
+    rows = [slice(lo, min(lo + step, tq)) for lo in range(0, tq, step)]
+    return [(j, b, r) for j in range(n_kv) for b, r in enumerate(rows)], len(rows)
 
 
 def attention_mask(xp, q_pos, k_pos, window: int = 0):
@@ -36,18 +52,19 @@ def attention_forward(q, k, v, scale: float, mask):
     out = xp.empty((tq, n_head, v.shape[2]), q.dtype)                 # (Tq, H, Dv)
     lse = xp.empty((n_kv, group, tq), q.dtype)                        # (Hkv, G, Tq)
 
-    def kv_head(j: int) -> None:
+    def piece(args) -> None:
+        j, _, rows = args
         heads = slice(j * group, (j + 1) * group)
-        qj = q[:, heads].transpose(1, 0, 2)                           # (G, Tq, D)
-        scores = (qj @ k[:, j].T) * scale + mask                      # (G, Tq, Tk)
-        row_max = scores.max(-1, keepdims=True)                       # (G, Tq, 1)
+        qj = q[rows, heads].transpose(1, 0, 2)                        # (G, Tr, D)
+        scores = (qj @ k[:, j].T) * scale + mask[rows]                # (G, Tr, Tk)
+        row_max = scores.max(-1, keepdims=True)                       # (G, Tr, 1)
         scores -= row_max
         probs = xp.exp(scores, out=scores)
-        row_sum = probs.sum(-1, keepdims=True)                        # (G, Tq, 1)
-        probs /= row_sum                                              # (G, Tq, Tk)
-        lse[j] = (row_max + xp.log(row_sum))[..., 0]                  # (G, Tq)
-        out[:, heads] = (probs @ v[:, j]).transpose(1, 0, 2)          # (Tq, G, Dv)
-    parallel_map(kv_head, range(n_kv), xp)
+        row_sum = probs.sum(-1, keepdims=True)                        # (G, Tr, 1)
+        probs /= row_sum                                              # (G, Tr, Tk)
+        lse[j][:, rows] = (row_max + xp.log(row_sum))[..., 0]         # (G, Tr)
+        out[rows, heads] = (probs @ v[:, j]).transpose(1, 0, 2)       # (Tr, G, Dv)
+    parallel_map(piece, _pieces(n_kv, tq)[0], xp)
     return out, (q, k, v, mask, scale, out, lse)
 
 
@@ -56,7 +73,8 @@ def attention_backward(dout, cache):
 
     P = exp(S - lse) is rebuilt per kv head; with D_i = sum_d dO_id O_id,
     dS = P * (dO V^T - D), dq = scale dS K, dk = scale dS^T Q and dv = P^T dO, each summed over
-    the G query heads that share a kv head. Peak extra memory: two (G, Tq, Tk) buffers.
+    the G query heads that share a kv head. Peak extra memory: two (G, Tr, Tk) buffers per
+    thread.
     """
     q, k, v, mask, scale, out, lse = cache
     xp = get_array_module(q)
@@ -65,23 +83,28 @@ def attention_backward(dout, cache):
     group = n_head // n_kv
     mask = mask.astype(q.dtype, copy=False)                           # (Tq, Tk)
     delta = (dout * out).sum(-1)                                      # (Tq, H)
-    dq, dk, dv = xp.empty_like(q), xp.empty_like(k), xp.empty_like(v)
+    pieces, n_blocks = _pieces(n_kv, tq)
+    dq = xp.empty_like(q)                                             # (Tq, H, D)
+    dk_parts = xp.empty((n_blocks, *k.shape), k.dtype)                # (B, Tk, Hkv, D)
+    dv_parts = xp.empty((n_blocks, *v.shape), v.dtype)                # (B, Tk, Hkv, Dv)
 
-    def kv_head(j: int) -> None:
+    def piece(args) -> None:
+        j, block, rows = args
         heads = slice(j * group, (j + 1) * group)
-        qj = q[:, heads].transpose(1, 0, 2)                           # (G, Tq, D)
-        doj = dout[:, heads].transpose(1, 0, 2)                       # (G, Tq, Dv)
+        qj = q[rows, heads].transpose(1, 0, 2)                        # (G, Tr, D)
+        doj = dout[rows, heads].transpose(1, 0, 2)                    # (G, Tr, Dv)
         kj, vj = k[:, j], v[:, j]                                     # (Tk, D), (Tk, Dv)
-        p = (qj @ kj.T) * scale + mask                                # (G, Tq, Tk)
-        p -= lse[j][..., None]
-        xp.exp(p, out=p)                                              # (G, Tq, Tk) probabilities
-        dv[:, j] = (p.transpose(0, 2, 1) @ doj).sum(0)                # (Tk, Dv)
-        ds = doj @ vj.T                                               # (G, Tq, Tk) dP
-        ds -= delta[:, heads].T[..., None]
-        ds *= p                                                       # (G, Tq, Tk) dS / scale
+        p = (qj @ kj.T) * scale + mask[rows]                          # (G, Tr, Tk)
+        p -= lse[j][:, rows, None]
+        xp.exp(p, out=p)                                              # (G, Tr, Tk) probabilities
+        dv_parts[block, :, j] = (p.transpose(0, 2, 1) @ doj).sum(0)   # (Tk, Dv)
+        ds = doj @ vj.T                                               # (G, Tr, Tk) dP
+        ds -= delta[rows, heads].T[..., None]
+        ds *= p                                                       # (G, Tr, Tk) dS / scale
         del p
-        dq[:, heads] = ((ds @ kj) * scale).transpose(1, 0, 2)         # (Tq, G, D)
-        dk[:, j] = (ds.transpose(0, 2, 1) @ qj).sum(0) * scale        # (Tk, D)
+        dq[rows, heads] = ((ds @ kj) * scale).transpose(1, 0, 2)      # (Tr, G, D)
+        dk_parts[block, :, j] = (ds.transpose(0, 2, 1) @ qj).sum(0) * scale  # (Tk, D)
         del ds
-    parallel_map(kv_head, range(n_kv), xp)
+    parallel_map(piece, pieces, xp)
+    dk, dv = dk_parts.sum(0), dv_parts.sum(0)                         # over row blocks, in order
     return dq, dk, dv
