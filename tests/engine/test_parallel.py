@@ -128,7 +128,8 @@ def test_attention_split_by_query_rows_is_bit_identical_on_threads(monkeypatch):
     q = rng.standard_normal((t, n_head, d), dtype=np.float32)
     k, v, dout = (rng.standard_normal((t, 1, d), dtype=np.float32) for _ in range(3))
     mask = attention_mask(np, np.arange(t), np.arange(t)).astype(np.float32)
-    assert _pieces(1, t)[1] == 4                                # one kv head: 4 row blocks
+    pieces, blocks = _pieces(np, 1, mask)
+    assert blocks == 4 and pieces[0][3] == slice(0, 75)         # 4 row blocks, causal keys
     results = []
     for threads in ("1", "2", "3"):
         monkeypatch.setenv("WORKBENCH_THREADS", threads)

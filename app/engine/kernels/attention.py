@@ -5,27 +5,48 @@ the scale, the output and the per-row log-sum-exp. The backward recomputes the p
 kv head at a time (flash-attention style), so training never holds more than one layer's
 probabilities alive.
 
-The pieces on the engine's threads are kv heads and, for models with fewer than MIN_PIECES kv
-heads (Gemma 3 has one), blocks of query rows of each; the backward sums a kv head's dk and dv
-over its row blocks in block order. The split depends on the shapes only, never on the thread
-count, so the results do not either.
+The work is cut into pieces for the engine's threads: kv heads times blocks of query rows
+(at least MIN_PIECES pieces, blocks of about BLOCK_ROWS rows). A row block reads only the keys
+its mask does not block for all its rows, so under a causal mask the early blocks skip the
+future half of the square (and under a sliding window, the distant past). The backward sums a
+kv head's dk and dv over its row blocks in block order. The split depends on the shapes and the
+mask only, never on the thread count, so the results do not either.
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 from app.engine.backend import get_array_module
 from app.engine.parallel import parallel_map
 
 MIN_PIECES = 4         # kv heads x query-row blocks per layer, at least (when rows allow)
+BLOCK_ROWS = 128
 MIN_BLOCK_ROWS = 64
 
 
-def _pieces(n_kv: int, tq: int) -> tuple[list[tuple[int, int, slice]], int]:
-    """([(kv head, block index, query rows)], blocks per kv head)."""
-    blocks = max(1, min(-(-MIN_PIECES // n_kv), tq // MIN_BLOCK_ROWS))
+def _pieces(xp, n_kv: int, mask) -> tuple[list[tuple[int, int, slice, slice]], int]:
+    """([(kv head, block index, query rows, keys they may read)], blocks per kv head).
+
+    On CuPy one block of all rows and keys per kv head: the pieces run one after another there,
+    and finding the keys would read the mask back to the host."""
+    tq, tk = mask.shape
+    blocks = max(-(-MIN_PIECES // n_kv), tq // BLOCK_ROWS)
+    blocks = max(1, min(blocks, tq // MIN_BLOCK_ROWS)) if xp is np else 1
     step = -(-tq // blocks)
     rows = [slice(lo, min(lo + step, tq)) for lo in range(0, tq, step)]
-    return [(j, b, r) for j in range(n_kv) for b, r in enumerate(rows)], len(rows)
+    keys = [slice(0, tk)]
+    if len(rows) > 1:
+        readable = np.isfinite(mask)                                  # (Tq, Tk)
+        keys = [_readable_keys(readable[r]) for r in rows]
+    pieces = [(j, b, r, keys[b % len(keys)]) for j in range(n_kv) for b, r in enumerate(rows)]
+    return pieces, len(rows)
+
+
+def _readable_keys(readable) -> slice:
+    """The span of keys that some row of `readable` (Tr, Tk) bool may read (all if none)."""
+    cols = np.nonzero(readable.any(0))[0]
+    return slice(int(cols[0]), int(cols[-1]) + 1) if cols.size else slice(0, readable.shape[1])
 
 
 def attention_mask(xp, q_pos, k_pos, window: int = 0):
@@ -53,18 +74,18 @@ def attention_forward(q, k, v, scale: float, mask):
     lse = xp.empty((n_kv, group, tq), q.dtype)                        # (Hkv, G, Tq)
 
     def piece(args) -> None:
-        j, _, rows = args
+        j, _, rows, keys = args
         heads = slice(j * group, (j + 1) * group)
         qj = q[rows, heads].transpose(1, 0, 2)                        # (G, Tr, D)
-        scores = (qj @ k[:, j].T) * scale + mask[rows]                # (G, Tr, Tk)
+        scores = (qj @ k[keys, j].T) * scale + mask[rows, keys]       # (G, Tr, Tk')
         row_max = scores.max(-1, keepdims=True)                       # (G, Tr, 1)
         scores -= row_max
         probs = xp.exp(scores, out=scores)
         row_sum = probs.sum(-1, keepdims=True)                        # (G, Tr, 1)
         probs /= row_sum                                              # (G, Tr, Tk)
         lse[j][:, rows] = (row_max + xp.log(row_sum))[..., 0]         # (G, Tr)
-        out[rows, heads] = (probs @ v[:, j]).transpose(1, 0, 2)       # (Tr, G, Dv)
-    parallel_map(piece, _pieces(n_kv, tq)[0], xp)
+        out[rows, heads] = (probs @ v[keys, j]).transpose(1, 0, 2)    # (Tr, G, Dv)
+    parallel_map(piece, _pieces(xp, n_kv, mask)[0], xp)
     return out, (q, k, v, mask, scale, out, lse)
 
 
@@ -83,27 +104,27 @@ def attention_backward(dout, cache):
     group = n_head // n_kv
     mask = mask.astype(q.dtype, copy=False)                           # (Tq, Tk)
     delta = (dout * out).sum(-1)                                      # (Tq, H)
-    pieces, n_blocks = _pieces(n_kv, tq)
+    pieces, n_blocks = _pieces(xp, n_kv, mask)
     dq = xp.empty_like(q)                                             # (Tq, H, D)
-    dk_parts = xp.empty((n_blocks, *k.shape), k.dtype)                # (B, Tk, Hkv, D)
-    dv_parts = xp.empty((n_blocks, *v.shape), v.dtype)                # (B, Tk, Hkv, Dv)
+    dk_parts = xp.zeros((n_blocks, *k.shape), k.dtype)                # (B, Tk, Hkv, D)
+    dv_parts = xp.zeros((n_blocks, *v.shape), v.dtype)                # (B, Tk, Hkv, Dv)
 
     def piece(args) -> None:
-        j, block, rows = args
+        j, block, rows, keys = args
         heads = slice(j * group, (j + 1) * group)
         qj = q[rows, heads].transpose(1, 0, 2)                        # (G, Tr, D)
         doj = dout[rows, heads].transpose(1, 0, 2)                    # (G, Tr, Dv)
-        kj, vj = k[:, j], v[:, j]                                     # (Tk, D), (Tk, Dv)
-        p = (qj @ kj.T) * scale + mask[rows]                          # (G, Tr, Tk)
+        kj, vj = k[keys, j], v[keys, j]                               # (Tk', D), (Tk', Dv)
+        p = (qj @ kj.T) * scale + mask[rows, keys]                    # (G, Tr, Tk')
         p -= lse[j][:, rows, None]
-        xp.exp(p, out=p)                                              # (G, Tr, Tk) probabilities
-        dv_parts[block, :, j] = (p.transpose(0, 2, 1) @ doj).sum(0)   # (Tk, Dv)
-        ds = doj @ vj.T                                               # (G, Tr, Tk) dP
+        xp.exp(p, out=p)                                              # (G, Tr, Tk') probabilities
+        dv_parts[block, keys, j] = (p.transpose(0, 2, 1) @ doj).sum(0)  # (Tk', Dv)
+        ds = doj @ vj.T                                               # (G, Tr, Tk') dP
         ds -= delta[rows, heads].T[..., None]
-        ds *= p                                                       # (G, Tr, Tk) dS / scale
+        ds *= p                                                       # (G, Tr, Tk') dS / scale
         del p
         dq[rows, heads] = ((ds @ kj) * scale).transpose(1, 0, 2)      # (Tr, G, D)
-        dk_parts[block, :, j] = (ds.transpose(0, 2, 1) @ qj).sum(0) * scale  # (Tk, D)
+        dk_parts[block, keys, j] = (ds.transpose(0, 2, 1) @ qj).sum(0) * scale  # (Tk', D)
         del ds
     parallel_map(piece, pieces, xp)
     dk, dv = dk_parts.sum(0), dv_parts.sum(0)                         # over row blocks, in order
