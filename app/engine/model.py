@@ -371,11 +371,16 @@ class Model:
         mask = None if lora is None else params.dropout_mask(name, x.shape, x.dtype)
         y, cache = linear_forward(x, params.weight(name + ".weight"), bias, lora, mask,
                                   params.base_input(name + ".weight", x))
-        return y, (name, cache)
+        # The weight is fetched again in backward, not kept in the cache: a quantized weight
+        # that the WeightStore's budget does not keep would otherwise stay alive, dequantized,
+        # across the step (every layer's: the whole model in float32). Cached or F32 weights
+        # cost a lookup.
+        return y, (name, cache._replace(w=None))
 
     def _linear_backward(self, dy, lcache, params: Params, grads: Grads):
         name, cache = lcache
         wname = name + ".weight"
+        cache = cache._replace(w=params.weight(wname))
         dx, dw, dbias, dlora = linear_backward(dy, cache, need_dw=params.trains(wname))
         _add_weight_grads(grads, wname, dw, dlora)
         _add_full(grads, params, name + ".bias", dbias)

@@ -58,40 +58,43 @@ def gelu_ggml(x):
 
 
 def swiglu_forward(g, u):
-    """g, u: (T, F) -> silu(g) * u (blocks of rows on the engine's threads)."""
+    """g, u: (T, F) -> silu(g) * u (blocks of rows on the engine's threads).
+
+    The cache is (g, u) only: backward recomputes sigmoid(g) rather than keep a third (T, F)
+    array of every layer alive across the step."""
     xp = get_array_module(g)
-    sg, out = xp.empty_like(g), xp.empty_like(g)         # (T, F)
+    out = xp.empty_like(g)                               # (T, F)
 
     def rows(r: slice) -> None:
-        sg[r] = sigmoid(g[r])
-        xp.multiply(g[r] * sg[r], u[r], out=out[r])
+        xp.multiply(g[r] * sigmoid(g[r]), u[r], out=out[r])
     parallel_map(rows, row_blocks(len(g)), xp)
-    return out, (g, u, sg)
+    return out, (g, u)
 
 
 def swiglu_backward(dout, cache):
     """dout: (T, F) -> (dg, du): d silu(g)/dg = s (1 + g (1 - s)) with s = sigmoid(g)."""
-    g, u, sg = cache
+    g, u = cache
     xp = get_array_module(g)
     dg, du = xp.empty_like(g), xp.empty_like(g)          # (T, F)
 
     def rows(r: slice) -> None:
-        xp.multiply(dout[r] * g[r], sg[r], out=du[r])
-        xp.multiply(dout[r] * u[r] * sg[r], 1.0 + g[r] * (1.0 - sg[r]), out=dg[r])
+        sg = sigmoid(g[r])                               # (n, F) recomputed
+        xp.multiply(dout[r] * g[r], sg, out=du[r])
+        xp.multiply(dout[r] * u[r] * sg, 1.0 + g[r] * (1.0 - sg), out=dg[r])
     parallel_map(rows, row_blocks(len(g)), xp)
     return dg, du
 
 
 def geglu_forward(g, u, exact: bool = False):
-    """g, u: (T, F) -> gelu(g) * u, with ggml's table unless exact (the training path)."""
+    """g, u: (T, F) -> gelu(g) * u, with ggml's table unless exact (the training path).
+    The cache is (g, u, exact): backward recomputes gelu(g)."""
     xp = get_array_module(g)
-    act, out = xp.empty_like(g), xp.empty_like(g)        # (T, F)
+    out = xp.empty_like(g)                               # (T, F)
 
     def rows(r: slice) -> None:
-        act[r] = gelu_tanh(g[r]) if exact else gelu_ggml(g[r])
-        xp.multiply(act[r], u[r], out=out[r])
+        xp.multiply(gelu_tanh(g[r]) if exact else gelu_ggml(g[r]), u[r], out=out[r])
     parallel_map(rows, row_blocks(len(g)), xp)
-    return out, (g, u, act)
+    return out, (g, u, exact)
 
 
 def geglu_backward(dout, cache):
@@ -102,12 +105,12 @@ def geglu_backward(dout, cache):
     for training. Training therefore runs geglu_forward(g, u, exact=True), whose derivative this
     is; for a table-GELU cache, dg is still the exact GELU's derivative (a surrogate).
     """
-    g, u, act = cache
+    g, u, exact = cache
     xp = get_array_module(g)
     dg, du = xp.empty_like(g), xp.empty_like(g)          # (T, F)
 
     def rows(r: slice) -> None:
-        xp.multiply(dout[r], act[r], out=du[r])
+        xp.multiply(dout[r], gelu_tanh(g[r]) if exact else gelu_ggml(g[r]), out=du[r])
         xp.multiply(dout[r] * u[r], gelu_tanh_grad(g[r]), out=dg[r])
     parallel_map(rows, row_blocks(len(g)), xp)
     return dg, du

@@ -2,7 +2,22 @@
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 from app.engine.parallel import matmul
+
+
+class LinearCache(NamedTuple):
+    """What linear_backward needs. `w` may be set to None while the step is between forward
+    and backward and put back with `_replace(w=...)`: the model does that, so that a weight
+    dequantized for the forward is not kept alive across the step (app.engine.model)."""
+
+    x: Any
+    w: Any
+    has_bias: bool
+    lora: Any
+    xa: Any
+    mask: Any
 
 
 def linear_forward(x, w, bias=None, lora=None, dropout_mask=None, x_base=None):
@@ -13,7 +28,7 @@ def linear_forward(x, w, bias=None, lora=None, dropout_mask=None, x_base=None):
     1/(1-p) (0 where dropped), or None.
     x_base: (T, in) what the base product reads instead of x, or None (inference only:
     llama.cpp's rounded activations, app.engine.params.Params.base_input); the cache keeps x.
-    Cache: (x, w, has_bias, lora, xa, mask) with xa = (x * mask) A^T (T, R) kept for dB.
+    Cache: LinearCache with xa = (x * mask) A^T (T, R) kept for dB.
     """
     y = matmul(x if x_base is None else x_base, w.T)     # (T, out)
     if bias is not None:
@@ -24,7 +39,7 @@ def linear_forward(x, w, bias=None, lora=None, dropout_mask=None, x_base=None):
         xl = x if dropout_mask is None else x * dropout_mask
         xa = xl @ a.T                                    # (T, R)
         y += (scale * xa) @ b.T                          # (T, out): scaled on the rank side
-    return y, (x, w, bias is not None, lora, xa, dropout_mask)
+    return y, LinearCache(x, w, bias is not None, lora, xa, dropout_mask)
 
 
 def linear_backward(dout, cache, need_dw: bool):
