@@ -183,3 +183,26 @@ def test_the_peer_check_compares_with_our_training_numerics_on_quantized_models(
     plain = load_model(path).logits(tokens, llamacpp_numerics=False)
     assert compare_logits(plain, str(path), tokens)["ok"]
     assert not compare_logits(plain + 0.01, str(path), tokens)["ok"]
+
+
+def test_rounds_take_turns_and_keep_each_implementations_best(monkeypatch, tmp_path):
+    from bench import table
+
+    calls = []
+    speeds = {"ours": iter([100.0, 120.0, 110.0]), "torch": iter([90.0, 80.0, 95.0])}
+
+    def fake_run(path, row, impl, steps, device):
+        calls.append(impl)
+        if impl == "llama.cpp":
+            return {"impl": impl, "skipped": "llama-finetune not installed"}
+        return {"impl": impl, "tokens_per_s": next(speeds[impl])}
+
+    monkeypatch.setattr(table, "run_impl", fake_run)
+    monkeypatch.setattr(table, "gemm_gflops", lambda *a, **k: 300.0)
+    monkeypatch.setattr(table, "model_path", lambda name: tmp_path / "m.gguf")
+    row = table.Row("bench-dense", "full", "", 256, peers=("torch", "llama.cpp"))
+    out = table.run_row(row, steps=1, device="cpu", rounds=3)
+    assert calls == ["ours", "torch", "llama.cpp", "ours", "torch", "ours", "torch"]
+    assert out["ours"]["tokens_per_s"] == 120.0 and out["torch"]["tokens_per_s"] == 95.0
+    assert out["ours"]["rounds_tokens_per_s"] == [100.0, 120.0, 110.0]
+    assert out["ratio"] == 120.0 / 95.0 and out["llama.cpp"]["skipped"]
