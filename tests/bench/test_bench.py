@@ -206,3 +206,12 @@ def test_rounds_take_turns_and_keep_each_implementations_best(monkeypatch, tmp_p
     assert out["ours"]["tokens_per_s"] == 120.0 and out["torch"]["tokens_per_s"] == 95.0
     assert out["ours"]["rounds_tokens_per_s"] == [100.0, 120.0, 110.0]
     assert out["ratio"] == 120.0 / 95.0 and out["llama.cpp"]["skipped"]
+
+
+def test_attention_pairs_count_what_the_causal_blocks_skip():
+    from bench.cost import attention_pairs
+
+    cfg = _config("llama")                                    # 2 kv heads
+    assert attention_pairs(cfg, 0, 8) == 8 * 8                # one block: the whole square
+    assert attention_pairs(cfg, 0, 256) == 256 * 256 * 3 // 4  # 2 blocks: 128 x 128 + 128 x 256
+    assert attention_pairs(cfg, 0, 1024) == 1024 * 1024 * 9 // 16  # 8 blocks of 128 rows

@@ -120,15 +120,15 @@ def test_one_pass_frozen_head_is_bit_identical_on_threads(monkeypatch, softcap):
 
 
 def test_attention_split_by_query_rows_is_bit_identical_on_threads(monkeypatch):
-    from app.engine.kernels.attention import (_pieces, attention_backward, attention_forward,
-                                              attention_mask)
+    from app.engine.kernels.attention import (attention_backward, attention_forward,
+                                              attention_mask, attention_pieces)
 
     rng = np.random.default_rng(6)
     t, n_head, d = 300, 4, 32
     q = rng.standard_normal((t, n_head, d), dtype=np.float32)
     k, v, dout = (rng.standard_normal((t, 1, d), dtype=np.float32) for _ in range(3))
     mask = attention_mask(np, np.arange(t), np.arange(t)).astype(np.float32)
-    pieces, blocks = _pieces(np, 1, mask)
+    pieces, blocks = attention_pieces(np, 1, mask)
     assert blocks == 4 and pieces[0][3] == slice(0, 75)         # 4 row blocks, causal keys
     results = []
     for threads in ("1", "2", "3"):

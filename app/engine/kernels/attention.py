@@ -25,7 +25,7 @@ BLOCK_ROWS = 128
 MIN_BLOCK_ROWS = 64
 
 
-def _pieces(xp, n_kv: int, mask) -> tuple[list[tuple[int, int, slice, slice]], int]:
+def attention_pieces(xp, n_kv: int, mask) -> tuple[list[tuple[int, int, slice, slice]], int]:
     """([(kv head, block index, query rows, keys they may read)], blocks per kv head).
 
     On CuPy one block of all rows and keys per kv head: the pieces run one after another there,
@@ -85,7 +85,7 @@ def attention_forward(q, k, v, scale: float, mask):
         probs /= row_sum                                              # (G, Tr, Tk)
         lse[j][:, rows] = (row_max + xp.log(row_sum))[..., 0]         # (G, Tr)
         out[rows, heads] = (probs @ v[keys, j]).transpose(1, 0, 2)    # (Tr, G, Dv)
-    parallel_map(piece, _pieces(xp, n_kv, mask)[0], xp)
+    parallel_map(piece, attention_pieces(xp, n_kv, mask)[0], xp)
     return out, (q, k, v, mask, scale, out, lse)
 
 
@@ -104,7 +104,7 @@ def attention_backward(dout, cache):
     group = n_head // n_kv
     mask = mask.astype(q.dtype, copy=False)                           # (Tq, Tk)
     delta = (dout * out).sum(-1)                                      # (Tq, H)
-    pieces, n_blocks = _pieces(xp, n_kv, mask)
+    pieces, n_blocks = attention_pieces(xp, n_kv, mask)
     dq = xp.empty_like(q)                                             # (Tq, H, D)
     dk_parts = xp.zeros((n_blocks, *k.shape), k.dtype)                # (B, Tk, Hkv, D)
     dv_parts = xp.zeros((n_blocks, *v.shape), v.dtype)                # (B, Tk, Hkv, Dv)
