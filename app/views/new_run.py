@@ -65,6 +65,7 @@ class NewRunView(QWidget):
         self.card: ModelCard | None = None
         self.memory_estimate: int | None = None     # bytes, for the current settings
         self._creating: str | None = None           # the run being created and queued
+        self._loaded: tuple[str, dict] = ("", {})   # run type and dict of the last settings loaded
         self._read_model = read_model
         self._bg = Background(self, max_threads=1)
 
@@ -288,9 +289,11 @@ class NewRunView(QWidget):
         run the GrpoConfig dict (model, prompts and rewards included)."""
         d = self.form.values()
         if self.kind() == "grpo":
-            return {**d, **self.grpo_panel.values(), "model": self.model_path()}
-        d["model"], d["data"] = self.model_path(), self.data_path()
-        return d
+            d = {**d, **self.grpo_panel.values(), "model": self.model_path()}
+        else:
+            d["model"], d["data"] = self.model_path(), self.data_path()
+        kind, loaded = self._loaded
+        return _with_hidden_settings(d, loaded) if kind == self.kind() else d
 
     def build_config(self):
         """The RunConfig (or GrpoConfig) to start; raises ConfigError when something is
@@ -428,6 +431,7 @@ class NewRunView(QWidget):
         """Show the settings of a RunConfig or GrpoConfig dict (its run type, its model and
         dataset or prompts when they exist)."""
         self.set_run_type(d.get("kind", "sft"))
+        self._loaded = (self.kind(), d)     # what the form does not show is kept (config_dict)
         self.form.set_values(d)
         if self.kind() == "grpo":
             self.grpo_panel.set_values(d)
@@ -452,3 +456,16 @@ class NewRunView(QWidget):
                                               "JSON (*.json);;All files (*)")
         if path:
             self.load_settings(path)
+
+
+def _with_hidden_settings(shown: dict, loaded: dict) -> dict:
+    """`shown` (the screen's settings) plus the settings of `loaded` that the screen has no
+    field for, nested dicts merged the same way: repeating a run from its config.json keeps
+    what the command line set (a weight cache size, GRPO's held-out samples, ...)."""
+    out = dict(shown)
+    for key, value in loaded.items():
+        if key not in out:
+            out[key] = value
+        elif isinstance(value, dict) and isinstance(out[key], dict):
+            out[key] = _with_hidden_settings(out[key], value)
+    return out

@@ -269,6 +269,27 @@ def test_save_and_load_settings(qtbot, view, ctx, tmp_path):
     assert "Could not read bad.json" in errors[-1][1].message
 
 
+def test_repeating_a_run_keeps_the_settings_the_screen_does_not_show(qtbot, view, tmp_path):
+    """A run's config.json made on the command line may hold settings New run has no field
+    for (global-norm clipping, AdamW betas, the weight cache, an adapter to start from...):
+    loading it to repeat the run keeps them; the screen's own fields still win."""
+    from app.engine.run import RunConfig
+
+    cli = RunConfig.from_dict({"model": str(SAMPLE_MODEL), "data": str(SAMPLE_CHAT),
+                               "keep_last": 2, "train": {"max_grad_norm": 1.0, "beta2": 0.99,
+                                                         "weight_cache_mb": 0, "lora_rank": 4}})
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cli.to_dict()))
+    view.load_settings(str(path))
+    view.form["rank"].setValue(6)                            # a field of the screen: it wins
+    cfg = view.build_config()
+    assert (cfg.keep_last, cfg.train.max_grad_norm, cfg.train.beta2) == (2, 1.0, 0.99)
+    assert cfg.train.weight_cache_mb == 0 and cfg.train.lora_rank == 6
+    assert cfg.train.min_lr == cli.train.min_lr and cfg.max_bad_steps == cli.max_bad_steps
+    view.set_run_type("grpo")                                # another run type: not carried
+    assert "keep_last" not in view.config_dict()
+
+
 def test_start_now_creates_queues_and_selects_the_run(qtbot, view, ctx):
     navigated, selected = [], []
     ctx.navigate.connect(navigated.append)
