@@ -87,6 +87,7 @@ ROWS = (
     Row("bench-moe", "lora", MOE, 256, checkpoint=1, quick=True),
     Row("bench-dense", "full", "", 256, checkpoint=1),
     Row("gemma3-270m", "lora", DENSE, 512),
+    Row("gemma3-270m", "lora", DENSE, 512, weight_cache_mb=0, peers=()),
 )
 
 
