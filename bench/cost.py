@@ -48,44 +48,15 @@ actually run.
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
-from typing import NamedTuple
-
 import numpy as np
 
 from app.engine.config import ModelConfig
+from app.engine.model_info import (Linear, block_linears, kept_activation_bytes,
+                                     layer_activation_bytes)
 
 F32 = 4  # bytes
-
-
-class Linear(NamedTuple):
-    name: str      # the weight's tensor name
-    rows: int      # input rows per step (tokens, or token slots for expert projections)
-    n_in: int
-    n_out: int
-
-
-def block_linears(cfg: ModelConfig, il: int, n_tokens: int) -> list[Linear]:
-    """The linear layers of block `il` with their row counts for a step of n_tokens."""
-    t, c, p = n_tokens, cfg.n_embd, f"blk.{il}."
-    q_out, kv_out = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
-    out = [Linear(p + "attn_q.weight", t, c, q_out), Linear(p + "attn_k.weight", t, c, kv_out),
-           Linear(p + "attn_v.weight", t, c, kv_out), Linear(p + "attn_output.weight", t, q_out, c)]
-
-    def ffn(pattern: str, rows: int, width: int) -> list[Linear]:
-        return [Linear(p + pattern.format("gate"), rows, c, width),
-                Linear(p + pattern.format("up"), rows, c, width),
-                Linear(p + pattern.format("down"), rows, width, c)]
-
-    if not cfg.layer_is_moe(il):
-        return out + ffn("ffn_{}.weight", t, cfg.n_ff)
-    out.append(Linear(p + "ffn_gate_inp.weight", t, c, cfg.n_expert))
-    out += ffn("ffn_{}_exps.weight", t * cfg.n_expert_used, cfg.n_ff_exp)
-    if cfg.n_ff_shexp:
-        out += ffn("ffn_{}_shexp.weight", t, cfg.n_ff_shexp)
-    return out
 
 
 def head_linear(cfg: ModelConfig, n_tokens: int) -> Linear:
@@ -136,32 +107,14 @@ def step_flops(cfg: ModelConfig, n_tokens: int, ranks: dict[str, int], trained: 
     return out
 
 
-def _block_activations(cfg: ModelConfig, il: int, ranks: dict[str, int]) -> int:
-    """Float32 values per token that block il keeps for its backward (module docstring)."""
-    c, d = cfg.n_embd, cfg.head_dim
-    n = 2 * c + 2 * cfg.n_head * d + 2 * cfg.n_head_kv * d + cfg.n_head             # attention
-    n += 2 * c                                                                      # FFN input
-    if cfg.layer_is_moe(il):
-        n += cfg.n_expert + 2 * cfg.n_expert_used * cfg.n_ff_exp + 2 * cfg.n_ff_shexp
-    else:
-        n += 2 * cfg.n_ff
-    for lin in block_linears(cfg, il, 1):                                           # rows per token
-        n += lin.rows * ranks.get(lin.name, 0)
-    return n
-
-
 def memory_bound(cfg: ModelConfig, n_tokens: int, stored_bytes: int, n_trainable: int,
                  ranks: dict[str, int], checkpoint: int, vocab_chunk: int) -> dict[str, int]:
-    """Lower bound in bytes of a training step's peak memory, by part (module docstring)."""
-    per_layer = [_block_activations(cfg, il, ranks) * n_tokens * F32 for il in range(cfg.n_layer)]
-    if checkpoint:
-        segments = math.ceil(cfg.n_layer / checkpoint)
-        kept = segments * n_tokens * cfg.n_embd * F32 + max(
-            sum(per_layer[s:s + checkpoint]) for s in range(0, cfg.n_layer, checkpoint))
-    else:
-        kept = sum(per_layer)
+    """Lower bound in bytes of a training step's peak memory, by part (module docstring); the
+    activations are app.engine.model_info's model, which New run's estimate uses too."""
+    layers = layer_activation_bytes(cfg, n_tokens, ranks)
+    boundary = n_tokens * cfg.n_embd * F32
     out = {"weights": stored_bytes, "trainable_and_optimizer": 16 * n_trainable,
-           "activations": kept + 2 * n_tokens * cfg.n_embd * F32,
+           "activations": kept_activation_bytes(layers, boundary, checkpoint),
            "head_chunk": n_tokens * min(cfg.n_vocab, vocab_chunk) * F32}
     out["total"] = sum(out.values())
     return out

@@ -238,9 +238,12 @@ class NewRunView(QWidget):
         if card is None or self.card is None:
             return
         tokens = f"{card.context:,} tokens" if self.kind() == "grpo" else f"context {card.context}"
-        self.memory_estimate, text = estimate_memory(card, self.form.trainable_params(), tokens,
-                                                     full=self.form.mode() == "full",
-                                                     device=self.form["device"].currentData())
+        train = self.config_dict().get("train", {})
+        self.memory_estimate, text = estimate_memory(
+            card, self.form.trainable_params(), tokens, full=self.form.mode() == "full",
+            device=self.form["device"].currentData(),
+            checkpoint=self.form["checkpoint_interval"].value(),
+            weight_cache_mb=train.get("weight_cache_mb"))
         self.memory_label.setText(text)
         self.card_view.set_row(ESTIMATE_ROW, "Estimated memory (current settings)",
                                text.split(": ", 1)[-1])
@@ -279,7 +282,7 @@ class NewRunView(QWidget):
     def _on_form_changed(self, key: str) -> None:
         if key in DATA_KEYS or key in ("all", "seed", "clip", "weights_path"):
             self._relint()
-        if key in ("rank", "context", "targets", "mode", "device", "all"):
+        if key in ("rank", "context", "targets", "mode", "device", "checkpoint_interval", "all"):
             self._estimate_timer.start()
         self._update_summary()
 

@@ -126,8 +126,14 @@ def test_memory_estimate_follows_rank_context_and_targets(qtbot, view):
     first = view.memory_estimate
     card = describe_model(str(SAMPLE_MODEL), 8, 256)
     adapter = view.form.trainable_params() * card.memory.adapter // card.lora_params
-    assert first == card.memory.weights + card.memory.dequant_working + \
-        card.memory.activations + adapter
+    assert first == card.memory.total_for(adapter)          # default cache, no checkpointing
+    view.form["checkpoint_interval"].setValue(1)
+    qtbot.waitUntil(lambda: view.memory_estimate == card.memory.total_for(adapter, 1),
+                    timeout=5000)
+    assert view.memory_estimate < first and "checkpoint every 1 layers" in view.memory_label.text()
+    view.form["checkpoint_interval"].setValue(0)
+    qtbot.waitUntil(lambda: view.memory_estimate == first, timeout=5000)
+    assert "no checkpointing" in view.memory_label.text()
     view.form["rank"].setValue(64)
     qtbot.waitUntil(lambda: view.memory_estimate != first, timeout=5000)
     assert view.memory_estimate > first
@@ -146,7 +152,7 @@ def test_full_finetuning_has_a_memory_estimate(qtbot, view):
     lora = view.memory_estimate
     view.form["mode"].setCurrentIndex(view.form["mode"].findData("full"))
     card = describe_model(str(SAMPLE_MODEL), 8, 256)
-    want = card.memory.weights + 16 * card.full_params + card.memory.activations
+    want = card.memory.total_for(16 * card.full_params)
     qtbot.waitUntil(lambda: view.memory_estimate == want, timeout=5000)
     assert card.full_params == card.n_params                   # the sample model is all F32
     assert view.memory_estimate > lora and "trained copies" in view.memory_label.text()
