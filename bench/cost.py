@@ -14,10 +14,12 @@ Attention per layer: forward Q·K^T and P·V over the (query, key) pairs the eng
 2 · 2·H·P·D; backward 5 · 2·H·P·D (P recomputed from the saved log-sum-exp, then dV, dP, dQ,
 dK). P is T² less what the causal mask lets it skip: each block of query rows reads the keys
 up to its last row (`attention_pairs`, from the engine's own app.engine.kernels.attention
-.attention_pieces), e.g. 0.75·T² at T = 256 and 0.56·T² at T = 1024 on bench-dense. The output head (C -> vocabulary V) runs as a linear layer,
-counted under "loss". When the head is trained (in full or with a LoRA), the engine's chunked
-cross-entropy computes the logits a second time in backward (2·T·C·V, plus 2·T·R·V with a
-LoRA); a frozen head takes one pass (app.engine.kernels.loss.cross_entropy_frozen_head). Gradient checkpointing (interval
+.attention_pieces), e.g. 0.75·T² at T = 256 and 0.56·T² at T = 1024 on bench-dense.
+
+The output head (C -> vocabulary V) runs as a linear layer, counted under "loss". When the
+head is trained (in full or with a LoRA), the engine's chunked cross-entropy computes the
+logits a second time in backward (2·T·C·V, plus 2·T·R·V with a LoRA); a frozen head takes one
+pass (app.engine.kernels.loss.cross_entropy_frozen_head). Gradient checkpointing (interval
 > 0) runs the forward of every block a second time during backward: "recompute". This is
 exactly what the engine computes; the PyTorch peer does less (no logit recompute; autograd
 skips dx where nothing upstream needs it; SDPA skips the masked half).
@@ -26,16 +28,11 @@ skips dx where nothing upstream needs it; SDPA skips the masked half).
 
     weights as stored (the GGUF tensor data)
     + trainable parameters x 16 (float32 value, gradient and two AdamW moments)
-    + activations kept for backward, float32, per token and layer:
-        attention: block input and normed input (2C), q, k, v after RoPE (H·D + 2·Hkv·D),
-                   attention output (H·D), log-sum-exp (H)
-        FFN:       its input and normed input (2C), gate and up pre-activations (2F dense;
-                   2·K·F_exp for the routed experts, 2·F_shexp for shared experts, E router
-                   probabilities)
-        LoRA:      the rank activations x·A^T, R per adapted projection per row
-      all layers without checkpointing; with interval N the saved inputs of ceil(L/N)
-      segments (C each) plus one segment of N layers alive during its backward
-    + the residual stream and its gradient (2·T·C)
+    + activations kept for backward (app.engine.model_info.layer_activation_bytes: per token
+      and layer, what attention, the FFN and the LoRA branches keep), all layers without
+      checkpointing; with interval N the saved inputs of ceil(L/N) segments (C each) plus one
+      segment of N layers alive during its backward; plus the residual stream and its
+      gradient (2·T·C) (kept_activation_bytes)
     + one output-head chunk of logits, T x min(V, vocab_chunk).
 
 Transient work buffers (attention probabilities, dequantized weight copies) are not in it: an

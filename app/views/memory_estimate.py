@@ -1,4 +1,5 @@
-"""The memory a run needs (LoRA or full fine-tuning), estimated from the model card for the current settings.
+"""The memory a run needs (LoRA or full fine-tuning), estimated from the model card for the
+current settings.
 
 `estimate_memory(card, trainable, tokens, ...)`: `card` is `describe_model(path, rank, tokens)`
 (its `memory` holds the weights, the dequantized weights, the activations of `tokens` tokens
@@ -37,7 +38,8 @@ def estimate_memory(card: ModelCard, trainable: int | None, tokens: str,
     else:
         per_param = m.adapter / card.lora_params if card.lora_params else 16
         state = int((trainable or 0) * per_param)
-        trained = f"adapter + optimizer {human_bytes(state)} ({human_count(trainable or 0)} trainable)"
+        trained = (f"adapter + optimizer {human_bytes(state)} "
+                   f"({human_count(trainable or 0)} trainable)")
     total = m.total_for(state, checkpoint, budget)
     dequantized = m.dequantized_in_use(budget)
     cached = f", dequantized weights {human_bytes(dequantized)}" if dequantized else ""
