@@ -234,3 +234,15 @@ def test_frozen_head_float32_matches_the_two_pass_path():
     dh2 = cross_entropy_backward(cache)[0]
     assert dh1.dtype == np.float32 and stats1 == stats2 and loss1 == loss2
     np.testing.assert_allclose(dh1, dh2, rtol=2e-5, atol=1e-6 * np.abs(dh2).max())
+
+
+def test_frozen_head_with_every_token_masked_or_one_token():
+    h, w, labels, tw, _ = _problem()
+    loss, stats, dh = cross_entropy_frozen_head(h, w, np.full(len(labels), -1), tw, chunk=8)
+    assert loss == 0.0 and stats["n_tokens"] == 0 and dh.shape == h.shape and not dh.any()
+    one = np.full(len(labels), -1)
+    one[3] = 7
+    loss, stats, dh = cross_entropy_frozen_head(h, w, one, None, chunk=8)
+    ref_loss, _, _, ref_dh = _naive(h, w, one, None, None, 0.0)
+    assert abs(loss - ref_loss) <= 1e-12 * abs(ref_loss) and stats["n_tokens"] == 1
+    np.testing.assert_allclose(dh, ref_dh, rtol=1e-11, atol=1e-13)
