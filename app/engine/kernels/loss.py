@@ -124,7 +124,7 @@ def cross_entropy_frozen_head(h, w_out, labels, token_weights=None, softcap: flo
                 acc_r += zr @ w_chunk
             parallel_map(accumulate, blocks, xp)
     wt = tokens.weights
-    lse, loss, stats = run.result(wt, lab)
+    _, loss, stats = run.result(wt, lab)
     coef = (wt / max(n, 1))[:, None]                                    # (N, 1)
     acc /= run.sum[:, None]
     acc -= label_rows
