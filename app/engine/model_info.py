@@ -17,7 +17,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from app.engine.config import TRAINABLE_TYPES, ModelConfig, config_from_metadata
+from app.engine.config import TRAINABLE_TYPES, ModelConfig, TrainConfig, config_from_metadata
 from app.engine.gguf_io import GGUFFile, read_gguf, type_name
 from app.engine.lora import tensor_kind
 from app.engine.weights import default_cache_budget
@@ -250,7 +250,8 @@ def estimate_lora_memory(f: GGUFFile, cfg: ModelConfig, rank: int, context: int,
         dequantized=sum(t.n_elements * F32 for t in quantized.values()),
         dequant_working=layer_f32, adapter=n_lora * 16,
         layer_activations=tuple(layer_activation_bytes(cfg, t, ranks)),
-        boundary=t * cfg.n_embd * F32, head_chunk=t * min(cfg.n_vocab, 8192) * F32,
+        boundary=t * cfg.n_embd * F32,
+        head_chunk=t * min(cfg.n_vocab, TrainConfig.vocab_chunk) * F32,
         attention_scores=cfg.n_head * t * t * F32), n_lora
 
 
