@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     qp["reorder"].add_argument("position", type=int, help="new place among queued jobs (1 = next)")
     qp["worker"].add_argument("--once", action="store_true",
                               help="exit when no job is queued instead of waiting for more")
+    qp["worker"].add_argument("--nice", type=int, default=0, metavar="N",
+                              help="lower this worker's CPU priority by N (POSIX nice; the "
+                                   "window starts its worker with 10)")
 
     p = sub.add_parser("runs", help="inspect run directories: list, show")
     rsub = p.add_subparsers(dest="runs_command", required=True, metavar="ACTION")
@@ -299,8 +302,10 @@ def cmd_queue(args) -> int:
         import logging
         import threading
 
-        from app.engine.worker import install_stop_signals, restore_signals, run_worker
+        from app.engine.worker import (install_stop_signals, lower_priority, restore_signals,
+                                       run_worker)
 
+        lower_priority(args.nice)
         logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                             format="%(asctime)s %(levelname)s %(message)s")
         stop = threading.Event()

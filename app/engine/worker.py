@@ -510,10 +510,23 @@ def _reap_children() -> None:
             _children.remove(proc)
 
 
+# The detached worker (the window's) runs at a lower CPU priority: training takes every core it
+# is given, and the desktop, the window itself included, must stay responsive beside it. On an
+# otherwise idle machine it costs nothing: priority only decides who waits under contention.
+DETACHED_NICENESS = 10
+
+
+def lower_priority(niceness: int) -> None:
+    """Lower this process's CPU priority by `niceness` (POSIX nice; on Windows the window's
+    worker is started below normal priority instead)."""
+    if niceness > 0 and hasattr(os, "nice"):
+        os.nice(niceness)
+
+
 def start_worker_detached(queue_path: JobQueue | str | os.PathLike | None = None) -> int:
-    """Start `python -m app queue worker --queue PATH` in its own session (it survives the
-    GUI), output to `<queue>.worker.log`; returns its pid. If another worker already runs,
-    the new one exits at once with a message in that log (use `ensure_worker`)."""
+    """Start `python -m app queue worker --queue PATH --nice 10` in its own session (it
+    survives the GUI), output to `<queue>.worker.log`; returns its pid. If another worker
+    already runs, the new one exits at once with a message in that log (use `ensure_worker`)."""
     path = _queue_path(queue_path)
     path.parent.mkdir(parents=True, exist_ok=True)
     root = str(Path(__file__).resolve().parents[2])
@@ -523,12 +536,14 @@ def start_worker_detached(queue_path: JobQueue | str | os.PathLike | None = None
     if os.name == "nt":
         kwargs["creationflags"] = (subprocess.DETACHED_PROCESS
                                    | subprocess.CREATE_NEW_PROCESS_GROUP
-                                   | getattr(subprocess, "CREATE_NO_WINDOW", 0))
+                                   | getattr(subprocess, "CREATE_NO_WINDOW", 0)
+                                   | getattr(subprocess, "BELOW_NORMAL_PRIORITY_CLASS", 0))
     else:
         kwargs["start_new_session"] = True
     with open(worker_log_path(path), "ab") as out:
         proc = subprocess.Popen([sys.executable, "-m", "app", "queue", "worker", "--queue",
-                                 str(path)], stdin=subprocess.DEVNULL, stdout=out,
+                                 str(path), "--nice", str(DETACHED_NICENESS)],
+                                stdin=subprocess.DEVNULL, stdout=out,
                                 stderr=subprocess.STDOUT, env=env, cwd=str(path.parent),
                                 close_fds=True, **kwargs)
     _children.append(proc)

@@ -417,6 +417,8 @@ def test_detached_worker(q, tmp_path, capsys):
         wait_for(lambda: worker_running(q), what="the detached worker")
         assert worker_pid(q) == pid and worker_mod.ensure_worker(q.path) == pid
         assert os.getsid(pid) == pid  # its own session: survives the GUI
+        assert (os.getpriority(os.PRIO_PROCESS, pid)       # yields the cores to the desktop
+                == min(os.getpriority(os.PRIO_PROCESS, 0) + worker_mod.DETACHED_NICENESS, 19))
         assert run_cli(["queue", "worker", "--once", "--queue", str(q.path)]) == 2
         assert "already running" in capsys.readouterr().err
     finally:
