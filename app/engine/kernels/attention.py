@@ -62,8 +62,9 @@ def attention_forward(q, k, v, scale: float, mask):
     """q: (Tq, H, D), k: (Tk, Hkv, D), v: (Tk, Hkv, Dv), mask: (Tq, Tk) -> out (Tq, H, Dv).
 
     Query head h reads kv head h // (H / Hkv) (contiguous groups, as ggml broadcasts).
-    Cache: (q, k, v, mask, scale, out, lse (Hkv, G, Tq)); `mask` and `out` are references to the
-    caller's arrays, not copies, so they must not be modified in place before the backward.
+    Cache: (q, k, v, mask, scale, out, lse (Hkv, G, Tq), the pieces the backward reuses);
+    `mask` and `out` are references to the caller's arrays, not copies, so they must not be
+    modified in place before the backward.
     """
     xp = get_array_module(q)
     tq, n_head, _ = q.shape
@@ -85,8 +86,9 @@ def attention_forward(q, k, v, scale: float, mask):
         probs /= row_sum                                              # (G, Tr, Tk)
         lse[j][:, rows] = (row_max + xp.log(row_sum))[..., 0]         # (G, Tr)
         out[rows, heads] = (probs @ v[keys, j]).transpose(1, 0, 2)    # (Tr, G, Dv)
-    parallel_map(piece, attention_pieces(xp, n_kv, mask)[0], xp)
-    return out, (q, k, v, mask, scale, out, lse)
+    pieces, n_blocks = attention_pieces(xp, n_kv, mask)
+    parallel_map(piece, pieces, xp)
+    return out, (q, k, v, mask, scale, out, lse, (pieces, n_blocks))
 
 
 def attention_backward(dout, cache):
@@ -97,14 +99,13 @@ def attention_backward(dout, cache):
     the G query heads that share a kv head. Peak extra memory: two (G, Tr, Tk) buffers per
     thread.
     """
-    q, k, v, mask, scale, out, lse = cache
+    q, k, v, mask, scale, out, lse, (pieces, n_blocks) = cache
     xp = get_array_module(q)
     tq, n_head, _ = q.shape
     n_kv = k.shape[1]
     group = n_head // n_kv
     mask = mask.astype(q.dtype, copy=False)                           # (Tq, Tk)
     delta = (dout * out).sum(-1)                                      # (Tq, H)
-    pieces, n_blocks = attention_pieces(xp, n_kv, mask)
     dq = xp.empty_like(q)                                             # (Tq, H, D)
     dk_parts = xp.zeros((n_blocks, *k.shape), k.dtype)                # (B, Tk, Hkv, D)
     dv_parts = xp.zeros((n_blocks, *v.shape), v.dtype)                # (B, Tk, Hkv, Dv)
