@@ -558,6 +558,20 @@ def ensure_worker(queue_path: JobQueue | str | os.PathLike | None = None) -> int
     return start_worker_detached(queue_path)
 
 
+def stop_worker(queue_path: JobQueue | str | os.PathLike | None = None,
+                timeout: float = 20.0) -> bool:
+    """Ask the queue's worker to stop (SIGTERM: it checkpoints the running job and puts it
+    back at the front of the queue) and wait up to `timeout` seconds for it to be gone.
+    Returns True when no worker runs any more."""
+    pid = worker_pid(queue_path)
+    if pid:
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while worker_running(queue_path) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    return not worker_running(queue_path)
+
+
 def install_stop_signals(stop_event: threading.Event) -> dict:
     """SIGTERM / SIGINT / SIGHUP set `stop_event` (the running job is checkpointed and put
     back at the front of the queue); a second SIGINT interrupts at once. Returns the previous

@@ -118,6 +118,13 @@ class AppContext(QObject):
         self.queue.add(run.path, priority)
         return self.ensure_worker()
 
+    def stop_worker(self, timeout: float = 20.0) -> bool:
+        """Stop the queue's worker (its running job is checkpointed and requeued) and wait
+        for it; True when none runs any more."""
+        from app.engine.worker import stop_worker
+
+        return stop_worker(self.queue.path, timeout)
+
     def worker_running(self) -> bool:
         from app.engine.worker import worker_running
 

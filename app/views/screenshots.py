@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import tempfile
 import time
@@ -146,12 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             new_run.model_error.details_button.setChecked(True)
             shoot("error")
         finally:
-            pid = ctx.worker_pid()
-            if pid:
-                os.kill(pid, signal.SIGTERM)
-                end = time.monotonic() + 20
-                while ctx.worker_running() and time.monotonic() < end:
-                    time.sleep(0.1)
+            ctx.stop_worker()
             window.close()
     return 0
 

@@ -422,7 +422,8 @@ def test_detached_worker(q, tmp_path, capsys):
         assert run_cli(["queue", "worker", "--once", "--queue", str(q.path)]) == 2
         assert "already running" in capsys.readouterr().err
     finally:
-        os.kill(pid, signal.SIGTERM)  # graceful: stops after the current step
+        stopped = worker_mod.stop_worker(q.path)  # SIGTERM: graceful, after the current step
+    assert stopped
     wait_for(lambda: not pid_alive(pid), what="the worker to exit")
     worker_mod._reap_children()
     assert not worker_running(q)

@@ -7,9 +7,6 @@ Playground. Meanwhile a 10 ms timer records the longest time the GUI thread was 
 (QT_QPA_PLATFORM=offscreen: conftest.)
 """
 
-import os
-import signal
-import time
 from pathlib import Path
 
 import numpy as np
@@ -55,12 +52,7 @@ def real_ctx(tmp_path, settings, qapp):
     worker is stopped (SIGTERM, then waited for) at the end."""
     ctx = AppContext(JobQueue(tmp_path / "queue.sqlite3"), settings, runs_root=tmp_path / "runs")
     yield ctx
-    pid = ctx.worker_pid()
-    if pid:
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + 20
-        while ctx.worker_running() and time.monotonic() < deadline:
-            time.sleep(0.1)
+    ctx.stop_worker()
 
 
 def curve_points(curve) -> int:
