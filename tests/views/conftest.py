@@ -47,15 +47,20 @@ def ctx(tmp_path, settings, qapp):
     return context
 
 
+def shown(qtbot, view, width: int = 1000, height: int = 700):
+    """`view` registered with qtbot (closed after the test), resized and shown."""
+    qtbot.addWidget(view)
+    view.resize(width, height)
+    view.show()
+    return view
+
+
 @pytest.fixture
 def new_run(qtbot, ctx):
     """A shown New run screen that has read the sample model and checked chat.jsonl."""
     from app.views.new_run import NewRunView
 
-    view = NewRunView(ctx, discover=lambda: [])
-    qtbot.addWidget(view)
-    view.resize(1100, 720)
-    view.show()
+    view = shown(qtbot, NewRunView(ctx, discover=lambda: []), 1100, 720)
     wait_ready(qtbot, view)
     return view
 

@@ -11,7 +11,7 @@ from app.engine.rundir import RunDir
 from app.engine.verify import Check, ExportReport
 from app.views import export_view
 from app.views.export_view import FINAL, NEWEST, ExportView
-from tests.views.conftest import GOLDEN
+from tests.views.conftest import GOLDEN, shown
 
 MODEL = str(GOLDEN / "mixtral-f32.gguf")
 ADAPTER = str(GOLDEN / "mixtral-lora.gguf")
@@ -19,16 +19,7 @@ ADAPTER = str(GOLDEN / "mixtral-lora.gguf")
 
 @pytest.fixture
 def view(qtbot, ctx):
-    v = ExportView(ctx)
-    qtbot.addWidget(v)
-    v.resize(1000, 700)
-    v.show()
-    return v
-
-
-@pytest.fixture
-def run_dir(golden_run_dir):
-    return golden_run_dir
+    return shown(qtbot, ExportView(ctx))
 
 
 def export_and_wait(qtbot, view, timeout=60_000):
@@ -38,14 +29,14 @@ def export_and_wait(qtbot, view, timeout=60_000):
     return blocker.args[0]
 
 
-def test_follows_the_selected_run_and_the_format(view, ctx, run_dir):
+def test_follows_the_selected_run_and_the_format(view, ctx, golden_run_dir):
     assert view.source_box.currentData() == "file"          # nothing selected yet
-    ctx.select_run(run_dir)
+    ctx.select_run(golden_run_dir)
     assert view.source_box.currentData() == "run"
-    assert view.run_label.text() == run_dir
+    assert view.run_label.text() == golden_run_dir
     items = [view.checkpoint_box.itemData(i) for i in range(view.checkpoint_box.count())]
     assert items == [NEWEST, FINAL]
-    assert view.out_field.placeholderText() == f"default: {run_dir}/exports/adapter-f32.gguf"
+    assert view.out_field.placeholderText() == f"default: {golden_run_dir}/exports/adapter-f32.gguf"
     types = lambda: [view.type_box.itemData(i) for i in range(view.type_box.count())]
     assert types() == ["f32", "f16", "bf16", "q8_0"]
     view.set_format("peft")
@@ -56,14 +47,14 @@ def test_follows_the_selected_run_and_the_format(view, ctx, run_dir):
     assert view.out_field.placeholderText().endswith("exports/merged.gguf")
 
 
-def test_exports_the_final_adapter_and_shows_the_verified_report(qtbot, view, ctx, run_dir):
-    ctx.select_run(run_dir)
+def test_exports_the_final_adapter_and_shows_the_verified_report(qtbot, view, ctx, golden_run_dir):
+    ctx.select_run(golden_run_dir)
     view.checkpoint_box.setCurrentIndex(view.checkpoint_box.findData(FINAL))
     view.set_format("gguf-lora", "f16")
     view.llamacpp_box.setChecked(False)
     report = export_and_wait(qtbot, view)
     assert isinstance(report, ExportReport) and report.ok
-    out = Path(run_dir) / "exports" / "adapter-f16.gguf"
+    out = Path(golden_run_dir) / "exports" / "adapter-f16.gguf"
     assert report.path == str(out) and out.is_file()
     assert load_adapter(out).tensors.keys() == load_adapter(ADAPTER).tensors.keys()
     assert view.badge.text() == "VERIFIED" and view.badge.property("ok") == "true"
@@ -73,7 +64,7 @@ def test_exports_the_final_adapter_and_shows_the_verified_report(qtbot, view, ct
     assert view.failed_checks() == []
     text = view.report_text.toPlainText()
     assert f"llama-cli -m {MODEL} --lora {out}" in text
-    assert (Path(run_dir) / "exports" / "adapter-f16.gguf.verify.json").is_file()
+    assert (Path(golden_run_dir) / "exports" / "adapter-f16.gguf.verify.json").is_file()
     assert view.open_folder.isEnabled()
 
 
@@ -89,7 +80,7 @@ def test_an_adapter_file_and_its_model(qtbot, view, tmp_path):
     assert "ollama create" in view.report_text.toPlainText()
 
 
-def test_a_failed_verification_is_flagged(qtbot, view, ctx, run_dir, monkeypatch):
+def test_a_failed_verification_is_flagged(qtbot, view, ctx, golden_run_dir, monkeypatch):
     def fake_export(spec):
         report = ExportReport("gguf-lora", "/tmp/x.gguf", source={"model": MODEL})
         report.add(Check("shapes", True, "13 tensors"))
@@ -97,7 +88,7 @@ def test_a_failed_verification_is_flagged(qtbot, view, ctx, run_dir, monkeypatch
         return report
 
     monkeypatch.setattr(export_view, "do_export", fake_export)
-    ctx.select_run(run_dir)
+    ctx.select_run(golden_run_dir)
     report = export_and_wait(qtbot, view)
     assert not report.ok
     assert view.badge.text() == "FAILED VERIFICATION" and view.badge.property("ok") == "false"

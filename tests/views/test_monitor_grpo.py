@@ -9,15 +9,13 @@ from PySide6.QtCore import Qt
 
 from app.views.completions import CompletionsView, elide
 from app.views.monitor import MonitorView
+from tests.views.conftest import shown
 from tests.views.fake_runs import FakeGrpoRun, FakeRun
 
 
 @pytest.fixture
 def monitor(ctx, qtbot):
-    view = MonitorView(ctx)
-    qtbot.addWidget(view)
-    view.resize(1200, 760)
-    view.show()
+    view = shown(qtbot, MonitorView(ctx), 1200, 760)
     view.set_smoothing(0)
     return view
 

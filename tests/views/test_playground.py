@@ -10,7 +10,7 @@ from PySide6.QtCore import Qt
 from app.engine import load_adapter, load_model
 from app.engine.chat_template import chat_prompt_ids
 from app.views.playground import FROM_FILE, NO_ADAPTER, PlaygroundView
-from tests.views.conftest import GOLDEN
+from tests.views.conftest import GOLDEN, shown
 
 MODEL = str(GOLDEN / "mixtral-f32.gguf")
 ADAPTER = str(GOLDEN / "mixtral-lora.gguf")
@@ -23,16 +23,7 @@ def engine():
 
 @pytest.fixture
 def view(qtbot, ctx):
-    v = PlaygroundView(ctx)
-    qtbot.addWidget(v)
-    v.resize(1000, 700)
-    v.show()
-    return v
-
-
-@pytest.fixture
-def run_dir(golden_run_dir):
-    return golden_run_dir
+    return shown(qtbot, PlaygroundView(ctx))
 
 
 def expected(engine, prompt, chat, n, adapter=None, scale=1.0, temperature=0.0, seed=0):
@@ -48,16 +39,16 @@ def generate_and_wait(qtbot, view, timeout=30_000):
         qtbot.mouseClick(view.generate_button, Qt.LeftButton)
 
 
-def test_follows_the_selected_run(view, ctx, run_dir):
-    ctx.select_run(run_dir)
+def test_follows_the_selected_run(view, ctx, golden_run_dir):
+    ctx.select_run(golden_run_dir)
     assert view.model_field.text() == MODEL
     assert view.adapter_source() == "run"
-    assert view.adapter_key()[:2] == ("file", f"{run_dir}/adapter.gguf")
-    assert view.adapter_label.text() == f"Adapter: {run_dir}/adapter.gguf"
+    assert view.adapter_key()[:2] == ("file", f"{golden_run_dir}/adapter.gguf")
+    assert view.adapter_label.text() == f"Adapter: {golden_run_dir}/adapter.gguf"
 
 
-def test_base_and_adapter_side_by_side(qtbot, view, ctx, run_dir, engine):
-    ctx.select_run(run_dir)
+def test_base_and_adapter_side_by_side(qtbot, view, ctx, golden_run_dir, engine):
+    ctx.select_run(golden_run_dir)
     view.prompt.setPlainText("Hello")
     view.chat_box.setChecked(False)
     view.max_tokens.setValue(12)

@@ -21,6 +21,13 @@ def make(ctx, name, steps=0, **kw) -> FakeRun:
     return fake
 
 
+def refreshed(qtbot, view: RunsView) -> RunsView:
+    """`view` registered with qtbot and showing the runs as they are now."""
+    qtbot.addWidget(view)
+    view.refresh()
+    return view
+
+
 @pytest.fixture
 def runs(ctx, qtbot):
     """done, failed, running, queued, paused jobs and one run from the terminal."""
@@ -56,9 +63,7 @@ def pending_order(ctx):
 
 
 def test_every_job_and_terminal_run_is_listed(qtbot, ctx, runs):
-    view = RunsView(ctx)
-    qtbot.addWidget(view)
-    view.refresh()
+    view = refreshed(qtbot, RunsView(ctx))
     names = [r.name for r in view.rows]
     assert names[:4] == ["running", "queued1", "queued2", "paused"]          # queue order
     assert set(names) == {"done", "failed", "running", "queued1", "queued2", "paused",
@@ -83,9 +88,7 @@ def test_a_grpo_run_shows_its_type_and_latest_reward(qtbot, ctx, runs):
     grpo.step(6)
     grpo.samples()                                 # newer events than the last step
     grpo.eval(0.9)
-    view = RunsView(ctx)
-    qtbot.addWidget(view)
-    view.refresh()
+    view = refreshed(qtbot, RunsView(ctx))
     names = [r.name for r in view.rows]
     i = names.index("grpo")
     reward = FakeGrpoRun.reward_at(6)
@@ -113,9 +116,7 @@ def test_progress_follows_a_run_being_written(qtbot, ctx):
 
 
 def test_selecting_a_failed_run_selects_it_and_shows_its_error(qtbot, ctx, runs):
-    view = RunsView(ctx)
-    qtbot.addWidget(view)
-    view.refresh()
+    view = refreshed(qtbot, RunsView(ctx))
     with qtbot.waitSignal(ctx.run_selected) as sig:
         view.select(runs["failed"].path)
     assert sig.args == [runs["failed"].path]
@@ -132,9 +133,7 @@ def test_selecting_a_failed_run_selects_it_and_shows_its_error(qtbot, ctx, runs)
 
 
 def test_a_run_selected_elsewhere_is_selected_here(qtbot, ctx, runs):
-    view = RunsView(ctx)
-    qtbot.addWidget(view)
-    view.refresh()
+    view = refreshed(qtbot, RunsView(ctx))
     ctx.select_run(runs["paused"].path)          # e.g. from the New run screen
     assert view.selected_row().name == "paused"
     assert view.table.selectedItems()[0].row() == [r.name for r in view.rows].index("paused")
@@ -149,18 +148,14 @@ def test_a_terminal_run_error_comes_from_its_status(qtbot, ctx):
     fake = make(ctx, "cli-failed", 3)
     fake.run.write_status(state="failed", error={"kind": "dataset", "message": "Bad row 3.",
                                                  "hint": "Fix line 3."})
-    view = RunsView(ctx)
-    qtbot.addWidget(view)
-    view.refresh()
+    view = refreshed(qtbot, RunsView(ctx))
     view.select(fake.path)
     assert view.error_panel.message_label.text() == "Bad row 3."
     assert view.error_panel.hint_label.text() == "Fix line 3."
 
 
 def test_reorder_cancel_pause_resume(qtbot, ctx, runs):
-    view = RunsView(ctx)
-    qtbot.addWidget(view)
-    view.refresh()
+    view = refreshed(qtbot, RunsView(ctx))
     assert pending_order(ctx) == ["queued1", "queued2", "paused"]
     view.select(runs["queued2"].path)
     assert view.buttons["up"].isEnabled() and not view.buttons["retry"].isEnabled()
@@ -199,9 +194,7 @@ def test_reorder_cancel_pause_resume(qtbot, ctx, runs):
 
 
 def test_retry_a_failed_job(qtbot, ctx, runs):
-    view = RunsView(ctx)
-    qtbot.addWidget(view)
-    view.refresh()
+    view = refreshed(qtbot, RunsView(ctx))
     view.select(runs["failed"].path)
     assert view.buttons["retry"].isEnabled()
     with qtbot.waitSignal(ctx.runs_changed):
@@ -212,9 +205,7 @@ def test_retry_a_failed_job(qtbot, ctx, runs):
 
 
 def test_extend_a_finished_run_by_epochs(qtbot, ctx, runs):
-    view = RunsView(ctx)
-    qtbot.addWidget(view)
-    view.refresh()
+    view = refreshed(qtbot, RunsView(ctx))
     view.select(runs["done"].path)
     assert view.buttons["extend"].isEnabled()
     view.extend_epochs.setValue(3)
@@ -230,9 +221,7 @@ def test_extend_a_finished_run_by_epochs(qtbot, ctx, runs):
 def test_extend_refuses_a_run_that_counts_steps(qtbot, ctx):
     fake = FakeRun(ctx.runs_root() / "steps", config=fake_config(epochs=0, max_steps=50))
     fake.finish()
-    view = RunsView(ctx)
-    qtbot.addWidget(view)
-    view.refresh()
+    view = refreshed(qtbot, RunsView(ctx))
     view.select(fake.path)
     assert not view.buttons["extend"].isEnabled()
     view.extend(2)                                             # forced: refused, explained
@@ -246,9 +235,7 @@ def test_resume_a_terminal_run_from_its_checkpoint(qtbot, ctx):
     fake = make(ctx, "interrupted", 30)
     fake.run.write_status(state="paused")
     (fake.run.checkpoints_dir / "step-30").mkdir()
-    view = RunsView(ctx)
-    qtbot.addWidget(view)
-    view.refresh()
+    view = refreshed(qtbot, RunsView(ctx))
     view.select(fake.path)
     assert view.buttons["resume"].isEnabled()
     view.resume_from_checkpoint()
