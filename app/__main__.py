@@ -8,6 +8,12 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
+        from app.display_check import display_problem
+
+        problem = display_problem()  # before Qt loads: Qt aborts (exit 134) without a window
+        if problem:
+            print(problem, file=sys.stderr)
+            return 2
         from app.views.app import run_gui, sample_model_path
 
         return run_gui([sys.argv[0]], model_path=sample_model_path())
