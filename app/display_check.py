@@ -28,6 +28,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 # soname -> (Debian/Ubuntu package, Fedora/RHEL package). What PySide6 6.11's libqxcb.so,
@@ -103,7 +104,7 @@ def plugin_path(family: str) -> Path | None:
     return None
 
 
-def candidate_platforms(env: dict[str, str] | os._Environ = os.environ) -> list[str]:
+def candidate_platforms(env: Mapping[str, str] = os.environ) -> list[str]:
     """The Qt platforms Qt 6 tries on Linux, in order: ["xcb"], ["wayland", "xcb"], ..."""
     requested = [entry.split(":")[0].strip()  # "xcb:option=value" names the platform "xcb"
                  for entry in env.get("QT_QPA_PLATFORM", "").split(";")]
@@ -115,7 +116,7 @@ def candidate_platforms(env: dict[str, str] | os._Environ = os.environ) -> list[
     return ["xcb"]
 
 
-def choose_platform(env: dict[str, str] | os._Environ = os.environ) -> str:
+def choose_platform(env: Mapping[str, str] = os.environ) -> str:
     """The Qt platform Qt 6 tries first on Linux, e.g. "xcb", "wayland", "offscreen"."""
     return candidate_platforms(env)[0]
 
@@ -135,8 +136,10 @@ def run_ldd(path: Path) -> str | None:
     ldd = shutil.which("ldd")
     if ldd is None:
         return None
-    done = subprocess.run([ldd, str(path)], capture_output=True, text=True, timeout=30)
-    return done.stdout
+    try:
+        return subprocess.run([ldd, str(path)], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None  # an ldd that cannot run: load the libraries instead
 
 
 def probe(sonames: list[str]) -> list[str]:
@@ -219,7 +222,7 @@ def missing_message(family: str, missing: list[str], os_release: str) -> str:
     return "\n".join(lines)
 
 
-def platform_problem(name: str, env: dict[str, str] | os._Environ = os.environ) -> str | None:
+def platform_problem(name: str, env: Mapping[str, str] = os.environ) -> str | None:
     """Why Qt's platform `name` cannot open a window here, None when it can (or is not checked)."""
     family = "xcb" if name == "xcb" else "wayland" if name.startswith("wayland") else None
     if family is None:
@@ -230,7 +233,7 @@ def platform_problem(name: str, env: dict[str, str] | os._Environ = os.environ) 
     return missing_message(family, missing, _read_os_release()) if missing else None
 
 
-def display_problem(env: dict[str, str] | os._Environ = os.environ,
+def display_problem(env: Mapping[str, str] = os.environ,
                     platform: str = sys.platform) -> str | None:
     """Why the window cannot open on this machine, or None when it can (or it is not Linux).
 
