@@ -4,6 +4,9 @@ Builds a GrpoConfig from options (or a saved config.json / config.toml), creates
 directory (config.json with "kind": "grpo") and runs `app.engine.grpo.train_grpo` in the
 foreground with a progress line (or JSON lines with --json), or adds it to the job queue.
 Ctrl-C pauses with a checkpoint; `workbench grpo --resume RUN_DIR` continues exactly.
+Custom reward files run as Python with the user's rights: those named with --reward are trusted
+by naming them, those a --config or a run directory names need --trust-reward-code once (until
+they change; the rule is app.engine.reward_functions.check_reward_trust).
 """
 
 from __future__ import annotations
@@ -18,7 +21,12 @@ from app.engine.errors import ConfigError
 REWARD_HELP = ("reward function, repeatable, weight after the last colon (default 1): "
                "exact[:tag=T][:W], numeric[:tol=X][:tag=T][:W], regex:PATTERN[:W], "
                "format[:TAG][:W], length[:TARGET][:W], FILE.py[:W] (a Python file defining "
-               "reward(prompt, completion, **row) -> float, run in a separate process)")
+               "reward(prompt, completion, **row) -> float; it runs as Python with your rights: "
+               "use only files you wrote or trust)")
+TRUST_HELP = ("run the custom reward files a --config or a run directory names: they run as "
+              "Python with your rights (files named with --reward are trusted by naming them)")
+TRUST_HINT = ("Read the file; if you trust it, run the command again with --trust-reward-code "
+              "(it runs as Python with your rights).")
 
 
 def add_grpo_parser(sub) -> None:
@@ -33,6 +41,7 @@ def add_grpo_parser(sub) -> None:
     p.add_argument("--queue", nargs="?", const="", default=None, metavar="QUEUE",
                    help="add the run to the job queue instead of running it here")
     p.add_argument("--json", action="store_true", help="print events as JSON lines")
+    p.add_argument("--trust-reward-code", action="store_true", help=TRUST_HELP)
     g = p.add_argument_group("sampling and rewards")
     g.add_argument("--group-size", "-G", type=int, help="completions per prompt (default 8)")
     g.add_argument("--prompts-per-step", "-P", type=int, help="prompts per step (default 4)")
@@ -169,12 +178,15 @@ def grpo_progress_line(e: dict) -> str:
             f"ETA={_clock(e['eta_s'])}")
 
 
-def execute_grpo(run_dir, as_json: bool) -> int:
-    """Run a GRPO run directory in this process, recording events in the run directory."""
+def execute_grpo(run_dir, as_json: bool, trust_reward_code: bool = False) -> int:
+    """Run a GRPO run directory in this process, recording events in the run directory. Its
+    custom reward files must be trusted (`trust_reward_code`: the user trusts them now)."""
     from app.cli_train import run_in_foreground
     from app.engine.grpo import GrpoConfig, train_grpo
+    from app.engine.reward_functions import check_reward_trust
 
     config = GrpoConfig.from_dict(run_dir.config())
+    check_reward_trust(config.rewards, TRUST_HINT, trust_reward_code)
     runner = lambda report, should_stop, checkpoints: train_grpo(config, report, should_stop,
                                                                   checkpoints)
     return run_in_foreground(run_dir, runner, GrpoProgress(as_json),
@@ -182,6 +194,7 @@ def execute_grpo(run_dir, as_json: bool) -> int:
 
 
 def cmd_grpo(args) -> int:
+    from app.engine.reward_functions import check_reward_trust
     from app.engine.rundir import RunDir
 
     if args.resume:
@@ -189,10 +202,12 @@ def cmd_grpo(args) -> int:
         if run_dir.config().get("kind") != "grpo":
             raise ConfigError(f"{run_dir.path} is not a GRPO run.",
                               "Resume training runs with: workbench resume RUN_DIR")
-        return execute_grpo(run_dir, args.json)
+        return execute_grpo(run_dir, args.json, args.trust_reward_code)
     from app.engine.backend import array_module
 
     config = grpo_config_from_args(args)
+    # --reward replaces the config's rewards: files named on the command line are trusted
+    check_reward_trust(config.rewards, TRUST_HINT, args.trust_reward_code or bool(args.reward))
     if args.queue is None:
         array_module(config.train.device)  # no usable GPU: say so before a run folder exists
     return start_run(args, config.to_dict(), f"grpo-{Path(config.prompts).stem}", execute_grpo)

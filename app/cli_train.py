@@ -76,6 +76,9 @@ def add_train_parsers(sub) -> None:
     p.add_argument("run_dir")
     p.add_argument("--extend-epochs", type=int, default=0, help="train this many more epochs")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--trust-reward-code", action="store_true",
+                   help="GRPO runs: run the custom reward files the run names (they run as "
+                        "Python with your rights)")
 
 
 def _read_config_file(path: str) -> dict:
@@ -279,7 +282,7 @@ def cmd_resume(args) -> int:
 
         if args.extend_epochs:
             raise ConfigError("--extend-epochs does not apply to GRPO runs (they count steps).")
-        return execute_grpo(run_dir, args.json)
+        return execute_grpo(run_dir, args.json, args.trust_reward_code)
     config = RunConfig.from_dict(run_dir.config())
     if args.extend_epochs:
         if not config.epochs:

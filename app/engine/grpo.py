@@ -81,7 +81,7 @@ from app.engine.errors import ConfigError, DatasetError
 from app.engine.formats import Rejection, iter_lines, parse_line
 from app.engine.lora import load_adapter, save_adapter
 from app.engine.model import Model, load_model
-from app.engine.reward_functions import RewardScorer, RewardSpec, ScoreItem
+from app.engine.reward_functions import RewardScorer, RewardSpec, ScoreItem, check_reward_trust
 from app.engine.run import guarded_step, report_norms, resume
 from app.engine.train import Batch, TrainSession
 
@@ -627,6 +627,11 @@ def train_grpo(config: GrpoConfig, report: Report, should_stop: ShouldStop,
 
 
 def run_grpo_job(run_dir, control) -> str:
-    """The worker's runner for a GRPO run directory (config.json with "kind": "grpo")."""
+    """The worker's runner for a GRPO run directory (config.json with "kind": "grpo"). Its
+    custom reward files must be trusted as they are now: the user trusted them when submitting
+    the job (app.engine.reward_functions)."""
     config = GrpoConfig.from_dict(run_dir.config())
+    check_reward_trust(config.rewards, "Read the file; if you trust it, run "
+                       f"`workbench resume {run_dir.path} --trust-reward-code`, or load the "
+                       "run's config.json in New run and start it again.")
     return train_grpo(config, control.report, control.should_stop, run_dir.checkpoints_dir)

@@ -1,4 +1,4 @@
-"""Reward functions for GRPO-style runs: built-in rewards and sandboxed custom Python rewards.
+"""Reward functions for GRPO-style runs: built-in rewards and custom rewards in Python files.
 
 A reward scores one sampled completion of one prompt row. A run combines several with weights:
 the total is sum_k weight_k * r_k. `RewardSpec` describes one function (JSON-able, in the run's
@@ -28,11 +28,23 @@ is the prompt as the row wrote it (a plain prompt's text, or the content of a ch
 message: the whole conversation is in ``row["messages"]``), ``completion`` the generated text
 (without the end-of-turn token), ``row`` every field of the JSONL row except ``prompt`` and
 ``completion``. The file runs in a separate Python process (one per run, started on first use,
-in its own session so Ctrl-C does not reach it; its stdout goes to stderr so print() is safe),
-and every call has a timeout. An exception, a timeout, a crash of the process, a return value
-that is not a real number (bool and str included) or is NaN/Inf, or a file without the function,
-raises `RewardError` naming the function, the file, the row and its line, with the function's
-traceback: the step fails, the worker process never does.
+in its own session so Ctrl-C does not reach it; its stdout goes to stderr so print() cannot
+garble the replies), and every call has a timeout. An exception, a timeout, a crash of the
+process, a return value that is not a real number (bool and str included) or is NaN/Inf, or a
+file without the function, raises `RewardError` naming the function, the file, the row and its
+line, with the function's traceback: the step fails, the worker process never does.
+
+The separate process is NOT a sandbox: a reward file is ordinary Python running with the user's
+own rights (files, network, other programs), like any script they run. Only trusted files run.
+The trust rule: a file the user names for a new run themselves (``workbench grpo --reward
+FILE.py``) is trusted by that act. A file named by a config from elsewhere (``--config X.json``,
+a run directory to resume, a queued job, settings loaded in the window) runs only once the user
+trusted it: ``--trust-reward-code`` on the command line, Yes to the window's question. Trust is
+recorded per file as its sha256 in ``trusted-rewards.json`` in the user data folder (beside the
+job queue's database), not in the run's config.json, where a shared config could carry it along;
+a file changed since (another hash) needs trust again. `untrusted_reward_files`,
+`trust_reward_files` and `check_reward_trust` are the one rule the CLI, the worker and the
+window use.
 
 CLI grammar (``--reward``, repeatable), a trailing ``:W`` is the weight (default 1):
 ``exact[:tag=T][:W]``, ``numeric[:tol=X][:tag=T][:W]``, ``regex:PATTERN[:W]``,
@@ -43,6 +55,7 @@ A regex whose text ends in ``:<number>`` needs an explicit weight (``regex:a:1:1
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -54,7 +67,7 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
@@ -295,7 +308,7 @@ def _builtin(spec: RewardSpec, item: ScoreItem, answer_field: str) -> float:
     raise AssertionError(spec.kind)
 
 
-# ---- custom rewards in a separate process ---------------------------------------------------------
+# ---- custom rewards in a separate process (not a sandbox: see the module docstring) ---------------
 
 _BOOTSTRAP = r'''
 import importlib.util, json, math, numbers, os, sys, traceback
@@ -341,9 +354,9 @@ for line in proto_in:
 '''
 
 
-class SandboxedReward:
-    """A custom reward function running in its own Python process, one call at a time, each with
-    a timeout. Start on first call; `close()` ends the process."""
+class RewardProcess:
+    """A custom reward function running in its own Python process (with the user's rights),
+    one call at a time, each with a timeout. Start on first call; `close()` ends the process."""
 
     def __init__(self, path: str, function: str = "reward", timeout: float = DEFAULT_TIMEOUT_S,
                  label: str = ""):
@@ -458,6 +471,75 @@ class SandboxedReward:
             self._stderr = None
 
 
+# ---- trust: which reward files the user agreed to run ---------------------------------------------
+
+TRUST_FILE = "trusted-rewards.json"
+
+
+class UntrustedRewardError(ConfigError):
+    """A run names reward code the user has not trusted (or that changed since they did)."""
+
+    kind = "untrusted_reward"
+
+
+def trust_file_path() -> Path:
+    """trusted-rewards.json in the user data folder: beside the job queue's database."""
+    from app.engine.jobs import default_queue_path
+
+    return default_queue_path().parent / TRUST_FILE
+
+
+def _reward_files(specs: Iterable[RewardSpec]) -> list[str]:
+    """The absolute paths of the custom reward files of `specs` that exist, each once."""
+    paths = (str(Path(s.arg).expanduser().resolve()) for s in specs if s.kind == "file")
+    return [p for p in dict.fromkeys(paths) if os.path.isfile(p)]
+
+
+def _sha256(path: str) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _trusted() -> dict:
+    try:
+        trusted = json.loads(trust_file_path().read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return trusted if isinstance(trusted, dict) else {}
+
+
+def untrusted_reward_files(specs: Iterable[RewardSpec]) -> list[str]:
+    """The custom reward files of `specs` the user has not trusted as they are now."""
+    trusted = _trusted()
+    return [p for p in _reward_files(specs) if trusted.get(p) != _sha256(p)]
+
+
+def trust_reward_files(specs: Iterable[RewardSpec]) -> None:
+    """Record that the user trusts the custom reward files of `specs` as they are now."""
+    files = _reward_files(specs)
+    if not files:
+        return
+    trusted = {**_trusted(), **{p: _sha256(p) for p in files}}
+    path = trust_file_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(trusted, indent=1), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def check_reward_trust(specs: Iterable[RewardSpec], hint: str, trust: bool = False) -> None:
+    """Raise UntrustedRewardError (with `hint`, how to trust) when a custom reward file of
+    `specs` is not trusted as it is now; `trust`: the user trusts them now (record it first)."""
+    specs = list(specs)
+    if trust:
+        trust_reward_files(specs)
+    files = untrusted_reward_files(specs)
+    if files:
+        raise UntrustedRewardError(
+            f"This run uses reward code from {', '.join(files)}, which you have not trusted "
+            "(or which changed since you did). A reward file runs as Python with your rights.",
+            hint)
+
+
 # ---- the scorer -------------------------------------------------------------------------------------
 
 class RewardScorer:
@@ -484,8 +566,8 @@ class RewardScorer:
             labels.append(label)
         self.names = tuple(labels)
         self.weights = np.array([s.weight for s in self.specs], np.float64)
-        self._custom = {i: SandboxedReward(s.arg, s.function, timeout, self.names[i])
-                        for i, s in enumerate(self.specs) if s.kind == "file"}
+        self._custom = {i: RewardProcess(s.arg, s.function, timeout, self.names[i])
+                      for i, s in enumerate(self.specs) if s.kind == "file"}
 
     def check_row(self, row: dict) -> str | None:
         """Why a row cannot be scored (a missing or non-numeric reference), or None."""

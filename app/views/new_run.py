@@ -10,7 +10,10 @@ press Start.
 The run type (top right) is "Supervised (SFT)" or "GRPO (reward-driven)". A GRPO run's second
 tab is Prompts and rewards (`grpo_panel.GrpoPanel`) and its Training tab shows what a GRPO run
 takes; its config.json is built by the engine's `build_grpo_config`, as `workbench grpo` does,
-with "kind": "grpo", which the worker dispatches on.
+with "kind": "grpo", which the worker dispatches on. Custom reward files run as Python with the
+user's rights: before a GRPO run with a file not yet trusted as it is now (typed in, loaded with
+settings, or changed since) is queued, a question names the files, and only Yes trusts them
+(app.engine.reward_functions) and queues the run.
 """
 
 from __future__ import annotations
@@ -23,14 +26,15 @@ from dataclasses import replace
 from pathlib import Path
 
 from PySide6.QtCore import Qt, QTimer, Signal
-from PySide6.QtWidgets import (QFileDialog, QHBoxLayout, QLabel, QLineEdit, QPushButton,
-                               QStackedWidget, QTabWidget, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QFileDialog, QHBoxLayout, QLabel, QLineEdit, QMessageBox,
+                               QPushButton, QStackedWidget, QTabWidget, QVBoxLayout, QWidget)
 
 from app.engine.data import DataConfig
 from app.engine.errors import ConfigError, EngineError
 from app.engine.grpo import GrpoConfig, build_grpo_config
 from app.engine.lint import LintReport, lint_file
 from app.engine.model_info import ModelCard, describe_model, human_bytes
+from app.engine.reward_functions import trust_reward_files, untrusted_reward_files
 from app.views.context import AppContext, Background, sample_dataset_path, sample_model_path
 from app.views.dataset_panel import DatasetPanel
 from app.views.error_panel import ErrorPanel
@@ -363,6 +367,8 @@ class NewRunView(QWidget):
         except Exception as e:                      # noqa: BLE001 -- to the error funnel
             self.ctx.report_error("Could not queue the run", e)
             return None
+        if isinstance(config, GrpoConfig) and not self._confirm_reward_code(config):
+            return None
         path = self.run_dir_for(self.name_field.text())
         self._creating = str(path)
         self._update_summary()
@@ -370,6 +376,21 @@ class NewRunView(QWidget):
                      on_done=lambda _pid: self._on_created(str(path), start),
                      on_error=self._on_create_failed)
         return str(path)
+
+    def _confirm_reward_code(self, config: GrpoConfig) -> bool:
+        """Ask before custom reward files not yet trusted as they are now run; Yes trusts
+        them. False when the user says No."""
+        files = untrusted_reward_files(config.rewards)
+        if not files:
+            return True
+        answer = QMessageBox.question(
+            self, "Run reward code?", f"This run uses reward code from {', '.join(files)}. "
+            "It runs as Python with your rights. Run it?",
+            QMessageBox.Yes | QMessageBox.No, QMessageBox.No)
+        if answer != QMessageBox.Yes:
+            return False
+        trust_reward_files(config.rewards)
+        return True
 
     def is_creating(self) -> bool:
         return self._creating is not None

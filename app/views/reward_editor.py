@@ -3,8 +3,11 @@ to and remove from, each checked as you type with the problem shown under it.
 
 A row edits one `RewardSpec` dict (app.engine.reward_functions): the function's kind, the one
 argument that kind takes (see ARGUMENTS) and the weight. Settings a row does not show (a
-numeric reward's tag, a custom function name) are kept as they were loaded.
-Test-visible state: `rows` (list of RewardRow), `add_button`, `specs()`, `validate()`.
+numeric reward's tag, a custom function name) are kept as they were loaded. A Python file runs
+as Python with the user's rights (not in a sandbox): while a row names one, a note under the list
+says so.
+Test-visible state: `rows` (list of RewardRow), `add_button`, `code_note`, `specs()`,
+`validate()`.
 """
 
 from __future__ import annotations
@@ -34,7 +37,10 @@ ARGUMENTS = {
     "length": ("target", int, "target tokens (default 0)", "0 up to the target length, "
                "falling to -1 at max new tokens"),
     "file": ("arg", str, "path to a .py file", "reward(prompt, completion, **row) -> float "
-             "from your Python file, run in a separate process")}
+             "from your Python file; it runs as Python with your rights")}
+CODE_NOTE = ("A Python file runs as Python with your rights, like any script you run: use only "
+             "files you wrote or trust. Starting a run asks before a file you have not "
+             "trusted yet (or one changed since) runs.")
 DEFAULTS = {"format": "answer"}
 KIND_WIDTH, WEIGHT_WIDTH, REMOVE_WIDTH = 130, 80, 24      # columns shared by rows and header
 
@@ -153,11 +159,13 @@ class RewardEditor(QWidget):
         self._list.setSpacing(4)
         self.add_button = QPushButton("Add reward", clicked=lambda: self.add({"kind": "exact"}))
         self.empty_label = QLabel("Add at least one reward function.", objectName="fieldError")
+        self.code_note = QLabel(CODE_NOTE, objectName="hint", wordWrap=True)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addLayout(head)
         layout.addLayout(self._list)
         layout.addWidget(self.empty_label)
+        layout.addWidget(self.code_note)
         layout.addWidget(self.add_button, 0, Qt.AlignLeft)
         self.validate()
 
@@ -195,6 +203,7 @@ class RewardEditor(QWidget):
             if message:
                 problems.append(f"reward {i} ({row.kind()}): {message}")
         self.empty_label.setVisible(not self.rows)
+        self.code_note.setVisible(any(row.kind() == "file" for row in self.rows))
         if not self.rows:
             problems.append("Add at least one reward function.")
         return problems

@@ -18,7 +18,7 @@ from app.engine.grpo import (GrpoConfig, compute_advantages, kl_weights, load_pr
                              step_prompts, token_log_probs, train_grpo)
 from app.engine.jobs import JobQueue
 from app.engine.lora import LoraAdapter, LoraConfig, init_adapter, load_adapter
-from app.engine.reward_functions import RewardScorer, RewardSpec
+from app.engine.reward_functions import RewardScorer, RewardSpec, trust_reward_files
 from app.engine.rundir import RunDir
 from app.engine.tokenizer import Tokenizer
 from app.engine.train import TrainSession
@@ -341,15 +341,24 @@ def test_config_round_trip_and_validation():
 def test_worker_runs_grpo_jobs_and_survives_a_broken_reward(tmp_path):
     broken = tmp_path / "broken.py"
     broken.write_text("def reward(prompt, completion, **row):\n    return 1 / 0\n")
+    untrusted = tmp_path / "untrusted.py"
+    untrusted.write_text("def reward(prompt, completion, **row):\n    return 1\n")
     good = RunDir.create(tmp_path / "good", _config(max_steps=2, val_split=0.0).to_dict())
-    bad = RunDir.create(tmp_path / "bad", _config(
-        rewards=(RewardSpec("file", arg=str(broken)),)).to_dict())
+    bad_rewards = (RewardSpec("file", arg=str(broken)),)
+    trust_reward_files(bad_rewards)                 # as the CLI or the window does on submit
+    bad = RunDir.create(tmp_path / "bad", _config(rewards=bad_rewards).to_dict())
+    foreign = RunDir.create(tmp_path / "foreign", _config(
+        rewards=(RewardSpec("file", arg=str(untrusted)),)).to_dict())
     queue = JobQueue(tmp_path / "q.sqlite3")
-    bad_id, good_id = queue.add(bad.path), queue.add(good.path)
-    assert run_worker(queue, once=True, poll_s=0.01) == 2
+    bad_id, foreign_id, good_id = queue.add(bad.path), queue.add(foreign.path), queue.add(good.path)
+    assert run_worker(queue, once=True, poll_s=0.01) == 3
     failed = queue.get(bad_id)
     assert failed.state == "failed" and failed.error_kind == "reward"
     assert "ZeroDivisionError" in failed.error_message and "broken.py" in failed.error_message
+    refused = queue.get(foreign_id)                 # not trusted: never runs
+    assert refused.state == "failed" and refused.error_kind == "untrusted_reward"
+    assert f"reward code from {untrusted}" in refused.error_message
+    assert "--trust-reward-code" in refused.error_hint and not foreign.metrics()
     assert queue.get(good_id).state == "done" and (tmp_path / "good" / "adapter.gguf").exists()
     assert [e["step"] for e in good.metrics() if e["type"] == "step"] == [1, 2]
 
@@ -415,3 +424,43 @@ def test_cli_grpo_errors_and_queue(tmp_path, capsys):
     [job] = JobQueue(queue).list()
     assert job.state == "queued" and json.loads(
         (tmp_path / "c" / "config.json").read_text())["kind"] == "grpo"
+
+
+def test_cli_runs_reward_files_from_a_config_only_when_trusted(tmp_path, capsys):
+    custom = tmp_path / "shared_reward.py"
+    custom.write_text("def reward(prompt, completion, **row):\n    return len(completion)\n")
+    shared = tmp_path / "shared.json"
+    shared.write_text(json.dumps(_config(
+        rewards=(RewardSpec("exact"), RewardSpec("file", 0.1, arg=str(custom))), max_steps=1,
+        val_split=0.0).to_dict()))
+    out = tmp_path / "run"
+    assert run_cli(["grpo", "--config", str(shared), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"reward code from {custom}" in err and "--trust-reward-code" in err
+    assert not out.exists()
+    queue = tmp_path / "q.sqlite3"                  # nor queued without trust
+    assert run_cli(["grpo", "--config", str(shared), "-o", str(out), "--queue", str(queue)]) == 2
+    assert not out.exists()
+    assert run_cli(["grpo", "--config", str(shared), "-o", str(out), "--trust-reward-code",
+                    "--json"]) == 0
+    assert [e["step"] for e in RunDir(out).metrics() if e["type"] == "step"] == [1]
+    capsys.readouterr()
+    assert run_cli(["resume", str(out)]) == 0       # the user's own run: no question again
+    assert "reward code" not in capsys.readouterr().err
+    with custom.open("a") as f:                     # changed after it was trusted: refused
+        f.write("# edited\n")
+    for args in (["resume", str(out)], ["grpo", "--resume", str(out)]):
+        assert run_cli(args) == 2
+        assert f"reward code from {custom}" in capsys.readouterr().err
+    assert run_cli(["resume", str(out), "--trust-reward-code"]) == 0
+
+
+def test_a_run_queued_with_trust_runs_in_the_worker(tmp_path):
+    custom = tmp_path / "mine.py"
+    custom.write_text("def reward(prompt, completion, **row):\n    return 1.0\n")
+    queue = tmp_path / "q.sqlite3"
+    assert run_cli(["grpo", "-m", TINY, "--prompts", ADDITION, "--reward", str(custom),
+                    "-G", "2", "-P", "1", "-n", "2", "--max-steps", "1", "--save-every", "0",
+                    "-o", str(tmp_path / "run"), "--queue", str(queue)]) == 0
+    assert run_worker(JobQueue(queue), once=True, poll_s=0.01) == 1
+    assert JobQueue(queue).list()[0].state == "done"

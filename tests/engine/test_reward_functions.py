@@ -1,4 +1,5 @@
-"""Reward functions: the CLI grammar, the built-ins, and the sandbox for custom Python rewards."""
+"""Reward functions: the CLI grammar, the built-ins, the process for custom Python rewards, and
+which reward files are trusted."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ import time
 import pytest
 
 from app.engine.errors import ConfigError, EngineError
-from app.engine.reward_functions import (RewardError, RewardScorer, RewardSpec, SandboxedReward,
-                                         ScoreItem, last_number, normalize_text, parse_reward)
+from app.engine.reward_functions import (RewardError, RewardProcess, RewardScorer, RewardSpec,
+                                         ScoreItem, UntrustedRewardError, check_reward_trust,
+                                         last_number, normalize_text, parse_reward,
+                                         trust_file_path, trust_reward_files,
+                                         untrusted_reward_files)
 
 ROW = {"messages": [{"role": "user", "content": "What is 47 + 38?"}], "answer": "85"}
 
@@ -97,7 +101,7 @@ def test_rows_without_a_usable_reference_are_named():
     assert RewardScorer([RewardSpec("regex", arg="x")]).check_row({"prompt": "x"}) is None
 
 
-# ---- the sandbox ----------------------------------------------------------------------------------
+# ---- custom rewards in their own process -----------------------------------------------------------
 
 def write(tmp_path, body, name="my_reward.py"):
     path = tmp_path / name
@@ -142,7 +146,7 @@ def test_exception_fails_with_the_functions_traceback(tmp_path):
     msg = e.value.message
     assert "reward() in my_reward.py raised an exception on row 7 (line 8 of prompts.jsonl)" in msg
     assert "KeyError: 'oops'" in msg and "in helper" in msg and "return {}[x]" in msg
-    assert "<string>" not in msg                           # the sandbox's own frame is trimmed
+    assert "<string>" not in msg                           # the bootstrap's own frame is trimmed
     assert isinstance(e.value, EngineError) and e.value.kind == "reward"
 
 
@@ -154,7 +158,7 @@ def test_timeout_kills_the_process(tmp_path):
                 time.sleep(60)
             return 1.0
     """)
-    r = SandboxedReward(path, timeout=1.0)
+    r = RewardProcess(path, timeout=1.0)
     assert r("p", "fast", {}, "on row 0") == 1.0
     pid = r._proc.pid
     t0 = time.monotonic()
@@ -187,13 +191,13 @@ def test_non_numeric_and_non_finite_returns(tmp_path, value, message):
 def test_files_that_cannot_be_used(tmp_path):
     no_fn = write(tmp_path, "def score(prompt, completion, **row):\n    return 1\n", "a.py")
     with pytest.raises(RewardError, match=r"a.py defines no function reward\(\)"):
-        SandboxedReward(no_fn)("p", "c", {}, "on row 0")
+        RewardProcess(no_fn)("p", "c", {}, "on row 0")
     broken = write(tmp_path, "import nonexistent_module_xyz\n", "b.py")
     with pytest.raises(RewardError, match="could not be loaded(.|\n)*ModuleNotFoundError"):
-        SandboxedReward(broken)("p", "c", {}, "on row 0")
+        RewardProcess(broken)("p", "c", {}, "on row 0")
     syntax = write(tmp_path, "def reward(:\n", "c.py")
     with pytest.raises(RewardError, match="SyntaxError"):
-        SandboxedReward(syntax)("p", "c", {}, "on row 0")
+        RewardProcess(syntax)("p", "c", {}, "on row 0")
 
 
 def test_a_crashing_function_does_not_take_the_caller_down(tmp_path):
@@ -204,4 +208,28 @@ def test_a_crashing_function_does_not_take_the_caller_down(tmp_path):
             os._exit(3)
     """)
     with pytest.raises(RewardError, match=r"exited \(code 3\) on row 0(.|\n)*about to die"):
-        SandboxedReward(path)("p", "c", {}, "on row 0")
+        RewardProcess(path)("p", "c", {}, "on row 0")
+
+
+# ---- trust -------------------------------------------------------------------------------------------
+
+def test_reward_files_run_only_once_trusted_as_they_are(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORKBENCH_QUEUE", str(tmp_path / "state" / "queue.sqlite3"))
+    a = write(tmp_path, "def reward(prompt, completion, **row):\n    return 1\n", "a.py")
+    b = write(tmp_path, "def reward(prompt, completion, **row):\n    return 2\n", "b.py")
+    specs = [RewardSpec("exact"), RewardSpec("file", arg=a), RewardSpec("file", 0.5, arg=a),
+             RewardSpec("file", arg=b), RewardSpec("file", arg=str(tmp_path / "missing.py"))]
+    assert untrusted_reward_files(specs) == [a, b]      # each once; a missing file cannot run
+    with pytest.raises(UntrustedRewardError, match=f"reward code from {a}, {b}") as e:
+        check_reward_trust(specs, "the hint")
+    assert e.value.kind == "untrusted_reward" and e.value.hint == "the hint"
+    trust_reward_files(specs[:2])
+    assert untrusted_reward_files(specs) == [b]
+    assert trust_file_path() == tmp_path / "state" / "trusted-rewards.json"
+    check_reward_trust(specs, "", trust=True)           # trusting now records them
+    assert untrusted_reward_files(specs) == []
+    with open(b, "a") as f:                             # changed since: trust again
+        f.write("# edited\n")
+    assert untrusted_reward_files(specs) == [b]
+    trust_file_path().write_text("not json")            # an unreadable record trusts nothing
+    assert untrusted_reward_files(specs) == [a, b]

@@ -167,3 +167,41 @@ def test_a_model_that_fails_right_after_a_switch_leaves_the_dataset_alone(qtbot,
     qtbot.wait(400)                                 # longer than the check's debounce
     assert view.dataset.error is None
     assert [tab for tab, _ in view.problems()] == ["model"]
+
+
+def test_reward_code_from_loaded_settings_runs_only_after_yes(qtbot, view, ctx, tmp_path,
+                                                              monkeypatch):
+    from PySide6.QtWidgets import QMessageBox
+
+    from app.engine.reward_functions import RewardSpec, untrusted_reward_files
+
+    reward = tmp_path / "shared_reward.py"
+    reward.write_text("def reward(prompt, completion, **row):\n    return 1.0\n")
+    rewards = [RewardSpec("file", arg=str(reward))]
+    settings = tmp_path / "shared.json"             # a config from elsewhere naming the file
+    settings.write_text(json.dumps(GrpoConfig(model=str(SAMPLE_MODEL), prompts=str(ADDITION),
+                                              rewards=tuple(rewards)).to_dict()))
+    view.load_settings(str(settings))
+    assert [r.kind() for r in view.grpo_panel.rewards.rows] == ["file"]
+    assert view.grpo_panel.rewards.code_note.isVisibleTo(view.grpo_panel)
+    assert view.problems() == []
+    asked = []
+    answer = QMessageBox.No
+    monkeypatch.setattr(QMessageBox, "question",
+                        lambda parent, title, text, *a: asked.append(text) or answer)
+    assert view.create_run() is None                # No: nothing starts, nothing is trusted
+    assert asked == [f"This run uses reward code from {reward}. It runs as Python with your "
+                     "rights. Run it?"]
+    assert ctx.queue.list() == [] and untrusted_reward_files(rewards) == [str(reward)]
+    answer = QMessageBox.Yes
+    with qtbot.waitSignal(view.run_created, timeout=10_000):
+        view.create_run()
+    assert len(asked) == 2 and len(ctx.queue.list()) == 1
+    assert untrusted_reward_files(rewards) == []    # the worker will run it
+    with qtbot.waitSignal(view.run_created, timeout=10_000):
+        view.create_run()                           # trusted as it is: not asked again
+    assert len(asked) == 2 and len(ctx.queue.list()) == 2
+    with reward.open("a") as f:                     # changed since: asked again
+        f.write("# edited\n")
+    answer = QMessageBox.No
+    assert view.create_run() is None and len(asked) == 3 and len(ctx.queue.list()) == 2
