@@ -133,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--to", required=True, choices=("gguf-lora", "merged", "peft", "ollama"))
     p.add_argument("--out", "-o", help="output file (gguf-lora, merged) or folder (peft, ollama); "
                                        "default: RUN_DIR/exports/")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing output (never the export's own inputs)")
     p.add_argument("--type", default="f32", choices=("f32", "f16", "bf16", "q8_0"),
                    help="adapter tensor type (PEFT: f32 or f16; default f32)")
     p.add_argument("--fallback-type", default="q8_0", choices=("q8_0", "f16", "bf16"),
@@ -390,7 +392,7 @@ def cmd_export(args) -> int:
         raise ConfigError("Nothing to export.", "Give a run directory, or --adapter and --model.")
     report = export(source, args.to, args.out, adapter_type=args.type,
                     fallback_type=args.fallback_type, scale=args.scale,
-                    llamacpp=False if args.no_llamacpp else None)
+                    llamacpp=False if args.no_llamacpp else None, overwrite=args.overwrite)
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.to_text())
     if not report.ok:
         print(f"error: the export at {report.path} failed verification; do not use it.",

@@ -17,6 +17,10 @@ What to export is an `ExportSource`: a run directory (its newest checkpoint), a 
 `TrainSession`, or an adapter file (GGUF, or a PEFT folder: import) with its base model.
 Every export is read back and checked (app.engine.verify); the report is returned, and written
 as JSON next to the export and into the run directory's `exports/`.
+
+Nothing is written over unasked (`check_destination`): an existing destination is replaced
+only with `overwrite=True`, the export's own inputs never. Files and folders are written beside
+the destination and renamed into place, so a failed export leaves what was there untouched.
 """
 
 from __future__ import annotations
@@ -24,9 +28,11 @@ from __future__ import annotations
 import math
 import os
 import shlex
+import shutil
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +49,7 @@ from app.engine.gguf_io import (
 )
 from app.engine.lora import LoraAdapter, check_adapter_fits, load_adapter, tensor_kind
 from app.engine.model import Model, load_model
+from app.engine.peft import CONFIG_NAME, WEIGHTS_NAME
 from app.engine.verify import (
     Check,
     ExportReport,
@@ -59,6 +66,9 @@ FALLBACK_TYPES = {"q8_0": 8, "f16": 1, "bf16": 30}
 F32, F16 = 0, 1
 CHUNK_ELEMENTS = 1 << 24         # float32 values per merge chunk (64 MB)
 MODELFILE = "Modelfile"
+OLLAMA_ADAPTER, OLLAMA_MODEL = "adapter.gguf", "model.gguf"
+FOLDER_FILES = {"peft": {WEIGHTS_NAME, CONFIG_NAME},       # what a folder export holds
+                "ollama": {MODELFILE, OLLAMA_ADAPTER, OLLAMA_MODEL}}
 FINETUNED = " (fine-tuned)"
 
 
@@ -91,6 +101,17 @@ class ExportSource:
                 "alpha": self.adapter.alpha if self.adapter is not None else None,
                 "adapted_tensors": len(self.adapter.tensors) if self.adapter is not None else 0,
                 "full_tensors": sorted(self.full)}
+
+    def inputs(self) -> list[tuple[str, Path]]:
+        """What the export reads or the run keeps, labelled: never written over."""
+        from app.engine.rundir import RunDir
+
+        run = RunDir(self.run_dir) if self.run_dir else None
+        found = [("the base model", self.model_path),
+                 ("the run's adapter.gguf", run.path / "adapter.gguf" if run else None),
+                 ("the adapter", self.adapter_path), ("the checkpoint", self.checkpoint),
+                 ("the run's checkpoints", run.checkpoints_dir if run else None)]
+        return [(label, Path(p).expanduser().absolute()) for label, p in found if p]
 
 
 def import_adapter(path: str | os.PathLike, model: Model) -> LoraAdapter:
@@ -770,6 +791,102 @@ def default_out(source: ExportSource, to: str, adapter_type: str) -> Path:
     return RunDir(source.run_dir).exports_dir / names[to]
 
 
+class ExportTargetExists(ConfigError):
+    """The destination holds a file or a folder already; `overwrite=True` replaces it."""
+
+    def __init__(self, path: Path):
+        super().__init__(f"{path} exists already.",
+                         "Pass --overwrite to replace it, or choose another path (--out).")
+        self.path = path
+
+
+def _real(path: str | os.PathLike) -> str:
+    return os.path.normcase(os.path.realpath(path))
+
+
+def _same(a: Path, b: Path) -> bool:
+    """Whether a and b name one file or folder: through symbolic links, or hard links."""
+    if _real(a) == _real(b):
+        return True
+    return a.exists() and b.exists() and os.path.samefile(a, b)
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    real, real_folder = Path(_real(path)), Path(_real(folder))
+    return real != real_folder and real.is_relative_to(real_folder)
+
+
+def check_destination(source: ExportSource, to: str, out: Path, *,
+                      overwrite: bool = False) -> None:
+    """Refuse a destination whose writing would destroy what the user did not give up.
+
+    Never, even with overwrite: `out` is one of the export's inputs (ExportSource.inputs),
+    directly or through a symbolic or hard link, or lies inside one, or holds one (a folder
+    export replaces its whole folder); a folder where the format writes a file or the reverse;
+    a folder holding files the format does not write (replacing it would delete them).
+    Without overwrite: anything at `out` but an empty folder. The default destination in the
+    run's exports/ follows the same rule: an earlier export there may already be loaded or
+    shared, so replacing it is the user's call, not a side effect of exporting again.
+    """
+    folder_export = to in FOLDER_FILES
+    for label, path in source.inputs():
+        if _same(out, path) or _inside(out, path) or (folder_export and _inside(path, out)):
+            raise ConfigError(f"Exporting to {out} would write over {label} ({path}).",
+                              "An export never replaces its own inputs, not even when allowed "
+                              "to replace its output (--overwrite): choose another path.")
+    if not os.path.lexists(out):
+        return
+    if out.is_dir() and not folder_export:
+        raise ConfigError(f"{out} is a folder, and a {to} export is one file.",
+                          "Choose a file path (--out).")
+    if not out.is_dir() and folder_export:
+        raise ConfigError(f"{out} is a file, and a {to} export is a folder.",
+                          "Choose a folder path (--out).")
+    if folder_export and not out.is_symlink():
+        held = os.listdir(out)
+        foreign = sorted(set(held) - FOLDER_FILES[to])
+        if foreign:
+            raise ConfigError(f"{out} holds files a {to} export does not write "
+                              f"({', '.join(foreign[:5])}); replacing the folder would delete "
+                              "them.", "Choose a new folder (--out).")
+        if not held:
+            return
+    if not overwrite:
+        raise ExportTargetExists(out)
+
+
+@contextmanager
+def _staged_folder(out: Path) -> Iterator[Path]:
+    """A new folder beside `out` to write a folder export in; it then takes `out`'s place
+    (what was there, an earlier export, is removed). If writing fails, it is removed and `out`
+    stays as it was."""
+    staging = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)      # left by a killed export with this pid
+    staging.mkdir()
+    try:
+        yield staging
+        _move_into_place(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _move_into_place(staging: Path, out: Path) -> None:
+    if not os.path.lexists(out):
+        os.rename(staging, out)
+        return
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    os.rename(out, old)
+    try:
+        os.rename(staging, out)
+    except OSError:
+        os.rename(old, out)
+        raise
+    if old.is_symlink():
+        old.unlink()              # a link: its target is not ours to delete
+    else:
+        shutil.rmtree(old)
+
+
 def report_paths(source: ExportSource, out: Path) -> list[Path]:
     """Where the report goes: next to the export, and into the run's exports/ folder."""
     paths = [out.with_name(out.name + ".verify.json")]
@@ -807,15 +924,16 @@ def _need_adapter(source: ExportSource, to: str) -> LoraAdapter:
 
 def export(source: ExportSource, to: str, out: str | os.PathLike | None = None, *,
            adapter_type: str = "f32", fallback_type: str = "q8_0", scale: float = 1.0,
-           prompt_tokens=None, llamacpp: bool | None = None,
+           prompt_tokens=None, llamacpp: bool | None = None, overwrite: bool = False,
            model: Model | None = None, write_report: bool = True) -> ExportReport:
     """Export `source` as `to` (FORMATS) at `out`, verify it, write and return the report.
 
     adapter_type: f32|f16|bf16|q8_0 for GGUF adapters (f32|f16 for PEFT); fallback_type: the
     type for merged tensors whose own type gguf cannot write; scale: the user scale, folded in;
-    llamacpp: None = compare with llama.cpp when llama-cpp-python is available, False = never.
-    Raises EngineError for bad input; a written export that fails verification is returned
-    with `report.ok == False`.
+    llamacpp: None = compare with llama.cpp when llama-cpp-python is available, False = never;
+    overwrite: replace what is at `out` (check_destination).
+    Raises EngineError for bad input (ExportTargetExists when `out` exists and overwrite is
+    False); a written export that fails verification is returned with `report.ok == False`.
     """
     if to not in FORMATS:
         raise ConfigError(f"Unknown export format {to!r}.", "Use one of: " + ", ".join(FORMATS))
@@ -830,6 +948,9 @@ def export(source: ExportSource, to: str, out: str | os.PathLike | None = None, 
     if to == "peft" and adapter_type not in ("f32", "f16"):
         raise ConfigError(f"PEFT export writes f32 or f16 tensors, not {adapter_type}.",
                           "Use --type f32 or f16 for PEFT.")
+    out = Path(out) if out is not None else default_out(source, to, adapter_type)
+    out = out.expanduser().absolute()
+    check_destination(source, to, out, overwrite=overwrite)
     model = model or load_model(source.model_path)
     cfg = model.config
     if source.adapter is not None:
@@ -847,8 +968,6 @@ def export(source: ExportSource, to: str, out: str | os.PathLike | None = None, 
                               "Use the base model the run was trained on.")
     if source.adapter is None and not source.full:
         raise ConfigError("Nothing to export: no adapter and no trained tensors.")
-    out = Path(out) if out is not None else default_out(source, to, adapter_type)
-    out = out.expanduser().absolute()
     out.parent.mkdir(parents=True, exist_ok=True)
     tokens = [int(t) for t in (prompt_tokens if prompt_tokens is not None
                                else verification_prompt(model))]
@@ -875,12 +994,13 @@ def export(source: ExportSource, to: str, out: str | os.PathLike | None = None, 
         from app.engine.peft import export_peft
 
         live = _need_adapter(source, to)
-        result = export_peft(live, out, arch=cfg.arch, n_head=cfg.n_head, n_head_kv=cfg.n_head_kv,
-                             embed_scale=cfg.embed_scale, shapes=model.tensor_shapes,
-                             user_scale=scale, base_model=base_model_id(model.metadata,
-                                                                        source.model_path),
-                             dtype=adapter_type)
-        report.files = result.files
+        with _staged_folder(out) as staging:
+            result = export_peft(live, staging, arch=cfg.arch, n_head=cfg.n_head,
+                                 n_head_kv=cfg.n_head_kv, embed_scale=cfg.embed_scale,
+                                 shapes=model.tensor_shapes, user_scale=scale,
+                                 base_model=base_model_id(model.metadata, source.model_path),
+                                 dtype=adapter_type)
+        report.files = [str(out / Path(f).name) for f in result.files]
         report.warnings += result.warnings
         _verify(report, "", verify_peft, out, model, live, scale, tokens, report,
                 ADAPTER_TYPES[adapter_type])
@@ -894,29 +1014,36 @@ def export(source: ExportSource, to: str, out: str | os.PathLike | None = None, 
 
 def _export_ollama(source, model, out: Path, report, adapter_type, fallback_type, scale, tokens,
                    llamacpp, base_name) -> None:
-    out.mkdir(parents=True, exist_ok=True)
+    """Write the folder beside `out`, move it into place, then verify it there (the Modelfile
+    names the merged model by its final path)."""
     base_path = str(Path(source.model_path).expanduser().absolute())
     cfg = model.config
-    if source.full:   # full or hybrid training: Ollama gets the merged model
-        target = out / "model.gguf"
-        summary = write_merged(source.model_path, target, source.adapter, source.full,
-                               scale=scale, fallback_type=fallback_type)
-        _note_retyped(report, summary)
-        _verify(report, "model ", verify_merged, target, model, source.adapter, source.full,
-                scale, summary, tokens, report, llamacpp=llamacpp, prefix="model ")
-        from_path, adapter_rel, label = str(target), None, f"{base_name}, merged"
-    else:
-        target = out / "adapter.gguf"
-        types = write_adapter_gguf(fold_scale(source.adapter, scale), target, arch=cfg.arch,
-                                   adapter_type=adapter_type, name=f"{base_name} LoRA")
-        _note_adapter_fallbacks(report, types, adapter_type)
-        _verify(report, "adapter ", verify_gguf_lora, target, model, source.adapter, scale,
-                tokens, report, llamacpp=llamacpp, prefix="adapter ")
-        from_path, adapter_rel, label = base_path, "./adapter.gguf", f"{base_name} + LoRA adapter"
-    text, expected = modelfile_text(model, from_path, adapter_rel, label)
-    from app.engine.rundir import atomic_write_bytes
+    with _staged_folder(out) as staging:
+        if source.full:   # full or hybrid training: Ollama gets the merged model
+            target = out / OLLAMA_MODEL
+            summary = write_merged(source.model_path, staging / OLLAMA_MODEL, source.adapter,
+                                   source.full, scale=scale, fallback_type=fallback_type)
+            _note_retyped(report, summary)
+            verify_target = partial(_verify, report, "model ", verify_merged, target, model,
+                                    source.adapter, source.full, scale, summary, tokens, report,
+                                    llamacpp=llamacpp, prefix="model ")
+            from_path, adapter_rel, label = str(target), None, f"{base_name}, merged"
+        else:
+            target = out / OLLAMA_ADAPTER
+            types = write_adapter_gguf(fold_scale(source.adapter, scale), staging / OLLAMA_ADAPTER,
+                                       arch=cfg.arch, adapter_type=adapter_type,
+                                       name=f"{base_name} LoRA")
+            _note_adapter_fallbacks(report, types, adapter_type)
+            verify_target = partial(_verify, report, "adapter ", verify_gguf_lora, target, model,
+                                    source.adapter, scale, tokens, report, llamacpp=llamacpp,
+                                    prefix="adapter ")
+            from_path, adapter_rel, label = (base_path, f"./{OLLAMA_ADAPTER}",
+                                             f"{base_name} + LoRA adapter")
+        text, expected = modelfile_text(model, from_path, adapter_rel, label)
+        from app.engine.rundir import atomic_write_bytes
 
-    atomic_write_bytes(out / MODELFILE, text.encode("utf-8"))
+        atomic_write_bytes(staging / MODELFILE, text.encode("utf-8"))
+    verify_target()
     report.files = [str(out / MODELFILE), str(target)]
     _verify(report, "", lambda: report.add(verify_modelfile(out, expected, from_path,
                                                             adapter_rel)))

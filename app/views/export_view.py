@@ -4,7 +4,8 @@ Source: the selected run (its newest checkpoint, a given step, or its final adap
 adapter file with its base model. Format (GGUF LoRA, merged GGUF, PEFT, Ollama), tensor type,
 scale, destination. The export runs off the GUI thread (`app.engine.export.export`); its
 verification report is shown check by check, flagged in red when a check failed, with the
-command that loads the result.
+command that loads the result. An export that would replace an existing output asks first;
+one whose output is one of its inputs is refused (the engine's rule, in the error panel).
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from PySide6.QtCore import Qt, QUrl, Signal
 from PySide6.QtGui import QDesktopServices
 from PySide6.QtWidgets import (QAbstractItemView, QCheckBox, QComboBox, QDoubleSpinBox,
                                QFileDialog, QGridLayout, QHBoxLayout, QHeaderView, QLabel,
-                               QLineEdit, QPlainTextEdit, QProgressBar, QPushButton,
-                               QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
+                               QLineEdit, QMessageBox, QPlainTextEdit, QProgressBar,
+                               QPushButton, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
 
 from app.views.context import AppContext, Background
 from app.views.error_panel import ErrorPanel
@@ -62,7 +63,7 @@ def do_export(spec: dict):
         source = source_from_adapter(spec["adapter"], spec["model"])
     return export(source, spec["format"], spec["out"] or None, adapter_type=spec["type"],
                   fallback_type=spec["fallback"], scale=spec["scale"],
-                  llamacpp=None if spec["llamacpp"] else False)
+                  llamacpp=None if spec["llamacpp"] else False, overwrite=spec["overwrite"])
 
 
 def usage_command(report, model_path: str) -> str:
@@ -81,7 +82,8 @@ def usage_command(report, model_path: str) -> str:
 class ExportView(QWidget):
     """The Export screen. `report` is the last verification report (ExportReport)."""
 
-    export_finished = Signal(object)     # ExportReport, or the exception
+    export_finished = Signal(object)     # ExportReport, or the exception (ExportTargetExists
+                                         # when the user kept the existing output)
 
     def __init__(self, ctx: AppContext, parent: QWidget | None = None):
         super().__init__(parent)
@@ -251,7 +253,7 @@ class ExportView(QWidget):
                 "type": self.type_box.currentData() or "f32",
                 "fallback": self.fallback_box.currentData(), "scale": self.scale.value(),
                 "out": os.path.expanduser(self.out_field.text().strip()),
-                "llamacpp": self.llamacpp_box.isChecked()}
+                "llamacpp": self.llamacpp_box.isChecked(), "overwrite": False}
 
     def set_format(self, fmt: str, adapter_type: str | None = None) -> None:
         self.format_box.setCurrentIndex(self.format_box.findData(fmt))
@@ -277,18 +279,37 @@ class ExportView(QWidget):
         if problem is not None:
             self.error_panel.present("Cannot export yet", problem)
             return
+        self._run_export(spec)
+
+    def _run_export(self, spec: dict) -> None:
         self.export_button.setEnabled(False)
         self.busy.show()
         self.report_title.setText("Exporting and verifying\u2026")
         self._bg.run("export", do_export, spec, on_done=self._on_report,
-                     on_error=self._on_error)
+                     on_error=lambda error: self._on_error(error, spec))
 
-    def _on_error(self, error: BaseException) -> None:
+    def _on_error(self, error: BaseException, spec: dict) -> None:
+        from app.engine.export import ExportTargetExists
+
+        kept = isinstance(error, ExportTargetExists)    # the engine checked before writing
+        if kept and self._confirm_replace(error.path):
+            self._run_export(dict(spec, overwrite=True))
+            return
         self.export_button.setEnabled(True)
         self.busy.hide()
         self.report_title.setText("")
-        self.error_panel.present("The export failed", error)
+        if kept:
+            self.ctx.status(f"Export cancelled: {error.path} kept")
+        else:
+            self.error_panel.present("The export failed", error)
         self.export_finished.emit(error)
+
+    def _confirm_replace(self, path: Path) -> bool:
+        what = "folder" if path.is_dir() else "file"
+        return QMessageBox.question(
+            self, "Replace the export", f"Replace {path}?\n\nThe {what} exists already; the "
+            "new export takes its place.",
+            QMessageBox.Yes | QMessageBox.No, QMessageBox.No) == QMessageBox.Yes
 
     def _on_report(self, report) -> None:
         self.export_button.setEnabled(True)

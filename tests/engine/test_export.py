@@ -253,7 +253,7 @@ def test_merged_full_and_hybrid_training(tmp_path):
     tokens = _ref(name)["tokens"]
     for adapter in (None, load_adapter(GOLDEN / f"{name}-lora.gguf")):
         source = ExportSource(str(GOLDEN / f"{name}-f32.gguf"), adapter, full)
-        report = _export(source, "merged", tmp_path / "m.gguf", name)
+        report = _export(source, "merged", tmp_path / "m.gguf", name, overwrite=True)
         assert report.ok, report.to_text()
         want = engine_logits(model, tokens, adapter, 1.0, full)
         assert np.abs(want - model.logits(tokens, adapter)).max() > 0.1   # the full tensors count

@@ -1,11 +1,15 @@
 """Export: the form follows the selected run and the format; the export runs off the GUI
 thread; the verification report is shown and a failed one is flagged. (offscreen: conftest)"""
 
+import hashlib
+import shutil
 from pathlib import Path
 
 import pytest
 from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QMessageBox
 
+from app.engine.export import ExportTargetExists
 from app.engine.lora import load_adapter
 from app.engine.rundir import RunDir
 from app.engine.verify import Check, ExportReport
@@ -110,3 +114,55 @@ def test_errors_go_to_the_panel(qtbot, view, ctx, tmp_path):
     assert view.error_panel.title_label.text() == "The export failed"
     assert "no checkpoint yet" in view.error_panel.message_label.text()
     assert view.export_button.isEnabled() and not view.badge.isVisibleTo(view)
+
+
+def answer_questions(monkeypatch, button) -> list[str]:
+    """QMessageBox.question answers `button`; the texts it was asked are recorded."""
+    asked = []
+
+    def question(parent, title, text, *args):
+        asked.append(text)
+        return button
+    monkeypatch.setattr(QMessageBox, "question", question)
+    return asked
+
+
+def export_file(view, fmt: str, out: Path, model: str = MODEL) -> None:
+    view.source_box.setCurrentIndex(view.source_box.findData("file"))
+    view.adapter_field.setText(ADAPTER)
+    view.model_field.setText(model)
+    view.set_format(fmt)
+    view.llamacpp_box.setChecked(False)
+    view.out_field.setText(str(out))
+
+
+def test_replacing_an_existing_output_asks_first(qtbot, view, tmp_path, monkeypatch):
+    out = tmp_path / "adapter.gguf"
+    out.write_bytes(b"the user's file")
+    export_file(view, "gguf-lora", out)
+    asked = answer_questions(monkeypatch, QMessageBox.No)
+    result = export_and_wait(qtbot, view)
+    assert isinstance(result, ExportTargetExists) and result.path == out
+    assert asked == [f"Replace {out}?\n\nThe file exists already; the new export takes its place."]
+    assert out.read_bytes() == b"the user's file"
+    assert not view.error_panel.isVisibleTo(view) and not view.badge.isVisibleTo(view)
+    assert view.export_button.isEnabled() and not view.is_busy()
+    asked = answer_questions(monkeypatch, QMessageBox.Yes)
+    report = export_and_wait(qtbot, view)
+    assert len(asked) == 1 and report.ok and report.path == str(out)
+    assert load_adapter(out).tensors.keys() == load_adapter(ADAPTER).tensors.keys()
+    assert view.badge.text() == "VERIFIED"
+
+
+def test_an_export_over_its_own_input_is_refused(qtbot, view, tmp_path, monkeypatch):
+    base = tmp_path / "base.gguf"
+    shutil.copy(MODEL, base)
+    before = hashlib.sha256(base.read_bytes()).hexdigest()
+    export_file(view, "merged", base, model=str(base))
+    asked = answer_questions(monkeypatch, QMessageBox.Yes)
+    result = export_and_wait(qtbot, view)
+    assert isinstance(result, Exception) and asked == []
+    assert view.error_panel.title_label.text() == "The export failed"
+    assert (view.error_panel.message_label.text()
+            == f"Exporting to {base} would write over the base model ({base}).")
+    assert hashlib.sha256(base.read_bytes()).hexdigest() == before
