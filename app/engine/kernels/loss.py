@@ -94,11 +94,7 @@ def cross_entropy_frozen_head(h, w_out, labels, token_weights=None, softcap: flo
     run = _Running(xp, n, h.dtype)
     acc = xp.zeros(h_act.shape, h.dtype)                                # (N, C)
     label_rows = xp.zeros(h_act.shape, h.dtype)                         # (N, C) s_label w_label
-    # Each piece runs two GEMMs on its rows: blocks of up to 256 rows (one per thread when
-    # fewer) beat 128-row blocks by 10-15% in Gemma 3's loss phase (1.46 -> 1.25-1.34 s). On
-    # CuPy, where pieces run one after another, one block of all rows.
-    blocks = (row_blocks(n, min_rows=min(256, max(16, n // thread_count()))) if xp is np
-              else [slice(0, n)])
+    blocks = head_row_blocks(xp, n)
     if n:
         for lo in range(0, v, chunk):
             hi = min(lo + chunk, v)
@@ -130,6 +126,16 @@ def cross_entropy_frozen_head(h, w_out, labels, token_weights=None, softcap: flo
     acc -= label_rows
     acc *= coef                                                         # dh rows (N, C)
     return loss, stats, tokens.scatter(acc)
+
+
+def head_row_blocks(xp, n: int) -> list[slice]:
+    """The row blocks of cross_entropy_frozen_head, each a piece that runs two GEMMs on its
+    rows: blocks of up to 256 rows (one per thread when fewer) beat 128-row blocks by 10-15% in
+    Gemma 3's loss phase (1.46 -> 1.25-1.34 s). On CuPy, where pieces run one after another,
+    one block of all rows. On NumPy the blocks, so the GEMM calls, depend on the thread count."""
+    if xp is not np:
+        return [slice(0, n)]
+    return row_blocks(n, min_rows=min(256, max(16, n // thread_count())))
 
 
 class _Tokens:
