@@ -1,7 +1,8 @@
 """The engine's CPU threads: it splits its own work across the cores; BLAS runs single-threaded.
 
-The first time the engine computes in parallel it sets BLAS to one thread for the rest of the
-process, and from then on it decides what runs side by side:
+The first time the engine computes (in parallel or not: `WORKBENCH_THREADS=1` means one thread
+in all) it sets BLAS to one thread for the rest of the process, and from then on it decides
+what runs side by side:
 * `matmul` splits one large GEMM into one block of output columns per thread (linear layers,
   the loss head);
 * `parallel_map` runs independent pieces: the experts of an MoE layer, the kv-head groups of
@@ -46,6 +47,7 @@ MIN_SPLIT_WORK = 1 << 23
 MIN_BLOCK_COLUMNS = 256
 
 _pool: ThreadPoolExecutor | None = None
+_blas_limited = False
 _setup = threading.Lock()
 _inside = threading.local()  # set while a thread runs pieces: nested calls run serially
 
@@ -63,15 +65,26 @@ def thread_count() -> int:
 
 def _engine_pool() -> ThreadPoolExecutor:
     """The pool (the caller is one of the threads, so it has thread_count() - 1 workers), made on
-    first use; BLAS is set to one thread at the same moment, for good."""
+    first use."""
     global _pool
     with _setup:
         if _pool is None:
-            from threadpoolctl import threadpool_limits
-            threadpool_limits(limits=1, user_api="blas")
             _pool = ThreadPoolExecutor(max(thread_count() - 1, 1),
                                        thread_name_prefix="workbench-engine")
     return _pool
+
+
+def _single_threaded_blas() -> None:
+    """BLAS on one thread, for good, the first time the engine computes on NumPy. With one
+    engine thread too, the serial path makes the same BLAS calls as each piece of the
+    parallel one, and WORKBENCH_THREADS=1 uses one core."""
+    global _blas_limited
+    if not _blas_limited:
+        with _setup:
+            if not _blas_limited:
+                from threadpoolctl import threadpool_limits
+                threadpool_limits(limits=1, user_api="blas")
+                _blas_limited = True
 
 
 def _serial(xp, n_items: int) -> bool:
@@ -86,6 +99,8 @@ def parallel_map(fn: Callable[[T], R], items: Iterable[T], xp=np) -> list[R]:
     Serial for CuPy (`xp`), for one thread, for a single item, and inside another call.
     """
     items = list(items)
+    if xp is np:
+        _single_threaded_blas()
     if _serial(xp, len(items)):
         return [fn(item) for item in items]
     pool = _engine_pool()
@@ -124,6 +139,8 @@ def matmul(a, b, out=None):
     its own columns of the result. Small products, CuPy and nested calls: one plain matmul.
     """
     xp = get_array_module(a, b)
+    if xp is np:
+        _single_threaded_blas()
     m, k = a.shape
     n = b.shape[1]
     blocks = min(thread_count(), n // MIN_BLOCK_COLUMNS)

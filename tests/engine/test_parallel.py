@@ -241,3 +241,21 @@ def test_a_split_linear_layer_with_bias_lora_and_dropout_within_the_float32_boun
         for name, got, e, m in zip(("y", "dx", "dw", "dbias", "da", "db"), layer(*inputs),
                                    exact, magnitude):
             assert_within_gamma(got, e, m, t + n_in + n_out + r, f"{name}, {threads} threads")
+
+
+def test_one_engine_thread_runs_blas_on_one_thread_too():
+    """WORKBENCH_THREADS=1 means one core: BLAS goes to one thread the first time the engine
+    computes, as it does with the engine's pool (a fresh process: the limit is for good)."""
+    import subprocess
+    import sys
+
+    code = ("import numpy as np; from threadpoolctl import threadpool_info; "
+            "from app.engine import parallel; "
+            "before = max(i['num_threads'] for i in threadpool_info() if i['user_api'] == 'blas'); "
+            "parallel.matmul(np.ones((4, 4), np.float32), np.ones((4, 4), np.float32)); "
+            "after = [i['num_threads'] for i in threadpool_info() if i['user_api'] == 'blas']; "
+            "print(before, max(after))")
+    env = {**__import__("os").environ, "WORKBENCH_THREADS": "1", "OPENBLAS_NUM_THREADS": "2"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["2", "1"]
