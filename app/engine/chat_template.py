@@ -10,6 +10,15 @@ HTML escaping, non-ASCII kept, `indent`/`separators`/`sort_keys`), and the varia
 any extra keyword (e.g. `enable_thinking`). Any failure while compiling or rendering a template
 is the template's fault, so it surfaces as a `ConfigError` carrying the template's message.
 
+Budgets: a template is code that can loop 10^10 times (`range` nested in `range`) or ask for a
+2 GB string in one operation (`'a'|center(2000000000)`, `'%2000000000d' % 1`). Every render runs
+under the budget below: each loop iteration, call, filter, intercepted operator (`* ** + %`),
+`~` and output expression is a step that checks the step count, the characters produced so
+far and a wall-clock deadline; operations that can build a value much larger than their inputs
+(widths, repeats, joins, replacements, printf and format widths, big integers) are refused
+before they allocate. A render over budget raises `TemplateError`, which stops the caller (a
+run, `lint`, `generate`) instead of being charged again on the next row.
+
 System prompts: some templates reject a system message or demand strictly alternating roles
 (Gemma raises "System role not supported"). When rendering raises and the conversation starts
 with a system message followed by a user message, we render again with the system text merged
@@ -20,17 +29,23 @@ read. If that fails as well, the original error is raised.
 from __future__ import annotations
 
 import json
+import re
+import string
+import time
+from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime
-from functools import lru_cache
+from functools import lru_cache, wraps
 from typing import Any, Iterable
 
 import jinja2
-from jinja2 import nodes
+from jinja2 import nodes, pass_context
+from jinja2.compiler import CodeGenerator
 from jinja2.ext import Extension, loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.visitor import NodeTransformer
 
-from app.engine.errors import ConfigError
+from app.engine.errors import ConfigError, TemplateError
 from app.engine.tokenizer import END_OF_GENERATION_TEXTS
 
 DEFAULT_CHAT_TEMPLATE = (
@@ -49,8 +64,284 @@ served by llama.cpp; its role markers are plain text that any vocabulary can enc
 most widely used format (Qwen, many fine-tunes), so it is what users expect a default to be.
 """
 
-_MAX_REPEAT = 1_000_000  # longest string/list a template may build with `*`
 _HINT = "The chat template in the model file is broken or does not support this conversation."
+
+# ---- the budget -------------------------------------------------------------------------------
+# Per render. Measured on the real templates in tests/data/templates (2 shared cores): a
+# 5-message chat takes at most 0.7 ms and 64 steps; a 2,001-message chat of 8 MB (about 2M
+# tokens, beyond any context a run trains on) at most 0.1 s, 19,025 steps and 44M characters
+# built (test_template_budget.py checks the margins). MAX_LEN holds about 4M tokens of text.
+RENDER_DEADLINE_S = 3.0    # wall clock per render
+MAX_STEPS = 2_000_000      # loop iterations + calls + filters + operators + outputs
+MAX_LEN = 1 << 24          # longest string (characters) or list (items) one operation may build
+MAX_CHARS = 1 << 28        # characters built by all operations and outputs of one render
+MAX_INT_BITS = 1 << 16     # largest integer an operation may build
+MAX_INDENT = 64            # tojson's indent (characters per level)
+
+
+class _OverBudget(Exception):
+    """Raised inside a render that exceeds a budget; `_render` turns it into a TemplateError.
+    (While compiling, Jinja's constant folding swallows it and leaves the node to the render.)"""
+
+
+class _Budget:
+    def __init__(self) -> None:
+        self.deadline = time.monotonic() + RENDER_DEADLINE_S
+        self.steps = 0
+        self.chars = 0
+
+    def step(self, chars: int) -> None:
+        self.steps += 1
+        self.chars += chars
+        if self.steps > MAX_STEPS:
+            raise _OverBudget(f"more than {MAX_STEPS:,} steps (loop iterations, calls, "
+                              "filters and operators)")
+        if self.chars > MAX_CHARS:
+            raise _OverBudget(f"more than {MAX_CHARS:,} characters of text built in all")
+        if time.monotonic() > self.deadline:
+            raise _OverBudget(f"more than {RENDER_DEADLINE_S:g} s of rendering")
+
+
+_BUDGET: ContextVar[_Budget | None] = ContextVar("chat_template_budget", default=None)
+
+
+def _charge(chars: int = 0) -> None:
+    """One step that built `chars` characters (a no-op outside a render: compile time)."""
+    budget = _BUDGET.get()
+    if budget is not None:
+        budget.step(chars)
+
+
+def _cap(size: Any, what: str) -> None:
+    """Refuse, before it is built, a value of `size` characters or items."""
+    if isinstance(size, int) and size > MAX_LEN:
+        raise _OverBudget(f"{what} of {size:,} (the cap is {MAX_LEN:,})")
+
+
+def _cap_bits(bits: int, what: str) -> None:
+    if bits > MAX_INT_BITS:
+        raise _OverBudget(f"{what} of about {bits:,} bits (the cap is {MAX_INT_BITS:,})")
+
+
+def _produced(value: Any) -> Any:
+    """Charge an operation's result: its length for strings and containers."""
+    if isinstance(value, int):
+        _cap_bits(value.bit_length(), "an integer")
+    size = len(value) if isinstance(value, (str, bytes, list, tuple, dict, set)) else 0
+    _cap(size, "a value")
+    _charge(size)
+    return value
+
+
+def _arg(args: tuple, kwargs: dict, i: int, name: str, default: Any) -> Any:
+    return args[i] if len(args) > i else kwargs.get(name, default)
+
+
+def _joined(sep: str, items: Iterable) -> list[str]:
+    """`items` as strings, refused as soon as joining them with `sep` would exceed the cap."""
+    parts, size = [], 0
+    for item in items:
+        part = item if isinstance(item, (str, bytes)) else str(item)
+        size += len(part) + len(sep)
+        _cap(size, "a joined string")
+        parts.append(part)
+    return parts
+
+
+def _replaced_len(s: str, old: str, new: str, count: Any = -1) -> int:
+    """Length of `s.replace(old, new, count)`, computed without building it."""
+    n = s.count(old) if old else len(s) + 1
+    if isinstance(count, int) and count >= 0:
+        n = min(n, count)
+    return len(s) + n * (len(new) - len(old))
+
+
+_PRINTF_FIELD = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?")
+
+
+def _check_widths(numbers: Iterable[str], values: Iterable[Any], what: str) -> None:
+    """Widths and precisions written in a format (`numbers`), or taken from its arguments
+    (`values`, when the format takes them from there)."""
+    for n in numbers:
+        _cap(int(n) if len(n) <= 18 else 10 ** 18, what)  # int() refuses 4,300 digits
+    for value in values:
+        _cap(value, what)
+
+
+def _check_printf(fmt: str, args: Any) -> None:
+    fields = _PRINTF_FIELD.findall(fmt)
+    numbers = [n for field in fields for n in field if n.isdigit()]
+    starred = any("*" in field for field in fields)
+    values = (args if isinstance(args, tuple) else (args,)) if starred else ()
+    _check_widths(numbers, values, "a printf width")
+
+
+def _check_format(fmt: str, args: tuple, kwargs: dict) -> None:
+    """str.format / format_map: widths in the format specs, or in the arguments of nested
+    fields (`{:{width}}`)."""
+    specs = [spec for _, _, spec, _ in string.Formatter().parse(fmt) if spec]
+    nested = any("{" in spec for spec in specs)
+    values = [*args, *kwargs.values(), *(v for a in args if isinstance(a, dict)
+                                         for v in a.values())] if nested else ()
+    _check_widths(re.findall(r"\d+", "".join(specs)), values, "a format width")
+
+
+def _check_str_method(s: str | bytes, name: str, args: tuple, kwargs: dict) -> tuple:
+    """Refuse a str/bytes method whose result would exceed the cap; returns the arguments (a
+    join's items turned into strings)."""
+    if name in ("center", "ljust", "rjust", "zfill"):
+        _cap(_arg(args, kwargs, 0, "width", 0), f"a {name} width")
+    elif name == "expandtabs":
+        tab = "\t" if isinstance(s, str) else b"\t"
+        _cap(len(s) + s.count(tab) * _arg(args, kwargs, 0, "tabsize", 8), "expanded tabs")
+    elif name == "replace" and len(args) >= 2:
+        _cap(_replaced_len(s, *args[:3]), "a replaced string")
+    elif name == "join" and args:
+        args = (_joined(s, args[0]), *args[1:])
+    elif name in ("format", "format_map") and isinstance(s, str):
+        _check_format(s, args, kwargs)
+    elif name == "translate" and args and isinstance(args[0], dict):
+        longest = max((len(v) for v in args[0].values() if isinstance(v, str)), default=1)
+        _cap(len(s) * longest, "a translated string")
+    return args
+
+
+def _check_call(func: Any, args: tuple, kwargs: dict) -> tuple:
+    target = getattr(func, "__wrapped__", func)  # the sandbox wraps str.format
+    owner, name = getattr(target, "__self__", None), getattr(target, "__name__", "")
+    if isinstance(owner, (str, bytes)):
+        return _check_str_method(owner, name, args, kwargs)
+    if isinstance(owner, int) and name == "to_bytes":
+        _cap(_arg(args, kwargs, 0, "length", 1), "to_bytes length")
+    return args
+
+
+def _check_binop(operator: str, left: Any, right: Any) -> None:
+    ints = isinstance(left, int) and isinstance(right, int)
+    if operator == "**" and ints and right > 0 and abs(left) > 1:
+        _cap_bits((left.bit_length() - 1) * right, "an integer power")
+    elif operator == "*" and ints:
+        _cap_bits(left.bit_length() + right.bit_length() - 1, "an integer product")
+    elif operator == "*":
+        for seq, count in ((left, right), (right, left)):
+            if isinstance(seq, (str, bytes, list, tuple)) and isinstance(count, int):
+                _cap(len(seq) * count, "a repetition")
+    elif operator == "+" and isinstance(left, (str, bytes, list, tuple)) \
+            and isinstance(right, (str, bytes, list, tuple)):
+        _cap(len(left) + len(right), "a concatenation")
+    elif operator == "%" and isinstance(left, str):
+        _check_printf(left, right)
+
+
+# Filters that can build much more than they are given; each check has the filter's signature
+# (after any context argument) and returns the value the filter is to get.
+def _center(value, width=80):
+    _cap(width, "a center width")
+    return value
+
+
+def _indent(s, width=4, first=False, blank=False):
+    per_line = len(width) if isinstance(width, str) else width
+    if isinstance(per_line, int):
+        _cap(len(str(s)) + per_line * (str(s).count("\n") + 1), "an indented string")
+    return s
+
+
+def _format(value, *args, **kwargs):
+    if isinstance(value, str):
+        _check_printf(value, kwargs or args)
+    return value
+
+
+def _replace(s, old, new, count=None):
+    if isinstance(s, str) and isinstance(old, str) and isinstance(new, str):
+        _cap(_replaced_len(s, old, new, -1 if count is None else count), "a replaced string")
+    return s
+
+
+def _join(value, d="", attribute=None):
+    return value if attribute is not None else _joined(str(d), value)
+
+
+def _count(value, count, fill_with=None):
+    _cap(count, "a batch or slice count")
+    return value
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    width = len(indent) if isinstance(indent, str) else indent
+    if isinstance(width, int) and width > MAX_INDENT:
+        raise _OverBudget(f"a tojson indent of {width:,} (the cap is {MAX_INDENT})")
+    return value
+
+
+def _wordwrap(s, width=79, break_long_words=True, wrapstring=None, break_on_hyphens=True):
+    if isinstance(width, int) and isinstance(wrapstring, str):
+        _cap(len(s) + (len(s) // max(width, 1) + 1) * len(wrapstring), "a wrapped string")
+    return s
+
+
+_FILTER_CHECKS = {"center": _center, "indent": _indent, "format": _format, "replace": _replace,
+                  "join": _join, "batch": _count, "slice": _count, "tojson": _tojson,
+                  "wordwrap": _wordwrap}
+
+
+def _budgeted_filter(name: str, func):
+    """`func` (a filter) charged to the budget, with its size check when it has one."""
+    check = _FILTER_CHECKS.get(name)
+    skip = 1 if getattr(func, "jinja_pass_arg", None) is not None else 0  # context argument
+
+    @wraps(func)  # keeps jinja_pass_arg
+    def budgeted(*args, **kwargs):
+        if check is not None and len(args) > skip:
+            args = (*args[:skip], check(*args[skip:], **kwargs), *args[skip + 1:])
+        return _produced(func(*args, **kwargs))
+
+    return budgeted
+
+
+@pass_context  # never folded at compile time
+def _budgeted_loop(context, iterable, static_chars: int):
+    """A `for` loop's iterable: each iteration is a step that may output the loop body's
+    template text (`static_chars`)."""
+    for item in iterable:
+        _charge(static_chars)
+        yield item
+
+
+@pass_context
+def _budgeted_concat(context, parts: list) -> str:
+    """The `~` operator: the parts joined, refused before it would exceed the cap."""
+    return _produced("".join(_joined("", parts)))
+
+
+def _finalize(value: Any) -> str:
+    """Every `{{ ... }}` output (as text, which Jinja would make of it anyway) is a step."""
+    text = str(value)
+    _charge(len(text))
+    return text
+
+
+class _Instrument(NodeTransformer):
+    """Routes every `for` iterable and every `~` through the budgeted filters above."""
+
+    def visit_For(self, node: nodes.For) -> nodes.For:
+        self.generic_visit(node)
+        static = sum(len(data.data) for stmt in node.body
+                     for data in stmt.find_all(nodes.TemplateData))
+        node.iter = nodes.Filter(node.iter, "_budgeted_loop", [nodes.Const(static)], [], None,
+                                 None, lineno=node.lineno)
+        return node
+
+    def visit_Concat(self, node: nodes.Concat) -> nodes.Filter:
+        self.generic_visit(node)
+        return nodes.Filter(nodes.List(node.nodes, lineno=node.lineno), "_budgeted_concat", [],
+                            [], None, None, lineno=node.lineno)
+
+
+class _BudgetedCodeGenerator(CodeGenerator):
+    def visit_Template(self, node: nodes.Template, frame=None) -> None:
+        super().visit_Template(_Instrument().visit(node), frame)
 
 
 # ---- the sandbox ------------------------------------------------------------------------------
@@ -71,19 +362,19 @@ class _GenerationBlock(Extension):
 
 
 class _Sandbox(ImmutableSandboxedEnvironment):
-    """The immutable sandbox, plus a cap on `*` and `**` so a template cannot exhaust memory."""
+    """The immutable sandbox with every call and the operators that can build big values
+    checked and charged to the render's budget (and loops and `~`, by the code generator)."""
 
-    intercepted_binops = frozenset({"*", "**"})
+    code_generator_class = _BudgetedCodeGenerator
+    intercepted_binops = frozenset({"*", "**", "+", "%"})
 
     def call_binop(self, context, operator, left, right):
-        if operator == "**" and isinstance(right, (int, float)) and abs(right) > 64:
-            raise SecurityError("exponent too large in chat template")
-        if operator == "*":
-            for seq, count in ((left, right), (right, left)):
-                if isinstance(seq, (str, list, tuple)) and isinstance(count, int) \
-                        and len(seq) * count > _MAX_REPEAT:
-                    raise SecurityError("repetition too large in chat template")
-        return super().call_binop(context, operator, left, right)
+        _check_binop(operator, left, right)
+        return _produced(super().call_binop(context, operator, left, right))
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - Jinja's signature
+        args = _check_call(__obj, args, kwargs)
+        return _produced(super().call(__context, __obj, *args, **kwargs))
 
 
 def _raise_exception(message: str):
@@ -94,17 +385,22 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+def _hf_tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
     """HF's `tojson`: plain `json.dumps`, unlike Jinja's HTML-escaping built-in filter."""
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                       sort_keys=sort_keys)
 
 
 def _environment() -> _Sandbox:
-    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, loopcontrols])
-    env.filters["tojson"] = _tojson
+    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, loopcontrols],
+                   finalize=_finalize)
+    env.filters["tojson"] = _hf_tojson
+    env.filters = {name: _budgeted_filter(name, f) for name, f in env.filters.items()}
+    env.filters["_budgeted_loop"] = _budgeted_loop
+    env.filters["_budgeted_concat"] = _budgeted_concat
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    del env.globals["lipsum"]  # lipsum(n, min, max) builds text of any size
     return env
 
 
@@ -121,13 +417,33 @@ def _compile(source: str) -> jinja2.Template:
 
 # ---- rendering --------------------------------------------------------------------------------
 
-def _render(template: jinja2.Template, messages: list[dict], context: dict[str, Any],
-            add_generation_prompt: bool) -> str:
+_BUDGET_HINT = ("A chat template is code from the model file, and this one runs away. Fix the "
+                "model's tokenizer.chat_template, or give the run another template "
+                "(data_config.chat_template in its config).")
+
+
+def _describe(source: str | None) -> str:
+    """How errors name a template: the default, or the start of its source."""
+    if source is None:
+        return "The default ChatML template"
+    head = source.strip()[:60]
+    return f"The chat template {head!r}" + ("..." if len(source.strip()) > 60 else "")
+
+
+def _render(template: jinja2.Template, source: str | None, messages: list[dict],
+            context: dict[str, Any], add_generation_prompt: bool) -> str:
+    """One render under a fresh budget."""
+    budget = _BUDGET.set(_Budget())
     try:
         return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                **context)
+    except _OverBudget as exc:
+        raise TemplateError(f"{_describe(source)} exceeded its budget: {exc}.",
+                            _BUDGET_HINT) from exc
     except Exception as exc:  # template code is untrusted input: any failure is the template's
         raise ConfigError(f"The chat template failed: {exc}", _HINT) from exc
+    finally:
+        _BUDGET.reset(budget)
 
 
 def _merge_system_prompt(messages: list[dict]) -> list[dict] | None:
@@ -147,16 +463,18 @@ class _Conversation:
     the index each of them has in the caller's list."""
 
     template: jinja2.Template
+    source: str | None            # None: the default template
     messages: list[dict]
     origin: list[int]
     context: dict[str, Any]
 
     def render(self, upto: int | None = None, add_generation_prompt: bool = False) -> str:
-        return _render(self.template, self.messages[:upto], self.context, add_generation_prompt)
+        return _render(self.template, self.source, self.messages[:upto], self.context,
+                       add_generation_prompt)
 
     def replace_content(self, j: int, content: str) -> _Conversation:
         messages = [*self.messages[:j], {**self.messages[j], "content": content}, *self.messages[j + 1:]]
-        return _Conversation(self.template, messages, self.origin, self.context)
+        return _Conversation(self.template, self.source, messages, self.origin, self.context)
 
 
 def _conversation(template: str | None, messages: list[dict], bos_token: str, eos_token: str,
@@ -164,14 +482,14 @@ def _conversation(template: str | None, messages: list[dict], bos_token: str, eo
     """Render the whole conversation, applying the system-prompt fallback if the template raises."""
     compiled = _compile(template if template is not None else DEFAULT_CHAT_TEMPLATE)
     context = {"tools": None, "documents": None, **extra, "bos_token": bos_token, "eos_token": eos_token}
-    conv = _Conversation(compiled, list(messages), list(range(len(messages))), context)
+    conv = _Conversation(compiled, template, list(messages), list(range(len(messages))), context)
     try:
         return conv, conv.render(add_generation_prompt=add_generation_prompt)
     except ConfigError as first:
         merged = _merge_system_prompt(conv.messages)
         if merged is None:
             raise
-        conv = _Conversation(compiled, merged, list(range(1, len(messages))), context)
+        conv = _Conversation(compiled, template, merged, list(range(1, len(messages))), context)
         try:
             return conv, conv.render(add_generation_prompt=add_generation_prompt)
         except ConfigError:
@@ -183,7 +501,8 @@ def render_chat(template: str | None, messages: list[dict], *, bos_token: str = 
     """Render `messages` ([{"role": ..., "content": ...}, ...]) with a chat template.
 
     `template=None` uses `DEFAULT_CHAT_TEMPLATE`. Extra keywords become template variables
-    (`tools`, `documents`, `enable_thinking`, ...). Raises ConfigError when the template fails.
+    (`tools`, `documents`, `enable_thinking`, ...). Raises ConfigError when the template fails,
+    TemplateError when it exceeds its budget.
     """
     return _conversation(template, messages, bos_token, eos_token, add_generation_prompt, extra)[1]
 

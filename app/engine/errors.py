@@ -43,6 +43,14 @@ class ConfigError(EngineError):
     kind = "config"
 
 
+class TemplateError(EngineError):
+    """A chat template ran past its time or size budget (`app.engine.chat_template`). Not a
+    ConfigError on purpose: the data pipeline rejects a row on a ConfigError and goes on with
+    the next one, whereas a template over budget must stop the whole run at once."""
+
+    kind = "template"
+
+
 class OutOfMemoryError(EngineError):
     kind = "out_of_memory"
 

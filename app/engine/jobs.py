@@ -9,7 +9,8 @@ Each job is one run directory (see `app.engine.rundir`). States::
     paused (held: the worker skips it)          failed | cancelled --retry--> queued
 
 Requests on a running job (cancel, pause) are stored as `requested_action` and honoured by the
-worker between training steps. Every call either changes the job or raises a `JobStateError`
+worker between training steps, or forced within a grace period when the job is stuck (see
+`app.engine.worker`). Every call either changes the job or raises a `JobStateError`
 that says why not; unknown ids raise `NoSuchJobError`.
 
 Concurrency: WAL mode, a busy timeout, short `BEGIN IMMEDIATE` write transactions and one
@@ -23,6 +24,7 @@ The database lives at `platformdirs.user_data_dir("gguf-workbench")/queue.sqlite
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import sqlite3
 import threading
@@ -46,6 +48,7 @@ FINISH_STATES = ("done", "failed", "cancelled", "paused", "queued")
 
 DEFAULT_STALE_S = 60.0
 DEFAULT_MAX_ATTEMPTS = 3
+LOW_DISK_BYTES = 16 << 20  # free space under which a "disk I/O error" means a full disk
 
 _SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS jobs (
@@ -233,14 +236,28 @@ class JobQueue:
             return QueueError(f"The job queue {self.path} is corrupt ({e}).",
                               "Move the file away; an empty queue is created in its place. "
                               "Run directories are not affected.")
-        if "readonly" in text or "unable to open" in text or "disk i/o" in text:
+        # A full disk shows as SQLITE_FULL, or as a "disk I/O error" when a write to the WAL
+        # or its shared memory fails: then the free space tells.
+        if "full" in text or ("disk i/o" in text and self._disk_full()):
+            return QueueError(f"The disk holding the job queue {self.path} is full ({e}).",
+                              "Free some space on that disk, then try again.")
+        if "disk i/o" in text:
+            return QueueError(f"The job queue {self.path} could not be read or written: the "
+                              f"disk reported an I/O error ({e}).",
+                              "Check the disk (a removed drive, a network share gone, a "
+                              "failing disk), then try again.")
+        if "readonly" in text or "unable to open" in text:
             return QueueError(f"The job queue {self.path} cannot be opened or written ({e}).",
                               "Check that its folder exists and is writable.")
-        if "full" in text:
-            return QueueError(f"The disk holding the job queue {self.path} is full.",
-                              "Free some space, then try again.")
         return QueueError(f"The job queue {self.path} failed: {e}.",
                           "Try again; report it if it persists.")
+
+    def _disk_full(self) -> bool:
+        """Is the disk under the queue (nearly) full?"""
+        try:
+            return shutil.disk_usage(self.path.parent).free < LOW_DISK_BYTES
+        except OSError:
+            return False
 
     def _connection(self) -> sqlite3.Connection:
         """This thread's connection (kept open: closing the last connection checkpoints the

@@ -16,6 +16,11 @@ The runner contract (the default runner is `app.engine.run.run_job`)::
   "cancel": stop (a checkpoint is optional) and return "cancelled". None: carry on.
   (When the worker itself is asked to stop, should_stop says "pause"; the worker then puts
   the job back at the front of the queue instead of marking it paused.)
+- A request the runner leaves unhonoured for `grace_s` (a pause: also twice the longest gap
+  between its should_stop calls so far, so that a slow step can end and checkpoint) is
+  forced: `JobInterrupted` is raised in the runner's thread wherever it is in Python code
+  (rendering a template, tokenizing), and the job ends cancelled, paused (its last checkpoint
+  as it was) or queued again. Only code stuck in one native call can delay that.
 - Send events with `control.report(event)`: appended to metrics.jsonl (with `type`, default
   "step", and `time`); step events also update status.json (step, total_steps, epoch, loss,
   eta_s, ...; throttled to one write a second). `control.log(line)` writes log.txt.
@@ -28,6 +33,7 @@ The runner contract (the default runner is `app.engine.run.run_job`)::
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -37,6 +43,7 @@ import threading
 import time
 import traceback
 import uuid
+from contextlib import suppress
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -53,10 +60,22 @@ RESULTS = {None: "done", "done": "done", "paused": "paused", "cancelled": "cance
 STATUS_KEYS = ("step", "total_steps", "epoch", "total_epochs", "loss", "accuracy", "lr",
                "tokens_per_s", "elapsed_s", "eta_s", "reward_mean")  # the last: GRPO runs
 DEFAULT_HEARTBEAT_S = 5.0
+DEFAULT_GRACE_S = 5.0  # how long a runner may leave a cancel, pause or stop unhonoured
 
 
 class WorkerAlreadyRunning(EngineError):
     kind = "worker_running"
+
+
+class JobInterrupted(BaseException):
+    """Raised in the job's thread when the runner left a request unhonoured for the grace
+    period. A BaseException, so that the runner's own `except Exception` lets it through."""
+
+
+def _raise_in_thread(thread_id: int, exc: type[BaseException] | None) -> None:
+    """Raise `exc` in the thread at its next Python instruction; None withdraws a pending one."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id),
+                                               None if exc is None else ctypes.py_object(exc))
 
 
 def default_runner(run_dir: RunDir, control: "JobControl") -> str | None:
@@ -87,6 +106,8 @@ class JobControl:
         self.status_every_s = status_every_s
         self._stop_event = stop_event
         self._last_beat = time.monotonic()
+        self._last_poll = time.monotonic()
+        self.longest_poll_gap_s = 0.0       # the runner's longest time between should_stop calls
         self._last_status = 0.0
         self._pending_status: dict = {}
         self.requested: str | None = None   # the last action the queue asked for
@@ -97,9 +118,11 @@ class JobControl:
     def should_stop(self) -> str | None:
         """None to carry on, or "cancel" / "pause" (see the runner contract). Reads the
         queue on every call (about 10 us) and heartbeats at most every `heartbeat_s`."""
+        now = time.monotonic()
+        self.longest_poll_gap_s = max(self.longest_poll_gap_s, now - self._last_poll)
+        self._last_poll = now
         if self.lost:
             return "cancel"
-        now = time.monotonic()
         touch = now - self._last_beat >= self.heartbeat_s
         try:
             action = self.queue.heartbeat(self.job.id, self.worker_id, touch=touch)
@@ -118,13 +141,25 @@ class JobControl:
             return "pause"
         return action
 
-    def _beat(self) -> None:
-        """A heartbeat from the background thread."""
+    def pending(self) -> str | None:
+        """What the runner has been asked to do and has not done yet: "cancel", "pause",
+        "stop" (the worker stops) or None."""
+        if self.lost:
+            return "cancel"
+        if self.requested in ("cancel", "pause"):
+            return self.requested
+        if self._stop_event is not None and self._stop_event.is_set():
+            return "stop"
+        return None
+
+    def _beat(self, touch: bool = True) -> None:
+        """Read the requested action from the background thread; `touch`: also heartbeat."""
         if self.lost:
             return
         try:
-            self.requested = self.queue.heartbeat(self.job.id, self.worker_id)
-            self._last_beat = time.monotonic()
+            self.requested = self.queue.heartbeat(self.job.id, self.worker_id, touch=touch)
+            if touch:
+                self._last_beat = time.monotonic()
         except JobLostError as e:
             log.warning("%s", e.message)
             self.lost = True
@@ -160,21 +195,82 @@ class JobControl:
 
 
 class _Heartbeat(threading.Thread):
-    """Heartbeats from a background thread, so a long step does not look like a dead worker."""
+    """Heartbeats from a background thread, so a long step does not look like a dead worker;
+    and the watchdog of requests. A cancel, pause or worker stop that the runner leaves
+    unhonoured for the grace period is forced by raising JobInterrupted in the job's thread
+    (once). If the job has still not ended one more grace period later (stuck in a native
+    call), the heartbeats stop: the job goes stale instead of looking alive forever.
 
-    def __init__(self, control: JobControl, interval_s: float):
+    Made in the job's thread; checks the queue every `check_s` (a read), heartbeats every
+    `interval_s` (a write)."""
+
+    def __init__(self, control: JobControl, interval_s: float, grace_s: float):
         super().__init__(name=f"heartbeat-job-{control.job.id}", daemon=True)
         self.control = control
         self.interval_s = interval_s
+        self.grace_s = grace_s
+        self.check_s = min(interval_s, grace_s / 4)
+        self.job_thread = threading.get_ident()
         self._halt = threading.Event()
+        self._lock = threading.Lock()
+        self._armed = False   # the runner is running: an interrupt lands in it
+        self.fired = False    # JobInterrupted was raised (or is pending) in the job's thread
+
+    def _grace(self, request: str) -> float:
+        if request == "pause":  # let a slow step end and save its checkpoint
+            return max(self.grace_s, 2 * self.control.longest_poll_gap_s)
+        return self.grace_s
 
     def run(self) -> None:
-        while not self._halt.wait(self.interval_s):
-            self.control._beat()
+        last_beat = time.monotonic()
+        request, since = None, 0.0  # the unhonoured request and when it was first seen
+        while not self._halt.wait(self.check_s):
+            now = time.monotonic()
+            overdue = now - since if request is not None else 0.0
+            touch = now - last_beat >= self.interval_s and overdue < 2 * self._grace(request)
+            self.control._beat(touch=touch)
+            if touch:
+                last_beat = now
+            pending = self.control.pending()
+            if pending != request:
+                request, since = pending, now
+            elif request is not None and overdue >= self._grace(request):
+                self._interrupt(request, overdue)
+
+    def _interrupt(self, request: str, overdue_s: float) -> None:
+        with self._lock:
+            if self._armed and not self.fired:
+                log.warning("job %s: the runner left a %s unhonoured for %.1f s; interrupting it",
+                            self.control.job.id, request, overdue_s)
+                self.fired = True
+                _raise_in_thread(self.job_thread, JobInterrupted)
+
+    def guarded(self, runner: Runner, run: RunDir, control: JobControl) -> str | None:
+        """`runner(run, control)`, interruptible by the watchdog while it runs."""
+        with self._lock:
+            self._armed = True
+        try:
+            return runner(run, control)
+        finally:
+            self.disarm()
+
+    def disarm(self) -> None:
+        """No interrupt from now on; one raised but not yet delivered is withdrawn."""
+        with self._lock:
+            self._armed = False
+            if self.fired:
+                _raise_in_thread(self.job_thread, None)
 
     def stop(self) -> None:
         self._halt.set()
         self.join(timeout=5.0)
+
+
+def _interrupted_state(control: JobControl) -> str:
+    """The job's state after an interrupt, from the request it forced."""
+    if control.lost or control.requested == "cancel":
+        return "cancelled"
+    return "paused" if control.requested == "pause" else "queued"
 
 
 # --------------------------------------------------------------------------- running one job
@@ -201,7 +297,7 @@ def _bug_error(exc: BaseException) -> dict:
 
 
 def run_job_once(queue: JobQueue, job: Job, runner: Runner, worker_id: str, *,
-                 heartbeat_s: float = DEFAULT_HEARTBEAT_S,
+                 heartbeat_s: float = DEFAULT_HEARTBEAT_S, grace_s: float = DEFAULT_GRACE_S,
                  stop_event: threading.Event | None = None) -> str:
     """Run one claimed job to its end and record the outcome; returns the job's new state
     ("done", "failed", "cancelled", "paused", "queued", or "lost"). Never raises for the
@@ -209,7 +305,7 @@ def run_job_once(queue: JobQueue, job: Job, runner: Runner, worker_id: str, *,
     run = RunDir(job.run_dir)
     control = JobControl(queue, job, worker_id, run, heartbeat_s=heartbeat_s,
                          stop_event=stop_event)
-    beat = _Heartbeat(control, heartbeat_s)
+    beat = _Heartbeat(control, heartbeat_s, grace_s)
     beat.start()
     state, error = "failed", None
     started = time.time()
@@ -222,13 +318,16 @@ def run_job_once(queue: JobQueue, job: Job, runner: Runner, worker_id: str, *,
                              error=None)
             run.log(f"job {job.id}: started by worker {worker_id}"
                     + (f" (resumed after {job.attempts} worker death(s))" if job.attempts else ""))
-            result = runner(run, control)
+            result = beat.guarded(runner, run, control)
             if result not in RESULTS:
                 raise ValueError(f"the runner returned {result!r}; expected one of "
                                  "'done', 'paused', 'cancelled' or None")
             state = RESULTS[result]
             if state == "paused" and control.worker_stopping and control.requested != "pause":
                 state = "queued"  # the worker stops, not the user: first in line next time
+        except JobInterrupted:
+            beat.disarm()  # in case it landed in guarded's own disarm
+            state = _interrupted_state(control)
         except Cancelled:
             state = "cancelled"
         except EngineError as e:
@@ -290,8 +389,9 @@ def _record(queue: JobQueue, job: Job, worker_id: str, run: RunDir, control: Job
 def run_worker(queue: JobQueue | str | os.PathLike, runner: Runner | None = None,
                once: bool = False, poll_s: float = 1.0,
                stop_event: threading.Event | None = None, *, worker_id: str | None = None,
-               heartbeat_s: float = DEFAULT_HEARTBEAT_S, stale_after_s: float = DEFAULT_STALE_S,
-               max_attempts: int = DEFAULT_MAX_ATTEMPTS, exclusive: bool = True) -> int:
+               heartbeat_s: float = DEFAULT_HEARTBEAT_S, grace_s: float = DEFAULT_GRACE_S,
+               stale_after_s: float = DEFAULT_STALE_S, max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+               exclusive: bool = True) -> int:
     """Run queued jobs until `stop_event` is set (or, with `once`, until none is queued).
 
     Recovers stale jobs first (and every `stale_after_s` while idle). With `exclusive` (the
@@ -312,15 +412,15 @@ def run_worker(queue: JobQueue | str | os.PathLike, runner: Runner | None = None
                 + (f" (pid {pid})." if pid else "."),
                 "Only one worker may run per queue; it picks up the new jobs by itself.")
     try:
-        return _loop(queue, runner, once, poll_s, stop_event, worker_id, heartbeat_s,
+        return _loop(queue, runner, once, poll_s, stop_event, worker_id, heartbeat_s, grace_s,
                      stale_after_s, max_attempts)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _loop(queue, runner, once, poll_s, stop_event, worker_id, heartbeat_s, stale_after_s,
-          max_attempts) -> int:
+def _loop(queue, runner, once, poll_s, stop_event, worker_id, heartbeat_s, grace_s,
+          stale_after_s, max_attempts) -> int:
     log.info("worker %s on %s", worker_id, queue.path)
     last_recover = -float("inf")
     n = 0
@@ -346,7 +446,7 @@ def _loop(queue, runner, once, poll_s, stop_event, worker_id, heartbeat_s, stale
                 break
             stop_event.wait(poll_s)
             continue
-        run_job_once(queue, job, runner, worker_id, heartbeat_s=heartbeat_s,
+        run_job_once(queue, job, runner, worker_id, heartbeat_s=heartbeat_s, grace_s=grace_s,
                      stop_event=stop_event)
         n += 1
     log.info("worker %s: stopped after %d job(s)", worker_id, n)
@@ -357,7 +457,14 @@ def _loop(queue, runner, once, poll_s, stop_event, worker_id, heartbeat_s, stale
 
 
 def worker_lock_path(queue_path: str | os.PathLike) -> Path:
-    return Path(str(Path(queue_path).absolute()) + ".worker.lock")
+    """The queue's worker lock: beside the real database file, named by its device and inode,
+    so that every spelling of the path (relative, with `..`, through a symlink, a hard link in
+    the same folder) finds the same lock. (SQLite itself cannot share a database between hard
+    links in different folders: each name gets its own journal.) FileNotFoundError when the
+    database does not exist."""
+    real = Path(os.path.realpath(queue_path))
+    st = real.stat()
+    return real.parent / f".workbench-queue-{st.st_dev}-{st.st_ino}.worker.lock"
 
 
 def worker_log_path(queue_path: str | os.PathLike) -> Path:
@@ -399,17 +506,24 @@ def _unlock(fd: int) -> None:
 
 
 class WorkerLock:
-    """An OS file lock next to the queue: held by the one worker of that queue, released by
-    the OS when the worker dies (even by kill -9). The holder's pid is kept in the file's
-    companion `.pid` file."""
+    """An OS file lock next to the queue (`worker_lock_path`): held by the one worker of that
+    queue, released by the OS when the worker dies (even by kill -9). The holder's pid is kept
+    in the file's companion `.pid` file."""
 
     def __init__(self, queue_path: str | os.PathLike):
-        self.path = worker_lock_path(queue_path)
-        self.pid_path = Path(str(self.path)[:-len(".lock")] + ".pid")
+        self.queue_path = queue_path
+        self.path: Path | None = None  # None: there is no database, so no worker holds it
+        with suppress(FileNotFoundError):
+            self.path = worker_lock_path(queue_path)
+        self.pid_path = None if self.path is None else \
+            Path(str(self.path)[:-len(".lock")] + ".pid")
         self._fd: int | None = None
 
     def acquire(self, timeout_s: float = 1.0) -> bool:
         """Take the lock (retrying for `timeout_s`, since `worker_running` probes it briefly)."""
+        if self.path is None:
+            raise QueueError(f"There is no job queue at {self.queue_path}.",
+                             "Open it with JobQueue first: that creates it.")
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
@@ -442,6 +556,8 @@ class WorkerLock:
         """Does any process (this one included) hold the lock?"""
         if self._fd is not None:
             return True
+        if self.path is None:
+            return False
         try:
             fd = os.open(self.path, os.O_RDWR)
         except FileNotFoundError:
@@ -457,6 +573,8 @@ class WorkerLock:
             os.close(fd)
 
     def holder_pid(self) -> int | None:
+        if self.pid_path is None:
+            return None
         try:
             return int(self.pid_path.read_text().split()[0])
         except (OSError, ValueError, IndexError):

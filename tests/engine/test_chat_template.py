@@ -8,7 +8,7 @@ import pytest
 
 from app.engine.chat_template import (DEFAULT_CHAT_TEMPLATE, chat_prompt_ids,
                                       generation_prompt_ids, render_chat, render_chat_spans)
-from app.engine.errors import ConfigError
+from app.engine.errors import ConfigError, TemplateError
 from app.engine.gguf_io import read_gguf
 from app.engine.tokenizer import Tokenizer, load_tokenizer
 
@@ -218,11 +218,15 @@ def test_spans_reject_a_template_that_rewrites_the_content():
     "{{ cycler.__init__.__globals__ }}",
     "{{ messages.append(1) }}",
     "{{ (messages | first).update({'role': 'x'}) }}",
-    "{{ 'x' * 100000000 }}",
-    "{{ 9 ** 99999 }}",
 ])
 def test_sandbox_refuses_escapes_and_mutation(source):
-    with pytest.raises(ConfigError, match="unsafe|too large"):
+    with pytest.raises(ConfigError, match="unsafe"):
+        render_chat(source, [{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.parametrize("source", ["{{ 'x' * 100000000 }}", "{{ 9 ** 99999 }}"])
+def test_sandbox_refuses_huge_values(source):  # more in test_template_budget.py
+    with pytest.raises(TemplateError, match="exceeded its budget"):
         render_chat(source, [{"role": "user", "content": "hi"}])
 
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -464,3 +465,43 @@ def test_queue_cli_uses_the_environment_variable(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("WORKBENCH_QUEUE", str(tmp_path / "env.sqlite3"))
     assert run_cli(["queue", "add", make_run(tmp_path, "a")]) == 0
     assert [j.id for j in JobQueue(tmp_path / "env.sqlite3").list()] == [1]
+
+
+# ---------------------------------------------------------------------------- a full disk
+
+
+def test_a_full_database_says_the_disk_is_full(q, tmp_path):
+    q._connection().execute("PRAGMA max_page_count = 8")  # SQLITE_FULL, as on a full disk
+    with pytest.raises(QueueError) as caught:
+        for i in range(200):
+            q.add(make_run(tmp_path, f"r{i}"))
+    err = caught.value
+    assert "is full" in err.message and "Free some space" in err.hint
+    assert "writable" not in err.hint
+
+
+class _FailingConnection:
+    def __init__(self, message: str):
+        self.message = message
+
+    def execute(self, *args):
+        raise sqlite3.OperationalError(self.message)
+
+
+@pytest.mark.parametrize("free, says", [(1 << 20, "is full"), (1 << 40, "I/O error")])
+def test_a_disk_io_error_is_a_full_disk_only_when_the_disk_is_full(q, tmp_path, monkeypatch,
+                                                                    free, says):
+    monkeypatch.setattr(q, "_connection", lambda: _FailingConnection("disk I/O error"))
+    monkeypatch.setattr("shutil.disk_usage", lambda path: SimpleNamespace(free=free))  # bytes
+    with pytest.raises(QueueError) as caught:
+        q.add(make_run(tmp_path, "r"))
+    assert says in caught.value.message
+    assert "writable" not in caught.value.hint and "permission" not in caught.value.hint
+
+
+def test_permission_errors_keep_the_permissions_hint(q, monkeypatch):
+    monkeypatch.setattr(q, "_connection",
+                        lambda: _FailingConnection("attempt to write a readonly database"))
+    with pytest.raises(QueueError, match="cannot be opened or written") as caught:
+        q.list()
+    assert "writable" in caught.value.hint

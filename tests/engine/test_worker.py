@@ -20,11 +20,13 @@ import pytest
 
 from app.cli import run_cli
 from app.engine import worker as worker_mod
+from app.engine.chat_template import render_chat
 from app.engine.errors import Cancelled, ConfigError
 from app.engine.jobs import JobQueue, pid_alive
 from app.engine.rundir import RunDir, atomic_write_json, read_json
-from app.engine.worker import (JobControl, WorkerAlreadyRunning, run_worker,
-                               start_worker_detached, worker_pid, worker_running)
+from app.engine.worker import (JobControl, JobInterrupted, WorkerAlreadyRunning, WorkerLock,
+                               install_stop_signals, run_worker, start_worker_detached,
+                               worker_pid, worker_running)
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 30.0  # generous: only ever waited for in full when something is broken
@@ -115,6 +117,26 @@ def slow_runner(run_dir: RunDir, control: JobControl):
     return "done"
 
 
+def spin(seconds: float = TIMEOUT) -> int:
+    """Pure-Python work that never asks should_stop (a runaway template, a huge dataset);
+    gives up after `seconds` so that a broken test does not spin forever."""
+    n, give_up = 0, time.monotonic() + seconds
+    while time.monotonic() < give_up:
+        n += 1
+    return n
+
+
+def spinning_runner(run_dir: RunDir, control: JobControl):
+    """Checkpoints step 7, then is stuck in Python until interrupted; a resumed run is done."""
+    ckpt = run_dir.checkpoints_dir / "next.json"
+    if ckpt.exists() and read_json(ckpt).get("resumed"):
+        return "done"
+    atomic_write_json(ckpt, {"step": 7})
+    (run_dir.path / "started").write_text(str(os.getpid()))
+    spin()
+    return "done"
+
+
 def _child() -> None:
     """Entry point of a worker process: `python -c "...; _child()" SPEC_JSON`."""
     spec = json.loads(sys.argv[1])
@@ -131,9 +153,12 @@ def _child() -> None:
                 time.sleep(0.01)
             stop.set()
         threading.Thread(target=watch, daemon=True).start()
-    runner = {"recording": recording_runner, "slow": slow_runner}[spec["runner"]]
+    if spec.get("signals"):
+        install_stop_signals(stop)  # as `workbench queue worker` does
+    runner = {"recording": recording_runner, "slow": slow_runner,
+              "spinning": spinning_runner}[spec["runner"]]
     run_worker(JobQueue(spec["queue"]), runner=runner, poll_s=0.02, stop_event=stop,
-               exclusive=spec["exclusive"], heartbeat_s=0.2)
+               exclusive=spec["exclusive"], heartbeat_s=0.2, grace_s=spec.get("grace_s", 5.0))
 
 
 def spawn_worker(tmp_path, **spec) -> subprocess.Popen:
@@ -325,6 +350,111 @@ def test_a_job_taken_over_elsewhere_is_stopped_and_not_recorded(q, tmp_path):
     assert job.state == "running" and job.worker_id == "other"
 
 
+# ---------------------------------------------------------------------------- runners stuck in Python
+
+GRACE_S = 0.5
+
+
+def test_cancel_reaches_a_runner_stuck_in_python(q, tmp_path):
+    stuck, after = add_run(q, tmp_path, "stuck"), add_run(q, tmp_path, "after")
+    runner = StepRunner(n_steps=3)
+
+    def dispatch(run, control):
+        return (spinning_runner if run.config()["name"] == "stuck" else runner)(run, control)
+
+    t, stop, _ = in_thread(q, dispatch, heartbeat_s=0.2, grace_s=GRACE_S)
+    try:
+        wait_for(lambda: (RunDir(q.get(stuck).run_dir).path / "started").exists(),
+                 what="the stuck job to start")
+        asked = time.monotonic()
+        q.cancel(stuck)
+        wait_for(lambda: q.get(stuck).state == "cancelled", timeout=10, what="the cancel")
+        assert time.monotonic() - asked < GRACE_S + 3
+        wait_for(lambda: q.get(after).state == "done", what="the job behind it")
+    finally:
+        stop.set()
+        t.join(TIMEOUT)
+    assert RunDir(q.get(stuck).run_dir).status()["state"] == "cancelled"
+
+
+def test_pause_reaches_a_stuck_runner_and_keeps_its_checkpoint(q, tmp_path):
+    job_id = add_run(q, tmp_path, "a")
+    run = RunDir(q.get(job_id).run_dir)
+    t, stop, _ = in_thread(q, spinning_runner, heartbeat_s=0.2, grace_s=GRACE_S)
+    try:
+        wait_for(lambda: (run.path / "started").exists(), what="the job to start")
+        q.pause(job_id)
+        wait_for(lambda: q.get(job_id).state == "paused", timeout=10, what="the pause")
+        assert read_json(run.checkpoints_dir / "next.json") == {"step": 7}  # intact
+        atomic_write_json(run.checkpoints_dir / "next.json", {"step": 7, "resumed": True})
+        q.resume(job_id)
+        wait_for(lambda: q.get(job_id).state == "done", what="the resumed job")
+    finally:
+        stop.set()
+        t.join(TIMEOUT)
+
+
+def test_a_runner_that_swallows_the_interrupt_stops_heartbeating(q, tmp_path):
+    job_id = add_run(q, tmp_path, "a")
+    release = threading.Event()
+
+    def stubborn(run, control):
+        while not release.is_set():
+            try:
+                spin(0.05)
+            except JobInterrupted:
+                pass  # e.g. native code that never returns, as far as the worker can tell
+        return "cancelled"
+
+    t, stop, _ = in_thread(q, stubborn, heartbeat_s=0.1, grace_s=0.3)
+    try:
+        wait_for(lambda: q.get(job_id).state == "running", what="the job to start")
+        q.cancel(job_id)
+        wait_for(lambda: time.time() - q.get(job_id).heartbeat_at > 1.0, timeout=10,
+                 what="the heartbeat to go stale")
+        assert q.get(job_id).state == "running"  # recover_stale will take it from here
+    finally:
+        release.set()
+        stop.set()
+        t.join(TIMEOUT)
+    assert q.get(job_id).state == "cancelled"
+
+
+def test_a_runaway_template_fails_its_job_with_the_budget_message(q, tmp_path, capsys):
+    job_id = add_run(q, tmp_path, "a")
+    loops = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    run_worker(q, runner=lambda run, control: render_chat(loops, [{"role": "user",
+                                                                   "content": "hi"}]),
+               once=True)
+    job = q.get(job_id)
+    assert (job.state, job.error_kind) == ("failed", "template")
+    assert "exceeded its budget" in job.error_message and "tokenizer.chat_template" in job.error_hint
+    assert RunDir(job.run_dir).status()["error"]["kind"] == "template"
+    assert run_cli(["queue", "list", "--queue", str(q.path)]) == 0
+    assert "template: The chat template '{% for i in range(100000)" in capsys.readouterr().out
+
+
+def test_sigterm_stops_a_worker_whose_job_is_stuck(q, tmp_path):
+    job_id = add_run(q, tmp_path, "a")
+    run = RunDir(q.get(job_id).run_dir)
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = spawn_worker(tmp_path, queue=str(q.path), out=str(out), runner="spinning",
+                        exclusive=True, signals=True, grace_s=GRACE_S)
+    try:
+        wait_for(lambda: (run.path / "started").exists(), what="the job to start")
+        asked = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+        assert time.monotonic() - asked < GRACE_S + 5
+    finally:
+        proc.kill()
+        proc.wait(TIMEOUT)
+    job = q.get(job_id)
+    assert job.state == "queued" and [j.id for j in q.list("queued")] == [job_id]
+    assert read_json(run.checkpoints_dir / "next.json") == {"step": 7}
+
+
 # ---------------------------------------------------------------------------- several processes
 
 
@@ -409,6 +539,47 @@ def test_only_one_worker_per_queue(q, tmp_path):
         stop.set()
         t.join(TIMEOUT)
     assert not worker_running(q) and worker_pid(q) is None
+
+
+def test_one_worker_whatever_the_queue_path_is_called(q, tmp_path, monkeypatch):
+    link = tmp_path / "link.sqlite3"
+    link.symlink_to(q.path)
+    hard = tmp_path / "hard.sqlite3"
+    os.link(q.path, hard)
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path / "sub")
+    spellings = [link, hard, Path("../q.sqlite3"), tmp_path / "sub" / ".." / "q.sqlite3"]
+    t, stop, _ = in_thread(q, StepRunner())
+    try:
+        wait_for(lambda: worker_running(q), what="the worker lock")
+        for path in spellings:
+            assert worker_running(path) and worker_pid(path) == os.getpid()
+            assert not WorkerLock(path).acquire(timeout_s=0.05)
+            if path != hard:  # SQLite cannot open a hard link beside a WAL-mode database
+                with pytest.raises(WorkerAlreadyRunning):
+                    run_worker(JobQueue(path), runner=StepRunner(), once=True)
+    finally:
+        stop.set()
+        t.join(TIMEOUT)
+    assert not any(worker_running(path) for path in spellings)
+    assert not worker_running(tmp_path / "no-such-queue.sqlite3")
+
+
+def test_two_worker_processes_through_a_symlink_take_one_lock(q, tmp_path):
+    link = tmp_path / "link.sqlite3"
+    link.symlink_to(q.path)
+    out = tmp_path / "out"
+    out.mkdir()
+    stop_file = tmp_path / "stop"
+    procs = [spawn_worker(tmp_path, queue=str(path), out=str(out), runner="recording",
+                          exclusive=True, n_ready=2, stop_file=str(stop_file))
+             for path in (q.path, link)]
+    try:
+        wait_for(lambda: any(p.poll() is not None for p in procs), what="one worker to give up")
+    finally:
+        stop_file.touch()
+        codes = sorted(p.wait(TIMEOUT) for p in procs)
+    assert codes == [0, 1]  # WorkerAlreadyRunning for the second
 
 
 def test_detached_worker(q, tmp_path, capsys):
