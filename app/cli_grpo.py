@@ -14,8 +14,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from app.cli_train import (TARGET_ALIASES, Progress, _clock, _read_config_file, add_compute_options,
-                           start_run)
+from app.cli_train import TARGET_ALIASES, Progress, _clock, add_compute_options, start_run
 from app.engine.errors import ConfigError
 
 REWARD_HELP = ("reward function, repeatable, weight after the last colon (default 1): "
@@ -84,11 +83,13 @@ def add_grpo_parser(sub) -> None:
 
 def grpo_config_from_args(args):
     """A GrpoConfig from --config (if any) with the command-line options on top."""
-    from app.engine.grpo import build_grpo_config
+    from app.engine.config_schema import check, read_config_file
+    from app.engine.grpo import GrpoConfig, build_grpo_config
     from app.engine.reward_functions import RewardSpec
 
-    base = _read_config_file(args.config) if args.config else {}
+    base = read_config_file(args.config) if args.config else {}
     base.pop("kind", None)
+    check({"model": "", "prompts": "", **base}, GrpoConfig, args.config)
     train = base.setdefault("train", {})
     for key, value in (("model", args.model), ("prompts", args.prompts),
                        ("adapter", args.adapter)):

@@ -81,15 +81,6 @@ def add_train_parsers(sub) -> None:
                         "Python with your rights)")
 
 
-def _read_config_file(path: str) -> dict:
-    text = Path(path).read_text()
-    if path.endswith(".toml"):
-        import tomllib
-
-        return tomllib.loads(text)
-    return json.loads(text)
-
-
 def add_compute_options(group) -> None:
     """--device and --weight-cache-mb (TrainConfig.device, .weight_cache_mb): train and grpo."""
     group.add_argument("--device", choices=("cpu", "cuda"),
@@ -99,10 +90,13 @@ def add_compute_options(group) -> None:
 
 
 def run_config_from_args(args):
-    """A RunConfig from --config (if any) with the command-line options on top."""
+    """A RunConfig from --config (if any) with the command-line options on top. Every problem
+    of the file is reported at once, before the options go on top of it."""
+    from app.engine.config_schema import check, read_config_file
     from app.engine.run import RunConfig
 
-    base = _read_config_file(args.config) if args.config else {}
+    base = read_config_file(args.config) if args.config else {}
+    check({"model": "", "data": "", **base}, RunConfig, args.config)
     base.setdefault("train", {})
     base.setdefault("data_config", {})
     train, data = base["train"], base["data_config"]

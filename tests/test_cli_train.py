@@ -77,4 +77,4 @@ def test_weight_cache_option_reaches_the_model(tmp_path, monkeypatch, capsys):
     assert json.loads((tmp_path / "run" / "config.json").read_text())["train"][
         "weight_cache_mb"] == 0
     assert _train(tmp_path / "bad", "--epochs", "1", "--weight-cache-mb", "-1") == 2
-    assert "weight_cache_mb must not be negative" in capsys.readouterr().err
+    assert "train.weight_cache_mb: expected an integer in [0, " in capsys.readouterr().err

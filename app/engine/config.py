@@ -13,7 +13,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from app.engine.errors import ModelFormatError, UnsupportedModelError
+from app.engine.config_schema import check
+from app.engine.errors import ConfigError, ModelFormatError, UnsupportedModelError
 
 ROPE_NORM, ROPE_NEOX = "norm", "neox"
 
@@ -289,42 +290,18 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
-        """From a run's config.json section (lists become tuples); unknown keys are an error."""
-        from dataclasses import fields
-
-        from app.engine.errors import ConfigError
-
+        """From a run's config.json section (lists become tuples); any unknown key, wrong type or
+        value out of range is a ConfigError listing them all (app.engine.config_schema)."""
+        check(d, cls)
         d = dict(d)
-        unknown = set(d) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ConfigError(f"Unknown training settings: {', '.join(sorted(unknown))}.")
         for key in ("lora_targets", "full_targets"):
             if key in d:
                 d[key] = tuple(d[key])
         return cls(**d)
 
     def validate(self) -> None:
-        from app.engine.errors import ConfigError
-
-        if self.mode not in TRAIN_MODES:
-            raise ConfigError(f"Unknown training mode '{self.mode}'.",
-                              "Use one of: " + ", ".join(TRAIN_MODES) + ".")
-        if self.optimizer not in OPTIMIZERS:
-            raise ConfigError(f"Unknown optimizer '{self.optimizer}'.",
-                              "Use one of: " + ", ".join(OPTIMIZERS) + ".")
+        """The schema's types, ranges and allowed values (app.engine.config_schema), then what
+        one key cannot say: a hybrid run names what it trains in full."""
+        check(asdict(self), TrainConfig)
         if self.mode == "hybrid" and not self.full_targets:
             raise ConfigError("A hybrid run needs full_targets (e.g. norms, router).")
-        if self.weight_cache_mb is not None and self.weight_cache_mb < 0:
-            raise ConfigError("weight_cache_mb must not be negative.",
-                              "Use 0 to dequantize at every use, or leave it unset.")
-        if self.device not in ("cpu", "cuda"):
-            raise ConfigError(f"Unknown device '{self.device}'.", "Use cpu or cuda.")
-        for name in ("max_steps", "grad_accum"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be at least 1.")
-        if not 0.0 <= self.lora_dropout < 1.0:
-            raise ConfigError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}.")
-        for name in ("checkpoint_interval", "warmup_steps", "lr", "weight_decay", "gclip",
-                     "max_grad_norm", "min_lr"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name} must not be negative.")

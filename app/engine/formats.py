@@ -38,6 +38,7 @@ import hashlib
 import json
 import math
 import os
+import sys
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -115,6 +116,12 @@ class RejectionLog:
     def total(self) -> int:
         return sum(self.kinds.values())
 
+    def summary(self, listed: int = 5) -> str:
+        """'skipped 3 rows: line 4 (missing key "text"), line 9 (...), ...': the first `listed`."""
+        lines = ", ".join(f"line {r.line} ({r.reason})" for r in self.kept[:listed])
+        more = f", and {self.total - listed} more" if self.total > listed else ""
+        return f"skipped {self.total} row{'s' * (self.total != 1)}: {lines}{more}"
+
 
 @dataclass(frozen=True)
 class Example:
@@ -191,6 +198,28 @@ def iter_lines(path, max_line_bytes: int | None = None,
             progress(done)
 
 
+def loads_json(text: str) -> Any:
+    """json.loads whose every failure is a ValueError: a json.JSONDecodeError (with its msg,
+    line and column), or a ValueError saying which limit the text exceeds (an integer longer
+    than Python's int-from-string digit limit, nesting deeper than the recursion limit)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise
+    except ValueError:
+        raise ValueError(f"an integer longer than {sys.get_int_max_str_digits()} digits") from None
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
+def as_float(value: int | float) -> float:
+    """A JSON number as a float; an integer beyond the float range becomes +-inf."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
 def parse_line(line: int, raw: bytes | None) -> dict | Rejection:
     """The JSON object on a line, or why there is none."""
     if raw is None:
@@ -201,11 +230,11 @@ def parse_line(line: int, raw: bytes | None) -> dict | Rejection:
         return Rejection(line, NOT_UTF8, f"not valid UTF-8 (byte 0x{raw[exc.start]:02x} at "
                                          f"column {exc.start + 1})")
     try:
-        obj = json.loads(text)
+        obj = loads_json(text)
     except json.JSONDecodeError as exc:
         return Rejection(line, INVALID_JSON, f"invalid JSON: {exc.msg} (column {exc.colno})")
-    except RecursionError:
-        return Rejection(line, INVALID_JSON, "invalid JSON: nested too deeply")
+    except ValueError as exc:
+        return Rejection(line, INVALID_JSON, f"invalid JSON: {exc}")
     if not isinstance(obj, dict):
         return Rejection(line, NOT_OBJECT, f"expected a JSON object, got {_type_name(obj)}")
     return obj
@@ -447,7 +476,7 @@ def _weight(obj: dict, weight_field: str | None) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _Bad(BAD_WEIGHT, f'"{key}" must be a number, got {_type_name(value)}')
-    value = float(value)
+    value = as_float(value)
     if not math.isfinite(value):
         raise _Bad(BAD_WEIGHT, f'"{key}" must be a finite number, got {value}')
     return value

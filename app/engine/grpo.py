@@ -77,6 +77,7 @@ import numpy as np
 from app.engine.backend import peak_rss_mb
 from app.engine.checkpoint import prune_checkpoints, save_checkpoint
 from app.engine.config import TrainConfig
+from app.engine.config_schema import check
 from app.engine.errors import ConfigError, DatasetError
 from app.engine.formats import Rejection, iter_lines, parse_line
 from app.engine.lora import load_adapter, save_adapter
@@ -176,9 +177,7 @@ class GrpoConfig:
         kind = d.pop("kind", KIND)
         if kind != KIND:
             raise ConfigError(f"This is a '{kind}' run configuration, not a GRPO one.")
-        known = {f.name for f in dataclasses.fields(cls)}
-        if set(d) - known:
-            raise ConfigError(f"Unknown GRPO settings: {', '.join(sorted(set(d) - known))}.")
+        check(d, cls)       # every unknown key, wrong type or value out of range
         train = TrainConfig.from_dict(d.pop("train", {}))
         rewards = tuple(RewardSpec.from_dict(r) for r in d.pop("rewards", [{"kind": "exact"}]))
         return cls(train=train, rewards=rewards, **d)
@@ -197,6 +196,7 @@ def build_grpo_config(d: dict) -> GrpoConfig:
     if not d.get("rewards"):
         raise ConfigError("A GRPO run needs at least one reward function.",
                           "Add a reward: exact (or regex:PATTERN, numeric, a .py file, ...).")
+    check(d, GrpoConfig)
     absolute = lambda p: str(Path(p).expanduser().resolve())
     for key in ("model", "prompts", "adapter"):
         if d.get(key):

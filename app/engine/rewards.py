@@ -28,7 +28,6 @@ their loss would be zero, and they would only dilute the per-token average.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -36,7 +35,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from app.engine.errors import ConfigError, DatasetError
-from app.engine.formats import NEGATIVE_WEIGHT, NO_WEIGHT, Rejection, iter_lines
+from app.engine.formats import (NEGATIVE_WEIGHT, NO_WEIGHT, Rejection, as_float, iter_lines,
+                                loads_json)
 
 NORMALIZATIONS = ("none", "mean-std", "min-max", "clip")
 
@@ -73,10 +73,12 @@ class WeightsFile:
 
 
 def _number(value, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise DatasetError(f"{where}: the weight must be a finite number, got {value!r}.",
+    number = math.nan if isinstance(value, bool) or not isinstance(value, (int, float)) \
+        else as_float(value)
+    if not math.isfinite(number):
+        raise DatasetError(f"{where}: the weight must be a finite number, got {value!r:.40}.",
                            "Fix that line of the weights file.")
-    return float(value)
+    return number
 
 
 def read_weights_file(path) -> WeightsFile:
@@ -102,9 +104,9 @@ def read_weights_file(path) -> WeightsFile:
                                    "\"reward\": ...} rows.") from None
             continue
         try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise DatasetError(f"{where}: invalid JSON ({exc.msg}).",
+            obj = loads_json(text)
+        except ValueError as exc:
+            raise DatasetError(f"{where}: invalid JSON ({getattr(exc, 'msg', exc)}).",
                                "Fix that line of the weights file.") from None
         if not isinstance(obj, dict) or "id" not in obj or not ("reward" in obj or "weight" in obj):
             raise DatasetError(f'{where}: expected {{"id": ..., "reward": ...}}.',

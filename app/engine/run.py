@@ -21,6 +21,7 @@ from app.engine.backend import memory_report, peak_rss_mb
 from app.engine.checkpoint import (latest_checkpoint, load_checkpoint, prune_checkpoints,
                                    save_checkpoint)
 from app.engine.config import TrainConfig
+from app.engine.config_schema import check
 from app.engine.data import DataConfig, load_dataset
 from app.engine.errors import ConfigError, DatasetError, EngineError, OutOfMemoryError
 from app.engine.lora import adapter_norms, load_adapter, save_adapter
@@ -76,10 +77,11 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "RunConfig":
+        """From a config.json dict; every unknown key, wrong type or value out of range is
+        listed in one ConfigError (app.engine.config_schema)."""
+        check(d, cls)
         d = dict(d)
-        known = {f.name for f in dataclasses.fields(cls)}
-        if set(d) - known:
-            raise ConfigError(f"Unknown run settings: {', '.join(sorted(set(d) - known))}.")
+        d.pop("kind", None)
         train = TrainConfig.from_dict(d.pop("train", {}))
         return cls(train=train,
                    data_config=DataConfig.from_dict(d.pop("data_config", {})), **d)
@@ -121,6 +123,8 @@ def train(config: RunConfig, report: Report, should_stop: ShouldStop,
     report({"type": "log", "message": f"tokenizing {Path(config.data).name}"})
     dataset = load_dataset(config.data, model.tokenizer, config.data_config,
                            should_stop=lambda: bool(should_stop()))
+    if dataset.rejections.total:
+        report({"type": "log", "message": dataset.rejections.summary()})
     tc = config.train
     steps_per_epoch = dataset.steps_per_epoch(tc.grad_accum)
     if steps_per_epoch == 0:

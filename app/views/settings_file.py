@@ -1,37 +1,29 @@
 """Settings files: a New run screen's settings saved as JSON, or a run's config.json.
 
-`read_settings(path)` reads one and checks it the way the engine will (a RunConfig, or with
-"kind": "grpo" a GrpoConfig; the model and dataset may be missing): a file that is not JSON,
-not an object or holds unknown settings raises ConfigError with a hint. `write_settings(path,
-d)` writes one.
+`read_settings(path)` reads one and checks it against the engine's config schema
+(app.engine.config_schema: a RunConfig, or with "kind": "grpo" a GrpoConfig; the model and
+dataset may be missing) before anything is shown: a file that does not parse, is not an object
+or has unknown keys, values of the wrong type or out of range raises one ConfigError listing
+them all. `write_settings(path, d)` writes one.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
-from app.engine.errors import ConfigError
+from app.engine.config_schema import check, read_config_file
 
 
 def read_settings(path: str) -> dict:
-    try:
-        d = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"Could not read {os.path.basename(path)}: {e}.",
-                          "Pick a settings file saved by the workbench or a run's "
-                          "config.json.") from e
-    if not isinstance(d, dict):
-        raise ConfigError(f"{os.path.basename(path)} is not a settings file.")
-    if d.get("kind") == "grpo":                                 # unknown keys -> ConfigError
-        from app.engine.grpo import GrpoConfig
+    from app.engine.grpo import GrpoConfig
+    from app.engine.run import RunConfig
 
-        GrpoConfig.from_dict({"model": "", "prompts": "", **d})
+    d = read_config_file(path)
+    if d.get("kind") == "grpo":
+        check({"model": "", "prompts": "", **d}, GrpoConfig, path)
     else:
-        from app.engine.run import RunConfig
-
-        RunConfig.from_dict({"model": "", "data": "", **d})
+        check({"model": "", "data": "", **d}, RunConfig, path)
     return d
 
 

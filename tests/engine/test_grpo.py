@@ -334,7 +334,7 @@ def test_config_round_trip_and_validation():
                 dict(train=TrainConfig(mode="full"))):
         with pytest.raises(ConfigError):
             _config(**bad).validate()
-    with pytest.raises(ConfigError, match="Unknown GRPO settings"):
+    with pytest.raises(ConfigError, match="epochs: unknown setting"):
         GrpoConfig.from_dict({**d, "epochs": 3})
 
 

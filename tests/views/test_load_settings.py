@@ -1,0 +1,48 @@
+"""New run's Load settings with malformed files: the error goes to the window's funnel naming
+the keys, and the form stays exactly as it was (never half filled)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from app.engine.errors import EngineError
+from tests.engine.test_config_schema import BAD_CONFIGS, GRPO_DICTS, RUN_DICTS, _bad_config_ids
+
+
+@pytest.fixture
+def view(new_run, ctx):
+    new_run.errors = []
+    ctx.error_reported.connect(lambda title, e, context: new_run.errors.append((title, e)))
+    return new_run
+
+
+@pytest.mark.parametrize("name,text,named", BAD_CONFIGS, ids=_bad_config_ids())
+def test_a_malformed_settings_file_changes_nothing_and_says_why(view, tmp_path, name, text, named):
+    view.form["rank"].setValue(12)
+    before = (view.config_dict(), view.form.values())
+    path = tmp_path / name
+    path.write_text(text)
+    view.load_settings(str(path))
+    assert (view.config_dict(), view.form.values()) == before
+    title, error = view.errors[-1]
+    assert title == "Could not load the settings" and error.kind == "config"
+    for part in named:
+        assert part in error.message
+
+
+@settings(max_examples=100, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(st.one_of(RUN_DICTS, GRPO_DICTS.map(lambda d: {**d, "kind": "grpo"})))
+def test_load_settings_never_raises_and_never_half_fills(view, tmp_path, d):
+    before = (view.kind(), view.config_dict())
+    path = tmp_path / "random.json"
+    path.write_text(json.dumps(d))
+    n_errors = len(view.errors)
+    view.load_settings(str(path))                   # any exception fails the test
+    if len(view.errors) > n_errors:
+        assert isinstance(view.errors[-1][1], EngineError)
+        assert (view.kind(), view.config_dict()) == before
