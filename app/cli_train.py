@@ -255,15 +255,36 @@ def start_run(args, config: dict, name: str, execute) -> int:
 
     out = Path(args.out) if args.out else Path(default_runs_dir()) / time.strftime(
         f"%Y%m%d-%H%M%S-{name}")
+    existed = out.exists()
     run_dir = RunDir.create(out, config)
     if args.queue is not None:
         from app.engine.jobs import JobQueue
 
-        job_id = JobQueue(args.queue or None).add(run_dir.path)
+        try:
+            job_id = JobQueue(args.queue or None).add(run_dir.path)
+        except BaseException:  # the queue refused it: the same command must work next time
+            _take_back(run_dir, existed)
+            raise
         print(f"queued job {job_id}: {run_dir.path}")
         return 0
     print(f"run directory: {run_dir.path}", file=sys.stderr)
     return execute(run_dir, args.json)
+
+
+def _take_back(run_dir, existed: bool) -> None:
+    """Undo `RunDir.create`: the folder, or (a folder given with --out that was there before)
+    what create put in it."""
+    import shutil
+
+    if not existed:
+        shutil.rmtree(run_dir.path, ignore_errors=True)
+        return
+    run_dir.config_path.unlink(missing_ok=True)
+    for folder in (run_dir.checkpoints_dir, run_dir.exports_dir):
+        try:
+            folder.rmdir()  # only if empty
+        except OSError:
+            pass
 
 
 def cmd_resume(args) -> int:
