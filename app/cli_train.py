@@ -75,6 +75,8 @@ def add_train_parsers(sub) -> None:
     p = sub.add_parser("resume", help="continue an interrupted or finished run")
     p.add_argument("run_dir")
     p.add_argument("--extend-epochs", type=int, default=0, help="train this many more epochs")
+    p.add_argument("--step", type=int, help="resume from this checkpoint step (the newer ones "
+                                            "are set aside as step-N.skipped)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--trust-reward-code", action="store_true",
                    help="GRPO runs: run the custom reward files the run names (they run as "
@@ -251,10 +253,10 @@ def cmd_train(args) -> int:
 def start_run(args, config: dict, name: str, execute) -> int:
     """Create the run directory (--out, or a dated folder under the runs dir) and either add it
     to the job queue (--queue) or run it here with `execute(run_dir, as_json)`."""
-    from app.engine.rundir import RunDir, default_runs_dir
+    from app.engine.rundir import RunDir, check_path_length, default_run_name, default_runs_dir
 
-    out = Path(args.out) if args.out else Path(default_runs_dir()) / time.strftime(
-        f"%Y%m%d-%H%M%S-{name}")
+    out = Path(args.out) if args.out else Path(default_runs_dir()) / default_run_name(name)
+    check_path_length(out)
     existed = out.exists()
     run_dir = RunDir.create(out, config)
     if args.queue is not None:
@@ -292,7 +294,15 @@ def cmd_resume(args) -> int:
     from app.engine.run import RunConfig
 
     run_dir = RunDir(args.run_dir)
-    if run_dir.config().get("kind") == "grpo":
+    kind = run_dir.config().get("kind")  # not a run directory: a clear error, nothing touched
+    if args.step is not None:
+        from app.engine.checkpoint import rewind
+
+        kept = rewind(run_dir.checkpoints_dir, args.step)
+        print(f"resuming from step-{args.step}" + (
+            f"; the newer checkpoints are set aside as {', '.join(p.name for p in kept)}"
+            if kept else ""), file=sys.stderr)
+    if kind == "grpo":
         from app.cli_grpo import execute_grpo
 
         if args.extend_epochs:

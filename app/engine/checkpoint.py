@@ -1,18 +1,23 @@
-"""Atomic checkpoints of a training session, and exact resume.
+"""Atomic, checksummed checkpoints of a training session, and exact resume.
 
 A checkpoint is a folder `step-<N>/` with `arrays.npz` (the trained tensors: LoRA A/B and
-fully trained tensors, and the optimizer's arrays) and `meta.json` (step, optimizer scalars,
-data position, anything the run loop adds). It is written into a temporary folder, every file
-fsynced, then renamed into place: a folder named `step-<N>` is always complete, and a crash
-mid-write leaves only a `.tmp-*` folder that is ignored and cleaned up. Nothing random needs
+fully trained tensors, and the optimizer's arrays), `meta.json` (step, optimizer scalars,
+data position, anything the run loop adds) and `manifest.json` (the sha256 of the other two).
+It is written into a temporary folder, every file fsynced, then renamed into place: a folder
+named `step-<N>` is always complete, and a crash mid-write leaves only a `.tmp-*` folder that
+is ignored and cleaned up. Loading checks the checksums, so a file damaged later (truncated,
+altered, deleted) is a DamagedCheckpoint, never a wrong state or a traceback. Checkpoints from
+before checksums (no manifest, no "format" in meta.json) still load. Nothing random needs
 saving: dropout masks and data order derive from (seed, step, position).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +27,18 @@ import numpy as np
 from app.engine.errors import CheckpointError
 
 SEP = "/"  # joins nested keys in arrays.npz (tensor names contain dots, never slashes)
+ARRAYS, META, MANIFEST = "arrays.npz", "meta.json", "manifest.json"
+FORMAT = 2   # meta.json's "format": 2 has a manifest; checkpoints without "format" predate it
+
+
+class DamagedCheckpoint(CheckpointError):
+    """A checkpoint whose files are missing, truncated, altered or unreadable."""
+
+    def __init__(self, path: Path, reason: str):
+        super().__init__(f"Checkpoint {path} is damaged ({reason}).",
+                         "Use an earlier checkpoint (workbench resume RUN_DIR --step N) or "
+                         "restart the run.")
+        self.reason = reason
 
 
 def _flatten(tree: dict, prefix: str = "") -> tuple[dict[str, np.ndarray], dict[str, Any]]:
@@ -60,6 +77,21 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _write(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     path: Path
@@ -79,14 +111,15 @@ def save_checkpoint(folder: str | os.PathLike, step: int, state: dict,
         folder.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        with open(tmp / "arrays.npz", "wb") as f:
+        with open(tmp / ARRAYS, "wb") as f:
             np.savez(f, **arrays)
             f.flush()
             os.fsync(f.fileno())
-        with open(tmp / "meta.json", "w") as f:
-            json.dump({"step": step, "state": rest, "meta": meta or {}}, f)
-            f.flush()
-            os.fsync(f.fileno())
+        meta_bytes = json.dumps({"format": FORMAT, "step": step, "state": rest,
+                                 "meta": meta or {}}).encode()
+        _write(tmp / META, meta_bytes)
+        sums = {ARRAYS: _sha256(tmp / ARRAYS), META: hashlib.sha256(meta_bytes).hexdigest()}
+        _write(tmp / MANIFEST, json.dumps({"sha256": sums}).encode())
         _fsync_dir(tmp)
         if final.exists():              # re-saving a step (e.g. the final one): replace it
             shutil.rmtree(final)
@@ -101,18 +134,45 @@ def save_checkpoint(folder: str | os.PathLike, step: int, state: dict,
     return final
 
 
+def _verify(path: Path) -> bool:
+    """Check the files against manifest.json; False when there is none (an older checkpoint)."""
+    try:
+        raw = (path / MANIFEST).read_bytes()
+    except FileNotFoundError:
+        return False
+    try:
+        sums = json.loads(raw)["sha256"]
+    except (ValueError, KeyError, TypeError):
+        raise DamagedCheckpoint(path, f"{MANIFEST} is unreadable") from None
+    if not isinstance(sums, dict) or set(sums) != {ARRAYS, META}:
+        raise DamagedCheckpoint(path, f"{MANIFEST} does not list {ARRAYS} and {META}")
+    for name in (ARRAYS, META):
+        if _sha256(path / name) != sums[name]:
+            raise DamagedCheckpoint(path, f"{name} does not match its checksum")
+    return True
+
+
 def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """Load a checkpoint, checking its checksums; any damage raises DamagedCheckpoint."""
     path = Path(path)
     try:
-        with open(path / "meta.json") as f:
-            meta = json.load(f)
-        with np.load(path / "arrays.npz") as npz:
+        verified = _verify(path)
+        meta = json.loads((path / META).read_bytes())
+        if not isinstance(meta, dict) or not isinstance(meta.get("state"), dict):
+            raise DamagedCheckpoint(path, f"{META} holds no checkpoint state")
+        if not verified and "format" in meta:
+            raise DamagedCheckpoint(path, f"{MANIFEST} is missing")
+        with np.load(path / ARRAYS) as npz:
             arrays = {k: npz[k] for k in npz.files}
         return Checkpoint(path, int(meta["step"]), _unflatten(meta["state"], arrays),
                           meta.get("meta", {}))
-    except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"Checkpoint {path} is unreadable: {e}.",
-                              "Resume from an earlier checkpoint or restart the run.") from e
+    except FileNotFoundError as e:
+        raise DamagedCheckpoint(path, f"{Path(e.filename).name} is missing") from e
+    # an older checkpoint has no checksums: its damage shows up as a parse error (zipfile
+    # answers some altered headers with NotImplementedError or RuntimeError: "encrypted")
+    except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile,
+            NotImplementedError, RuntimeError) as e:
+        raise DamagedCheckpoint(path, f"{type(e).__name__}: {e}") from e
 
 
 def list_checkpoints(folder: str | os.PathLike) -> list[Path]:
@@ -125,6 +185,56 @@ def list_checkpoints(folder: str | os.PathLike) -> list[Path]:
         if p.is_dir() and p.name.startswith("step-") and p.name[5:].isdigit():
             found.append((int(p.name[5:]), p))
     return [p for _, p in sorted(found)]
+
+
+def set_aside(path: Path, why: str) -> Path:
+    """Rename checkpoint `path` to `step-<N>.<why>`: kept for inspection, no longer listed
+    (resumed from, pruned or exported). Returns the new path."""
+    target = path.with_name(f"{path.name}.{why}")
+    try:
+        shutil.rmtree(target, ignore_errors=True)
+        os.rename(path, target)
+    except OSError as e:
+        raise CheckpointError(f"Could not rename {path} to {target.name}: {e.strerror or e}.",
+                              "Check the run folder's permissions.") from e
+    return target
+
+
+def rewind(folder: str | os.PathLike, step: int) -> list[Path]:
+    """Make checkpoint `step` the newest one (`workbench resume --step`): check that it loads,
+    then set the newer ones aside as `step-<N>.skipped`, so that they are neither resumed from
+    nor mixed with the checkpoints of the resumed run. Returns the set-aside folders. Raises
+    CheckpointError, listing the intact steps, when `step` is absent or damaged."""
+    found = list_checkpoints(folder)
+    chosen = Path(folder) / f"step-{step}"
+    if chosen not in found:
+        problem = f"there is no checkpoint step-{step}"
+    else:
+        try:
+            load_checkpoint(chosen)
+        except DamagedCheckpoint as e:
+            problem = f"checkpoint step-{step} is damaged ({e.reason})"
+        else:
+            return [set_aside(p, "skipped") for p in found if int(p.name[5:]) > step]
+    intact = [p.name[5:] for p in found if p != chosen and _intact(p)]
+    raise CheckpointError(f"Cannot resume from step {step}: {problem}.",
+                          f"Intact checkpoints: steps {', '.join(intact)}." if intact
+                          else "No checkpoint of the run is intact. " + restart_hint(folder))
+
+
+def _intact(path: Path) -> bool:
+    try:
+        load_checkpoint(path)
+    except DamagedCheckpoint:
+        return False
+    return True
+
+
+def restart_hint(folder: str | os.PathLike) -> str:
+    """What to do when no checkpoint in the run's `folder` (RUN_DIR/checkpoints) is usable."""
+    config = Path(folder).parent / "config.json"
+    return (f"Start the run again from its settings: workbench train --config {config} "
+            f"(a GRPO run: workbench grpo --config {config}).")
 
 
 def latest_checkpoint(folder: str | os.PathLike) -> Path | None:

@@ -18,12 +18,14 @@ from typing import Callable
 import numpy as np
 
 from app.engine.backend import memory_report, peak_rss_mb
-from app.engine.checkpoint import (latest_checkpoint, load_checkpoint, prune_checkpoints,
-                                   save_checkpoint)
+from app.engine.checkpoint import (DamagedCheckpoint, list_checkpoints, load_checkpoint,
+                                   prune_checkpoints, restart_hint, save_checkpoint, set_aside)
 from app.engine.config import TrainConfig
 from app.engine.config_schema import check
 from app.engine.data import DataConfig, load_dataset
-from app.engine.errors import ConfigError, DatasetError, EngineError, OutOfMemoryError
+from app.engine.errors import (CheckpointError, ConfigError, DatasetError, EngineError,
+                               OutOfMemoryError)
+from app.engine.gguf_io import dequantize
 from app.engine.lora import adapter_norms, load_adapter, save_adapter
 from app.engine.model import load_model
 from app.engine.train import TrainSession
@@ -234,15 +236,30 @@ def train(config: RunConfig, report: Report, should_stop: ShouldStop,
 
 
 def resume(session: TrainSession, checkpoints, state: dict, report: Report) -> Path | None:
-    """The run's checkpoint folder (None without one). When it holds a checkpoint, the newest
-    is loaded into `session` and its saved run state into `state`, and a log event says so."""
+    """The run's checkpoint folder (None without one). When it holds checkpoints, the newest
+    intact one is loaded into `session` and its saved run state into `state`, and a log event
+    says so. Damaged newer ones are set aside (renamed `step-<N>.damaged`, so that pruning and
+    export skip them), each with a log event; when none is intact, CheckpointError."""
     ckpt_dir = Path(checkpoints) if checkpoints else None
-    newest = latest_checkpoint(ckpt_dir) if ckpt_dir is not None else None
-    if newest is not None:
-        ckpt = load_checkpoint(newest)
+    damaged = []
+    for path in reversed(list_checkpoints(ckpt_dir) if ckpt_dir is not None else []):
+        try:
+            ckpt = load_checkpoint(path)
+        except DamagedCheckpoint as e:
+            damaged.append((path, e.reason))
+            continue
         session.load_state_dict(ckpt.state)
         state.update(ckpt.meta.get("run", {}))
+        for bad, reason in damaged:
+            kept = set_aside(bad, "damaged")
+            report({"type": "log", "message": f"checkpoint {bad.name} is damaged ({reason}); "
+                                              f"resuming from {path.name} (kept as {kept.name})"})
         report({"type": "log", "message": f"resumed from step {session.step_count}"})
+        return ckpt_dir
+    if damaged:
+        raise CheckpointError("No checkpoint of the run is intact: "
+                              + "; ".join(f"{p.name} is damaged ({why})" for p, why in damaged)
+                              + ".", restart_hint(ckpt_dir))
     return ckpt_dir
 
 
@@ -251,7 +268,13 @@ def guarded_step(session: TrainSession, batches, state: dict, max_bad_steps: int
     """One optimizer step of a run: (metrics, bad). Running out of memory becomes an
     OutOfMemoryError that names the device's memory; a NaN/Inf step is counted in
     state["bad_streak"] / state["skipped_steps"], and max_bad_steps of them in a row raise
-    TrainingDiverged."""
+    TrainingDiverged.
+
+    A NaN/Inf weight skips every step that uses it; when only some batches use it (an
+    embedding row, one expert) the run would otherwise finish with most of its steps skipped
+    and no error. No step can repair such a weight, so the run's first skipped step looks for them (one pass over the
+    weights, paid only then rather than by every run at load) and raises TrainingDiverged
+    naming the tensors."""
     try:
         metrics = session.step(batches)
     except MemoryError:
@@ -260,10 +283,36 @@ def guarded_step(session: TrainSession, batches, state: dict, max_bad_steps: int
     bad = metrics.skipped or not math.isfinite(metrics.loss)
     state["bad_streak"] = state["bad_streak"] + 1 if bad else 0
     state["skipped_steps"] += int(bad)
+    if bad and state["skipped_steps"] == 1:
+        in_file, trained = non_finite_tensors(session)
+        if in_file or trained:
+            names = sorted(set(in_file + trained))
+            raise TrainingDiverged(
+                f"The weights {', '.join(names[:5])}"
+                + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+                + " hold NaN/Inf values: every step that uses them is skipped (the first: "
+                f"step {session.step_count}).",
+                "The model file is damaged or was converted wrongly: use another copy of it."
+                if in_file else
+                "The trained tensors (or the adapter the run continues) hold them. "
+                + diverged_hint)
     if state["bad_streak"] >= max_bad_steps:
         raise TrainingDiverged(f"The loss or gradients were NaN/Inf for {state['bad_streak']} "
                                f"steps in a row (step {session.step_count}).", diverged_hint)
     return metrics, bad
+
+
+def non_finite_tensors(session: TrainSession) -> tuple[list[str], list[str]]:
+    """(the model file's tensors, the session's trained tensors) that hold NaN or Inf."""
+    gguf, xp = session.model.gguf, session.model.xp
+    in_file = []
+    for name, info in gguf.tensors.items():
+        rows = gguf.raw(name).reshape(-1, info.row_bytes)
+        if not all(np.isfinite(dequantize(rows[i:i + 1024], info.ggml_type)).all()
+                   for i in range(0, len(rows), 1024)):
+            in_file.append(name)
+    trained = [n for n, a in session.trainable.items() if not bool(xp.isfinite(a).all())]
+    return in_file, trained
 
 
 def report_norms(report: Report, session: TrainSession, routing: dict, step: int) -> None:

@@ -3,7 +3,8 @@
 ```
 RUN_DIR/
   config.json      the run as submitted (plus resolved defaults); written once, atomically
-  status.json      state, step, total_steps, epoch, loss, eta_s, updated_at, error...; atomic
+  status.json      state, step, total_steps, epoch, loss, eta_s, updated_at, writer, error...;
+                   atomic
   metrics.jsonl    one JSON object per line (step, eval, norms, routing, log events); appended
   log.txt          human-readable log lines; appended
   checkpoints/     step-N/ directories (written by app.engine.checkpoint)
@@ -18,6 +19,9 @@ tailing `metrics.jsonl` with `read_metrics(offset)` only ever returns complete l
 `atomic_write_bytes` / `atomic_write_json` / `read_json` are shared with the checkpoint code.
 Bad files raise EngineErrors (never a bare OSError or JSONDecodeError); a full disk raises
 `DiskFullError` and leaves the previous files intact.
+
+Every status write records its writer (host, pid, process start time), so that a reader sees a
+"running" run whose process died without a word (kill -9, a crash) as "interrupted".
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import errno
 import json
 import math
 import os
+import socket
 import tempfile
 import time
 from pathlib import Path
@@ -41,6 +46,8 @@ CHECKPOINTS = "checkpoints"
 EXPORTS = "exports"
 
 _DISK_FULL_ERRNOS = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+NAME_MAX = 255   # bytes in one file or folder name (ext4, APFS; NTFS counts 255 UTF-16 units)
+RUN_NAME_MAX = NAME_MAX - 8   # a new run's name: room for the "-N" that makes it unique
 
 
 class StorageError(EngineError):
@@ -262,6 +269,7 @@ class RunDir:
         if not isinstance(config, dict):
             raise ConfigError(f"A run's config must be a JSON object, got {type(config).__name__}.")
         run = cls(path)
+        check_path_length(run.path)
         if run.config_path.exists() and not exist_ok:
             raise ConfigError(f"{run.path} already holds a run (config.json exists).",
                               "Choose another output folder, or resume that run.")
@@ -292,13 +300,17 @@ class RunDir:
 
     # ---------------------------------------------------------------- status
     def status(self) -> dict:
-        """status.json as a dict ({} before the first write); corrupt raises StorageError."""
+        """status.json as a dict ({} before the first write); corrupt raises StorageError.
+        A "running" status whose writer is gone reads as "interrupted" (resumable), no ETA."""
         st = read_json(self.status_path, what="run status", missing_ok=True)
         if st is None:
             return {}
         if not isinstance(st, dict):
             raise StorageError(f"The run status {self.status_path} is not a JSON object.",
                                "Delete status.json; the worker rewrites it.")
+        if st.get("state") == "running" and _writer_gone(st.get("writer")):
+            st["state"] = "interrupted"
+            st.pop("eta_s", None)
         return st
 
     def write_status(self, *, replace: bool = False, fsync: bool = True, **fields) -> dict:
@@ -315,6 +327,8 @@ class RunDir:
                 st = {}
         st.update(fields)
         st["updated_at"] = time.time()
+        st["writer"] = {"host": socket.gethostname(), "pid": os.getpid(),
+                        "started": _process_started(os.getpid())}
         atomic_write_json(self.status_path, st, fsync=fsync)
         return st
 
@@ -403,6 +417,31 @@ class RunDir:
         return out
 
 
+def _process_started(pid: int) -> str | None:
+    """When process `pid` started (clock ticks after boot, from Linux's /proc); None where
+    /proc is not there, and for a process that is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] in (b"Z", b"X") else fields[19].decode()
+
+
+def _writer_gone(writer: Any) -> bool:
+    """Has the process that wrote a status ended? Known only for a writer on this host."""
+    from app.engine.jobs import pid_alive  # (app.engine.jobs imports this module)
+
+    if not isinstance(writer, dict) or writer.get("host") != socket.gethostname():
+        return False
+    pid = writer.get("pid")
+    if not isinstance(pid, int):
+        return False
+    if writer.get("started") is not None:    # Linux: also catches the pid's reuse since
+        return _process_started(pid) != writer["started"]
+    return not pid_alive(pid)
+
+
 def summarize_metrics(events: Iterable[dict]) -> tuple[dict, dict]:
     """(last event per type, lowest-loss event per type for types that carry a loss)."""
     final: dict[str, dict] = {}
@@ -415,6 +454,25 @@ def summarize_metrics(events: Iterable[dict]) -> tuple[dict, dict]:
             if kind not in best or loss < best[kind]["loss"]:
                 best[kind] = ev
     return final, best
+
+
+def check_path_length(path: Path) -> None:
+    """ConfigError when a folder name in `path` is longer than file systems allow (an OSError
+    on any use of the path otherwise)."""
+    for part in path.parts:
+        if len(os.fsencode(part)) > NAME_MAX:
+            raise ConfigError(f"The folder name {part[:40]}... is {len(os.fsencode(part))} "
+                              f"bytes long; file systems allow at most {NAME_MAX}.",
+                              "Choose a shorter run name or output folder.")
+
+
+def default_run_name(stem: str) -> str:
+    """A new run's folder name: `YYYYmmdd-HHMMSS-<stem>`, the stem (a dataset's file name)
+    shortened, a character at a time, to RUN_NAME_MAX bytes."""
+    prefix = time.strftime("%Y%m%d-%H%M%S-")
+    while len(os.fsencode(prefix + stem)) > RUN_NAME_MAX:
+        stem = stem[:-1]
+    return prefix + stem
 
 
 def default_runs_dir() -> Path:

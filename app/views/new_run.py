@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import re
-import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -35,6 +34,7 @@ from app.engine.grpo import GrpoConfig, build_grpo_config
 from app.engine.lint import LintReport, lint_file
 from app.engine.model_info import ModelCard, describe_model, human_bytes
 from app.engine.reward_functions import trust_reward_files, untrusted_reward_files
+from app.engine.rundir import RUN_NAME_MAX, default_run_name
 from app.views.context import AppContext, Background, sample_dataset_path, sample_model_path
 from app.views.dataset_panel import DatasetPanel
 from app.views.error_panel import ErrorPanel
@@ -339,12 +339,15 @@ class NewRunView(QWidget):
         name = self.name_field.text().strip()
         if name and not _NAME_OK.match(name):
             out.append(("training", "The run name may use letters, digits, spaces and . - _ +"))
+        elif len(os.fsencode(name)) > RUN_NAME_MAX:
+            out.append(("training", f"The run name may be at most {RUN_NAME_MAX} bytes long "
+                                    "(a folder name; accented letters take 2)."))
         return out
 
     def run_dir_for(self, name: str = "") -> Path:
         stem = (f"grpo-{Path(self.grpo_panel.prompts_path()).stem}" if self.kind() == "grpo"
                 else Path(self.data_path()).stem)
-        name = name.strip() or time.strftime("%Y%m%d-%H%M%S-") + stem
+        name = name.strip() or default_run_name(stem)
         root = self.ctx.runs_root()
         path, i = root / name, 2
         while path.exists() or str(path) == self._creating:

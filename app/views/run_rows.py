@@ -36,7 +36,7 @@ class RunRow:
     has_checkpoint: bool = False
     error: dict | None = None
     updated_at: float = 0.0
-    stalled: bool = False
+    stalled: bool = False    # no process advances it: interrupted, or no update for STALE_S
     status: dict = field(default_factory=dict)
 
     @property
@@ -44,7 +44,7 @@ class RunRow:
         """The state as shown: 'running (pausing...)', 'running?' for a stalled terminal run."""
         if self.job is not None and self.job.requested_action in REQUESTED:
             return f"{self.state} ({REQUESTED[self.job.requested_action]})"
-        if self.stalled:
+        if self.stalled and self.state == "running":
             return f"{self.state}? (no update for {(time.time() - self.updated_at) / 60:.0f} min)"
         return self.state + ("" if self.job else " (terminal)" if self.state == "running" else "")
 
@@ -93,8 +93,8 @@ def _read_row(path: str, job: Job | None) -> RunRow:
         model=model, epochs=epochs,
         has_checkpoint=has_ckpt, error=error if isinstance(error, dict) else None,
         updated_at=updated, status=status,
-        stalled=(job is None and state == "running" and updated > 0
-                 and time.time() - updated > STALE_S))
+        stalled=job is None and (state == "interrupted" or (
+            state == "running" and updated > 0 and time.time() - updated > STALE_S)))
 
 
 def collect_runs(queue, runs_root) -> list[RunRow]:

@@ -13,9 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from app.engine.checkpoint import list_checkpoints
 from app.engine.config import TrainConfig
 from app.engine.data import DataConfig
-from app.engine.errors import OutOfMemoryError
+from app.engine.errors import CheckpointError, OutOfMemoryError
+from app.engine.gguf_io import read_gguf, write_gguf
 from app.engine.jobs import JobQueue
 from app.engine.lora import load_adapter
 from app.engine.run import RunConfig, TrainingDiverged, train
@@ -155,3 +157,104 @@ def test_kill_9_mid_run_then_resume_gives_the_uninterrupted_losses(tmp_path, dat
     assert job.state == "done" and job.attempts == 1
     by_step = {e["step"]: e["loss"] for e in run_dir.metrics() if e["type"] == "step"}
     assert [by_step[i + 1] for i in range(len(by_step))] == _steps(straight)
+
+
+# ---------------------------------------------------------------------------- damaged checkpoints
+
+
+def _pause_after(n):
+    calls = {"n": 0}
+
+    def should_stop():
+        calls["n"] += 1
+        return "pause" if calls["n"] == n else None
+    return should_stop
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[:len(path.read_bytes()) // 2])
+
+
+def _flip(path, offset=-100):
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+DAMAGES = {"truncate": (lambda ck: _truncate(ck / "arrays.npz"),
+                        "arrays.npz does not match its checksum"),
+           "flip": (lambda ck: _flip(ck / "arrays.npz"), "arrays.npz does not match its checksum"),
+           "delete": (lambda ck: (ck / "meta.json").unlink(), "meta.json is missing")}
+
+
+def _paused_run(tmp_path, data_file, name):
+    """A run paused after 5 steps: checkpoints step-4 (saved every 2 steps) and step-5."""
+    config = dataclasses.replace(_config(data_file), save_every=2)
+    events = []
+    assert train(config, events.append, _pause_after(5), tmp_path / name / "ck") == "paused"
+    assert [p.name for p in list_checkpoints(tmp_path / name / "ck")] == ["step-4", "step-5"]
+    return config, events
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_a_damaged_newest_checkpoint_falls_back_to_the_older_one(tmp_path, data_file, damage):
+    config, first = _paused_run(tmp_path, data_file, "run")
+    straight = []
+    train(config, straight.append, lambda: None, tmp_path / "straight" / "ck")
+    ck = tmp_path / "run" / "ck"
+    spoil, reason = DAMAGES[damage]
+    spoil(ck / "step-5")
+    resumed = []
+    assert train(config, resumed.append, lambda: None, ck) == "done"
+    logs = [e["message"] for e in resumed if e["type"] == "log"]
+    assert (f"checkpoint step-5 is damaged ({reason}); resuming from step-4 "
+            "(kept as step-5.damaged)") in logs
+    assert "resumed from step 4" in logs and (ck / "step-5.damaged").is_dir()
+    assert _steps(first)[:4] + _steps(resumed) == _steps(straight)
+    assert ((tmp_path / "run" / "adapter.gguf").read_bytes()
+            == (tmp_path / "straight" / "adapter.gguf").read_bytes())
+
+
+def test_no_intact_checkpoint_is_a_clear_error(tmp_path, data_file):
+    config, _ = _paused_run(tmp_path, data_file, "run")
+    ck = tmp_path / "run" / "ck"
+    _flip(ck / "step-5" / "meta.json", 10)
+    _truncate(ck / "step-4" / "arrays.npz")
+    with pytest.raises(CheckpointError, match="No checkpoint of the run is intact: step-5 is "
+                       r"damaged \(meta.json does not match its checksum\); step-4 is damaged "
+                       r"\(arrays.npz does not match its checksum\)") as err:
+        train(config, lambda e: None, lambda: None, ck)
+    assert f"workbench train --config {tmp_path / 'run' / 'config.json'}" in err.value.hint
+    assert [p.name for p in list_checkpoints(ck)] == ["step-4", "step-5"]   # left as they were
+
+
+def test_a_run_from_before_checksums_resumes_exactly(tmp_path, data_file):
+    config, first = _paused_run(tmp_path, data_file, "run")
+    straight, resumed = [], []
+    train(config, straight.append, lambda: None, tmp_path / "straight" / "ck")
+    for ck in list_checkpoints(tmp_path / "run" / "ck"):     # as written before checksums
+        meta = json.loads((ck / "meta.json").read_text())
+        del meta["format"]
+        (ck / "meta.json").write_text(json.dumps(meta))
+        (ck / "manifest.json").unlink()
+    assert train(config, resumed.append, lambda: None, tmp_path / "run" / "ck") == "done"
+    assert _steps(first) + _steps(resumed) == _steps(straight)
+
+
+def test_nan_weights_fail_the_run_naming_the_tensor(tmp_path):
+    """A NaN in one embedding row: only the steps whose windows hold that token are skipped,
+    never 5 in a row, so the run used to finish with a quarter of its steps skipped."""
+    src = read_gguf(GOLDEN / "llama-f32.gguf")
+    tensors = {n: src.array(n).copy() for n in src.tensors}
+    tensors["token_embd.weight"][ord("Z"), 3] = np.nan            # byte-level vocabulary
+    write_gguf(tmp_path / "nan.gguf", dict(src.metadata), tensors, value_types=src.value_types)
+    rows = [{"text": ("Zed " if i % 4 == 0 else "") + f"Expert {i % 4} routes token {i}."}
+            for i in range(40)]
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    config = RunConfig(model=str(tmp_path / "nan.gguf"), data=str(data),
+                       train=TrainConfig(lora_targets=("attention",)),
+                       data_config=DataConfig(context=32, val_fraction=0.0), epochs=1)
+    with pytest.raises(TrainingDiverged, match="token_embd.weight hold NaN/Inf") as err:
+        train(config, lambda e: None, lambda: None, tmp_path / "ck")
+    assert "model file is damaged" in err.value.hint

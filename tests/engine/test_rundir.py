@@ -5,8 +5,12 @@ from __future__ import annotations
 import errno
 import json
 import os
+import socket
+import subprocess
+import sys
 import threading
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -306,3 +310,56 @@ def test_runs_list_defaults_to_the_user_data_dir(tmp_path, monkeypatch, capsys):
     _sample_run(tmp_path / "gguf-workbench" / "runs", "x")
     assert [r.name for r in list_runs()] == ["x"]
     assert run_cli(["runs", "list"]) == 0 and "x" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------- names and writers
+
+
+def test_a_run_folder_name_over_255_bytes_is_a_config_error(tmp_path, capsys):
+    with pytest.raises(ConfigError, match="is 300 bytes long; file systems allow at most 255"):
+        RunDir.create(tmp_path / ("a" * 300), {})
+    with pytest.raises(ConfigError, match="is 256 bytes long"):
+        RunDir.create(tmp_path / ("é" * 128) / "run", {})           # 2 bytes a letter
+    assert run_cli(["train", "-m", "model.gguf", "-d", "data.jsonl", "--queue",
+                    str(tmp_path / "q.sqlite3"), "-o", str(tmp_path / ("r" * 300))]) == 2
+    err = capsys.readouterr().err
+    assert "is 300 bytes long; file systems allow at most 255" in err
+    assert "Traceback" not in err and os.listdir(tmp_path) == []
+
+
+def test_default_run_names_are_shortened_at_a_character(tmp_path, monkeypatch, capsys):
+    name = rd.default_run_name("é" * 200)
+    assert len(os.fsencode(name)) == rd.RUN_NAME_MAX - 1 and name.endswith("é")
+    assert rd.default_run_name("data")[-5:] == "-data"
+    monkeypatch.setattr(rd, "default_runs_dir", lambda: tmp_path / "runs")
+    data = tmp_path / ("d" * 249 + ".jsonl")                        # a 255-byte file name
+    assert run_cli(["train", "-m", "model.gguf", "-d", str(data), "--queue",
+                    str(tmp_path / "q.sqlite3")]) == 0
+    [run] = list_runs(tmp_path / "runs")
+    assert len(os.fsencode(run.name)) == rd.RUN_NAME_MAX and run.name.endswith("dddd")
+
+
+def test_a_running_status_whose_writer_is_gone_reads_as_interrupted(tmp_path):
+    from app.views.run_rows import _read_row
+
+    run = RunDir.create(tmp_path / "run", {"model": "m.gguf"})
+    st = run.write_status(state="running", step=3, total_steps=10, eta_s=42.0)
+    assert st["writer"]["pid"] == os.getpid() and st["writer"]["host"] == socket.gethostname()
+    assert run.status()["state"] == "running" and run.status()["eta_s"] == 42.0
+    subprocess.run([sys.executable, "-c", "import sys; from app.engine.rundir import RunDir; "
+                    "RunDir(sys.argv[1]).write_status(state='running', eta_s=42.0)",
+                    str(run.path)], check=True, cwd=Path(__file__).parents[2])
+    st = run.status()                                      # its writer exited while "running"
+    assert st["state"] == "interrupted" and "eta_s" not in st and st["step"] == 3
+    row = _read_row(str(run.path), None)
+    assert row.label == "interrupted" and row.eta_s is None and row.stalled   # resumable
+    saved = json.loads(run.status_path.read_text())
+    saved["writer"]["host"] = "another-host"               # unknown there: as written
+    run.status_path.write_text(json.dumps(saved))
+    assert run.status()["state"] == "running"
+    if os.path.exists("/proc/self/stat"):                  # a live pid, reused since
+        saved["writer"] = {"host": socket.gethostname(), "pid": os.getpid(), "started": "1"}
+        run.status_path.write_text(json.dumps(saved))
+        assert run.status()["state"] == "interrupted"
+    run.write_status(state="paused")
+    assert run.status()["state"] == "paused"
