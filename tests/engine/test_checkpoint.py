@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from app.engine import load_model
@@ -20,6 +20,7 @@ from app.engine.config import TrainConfig
 from app.engine.errors import CheckpointError
 from app.engine.train import TrainSession, pack
 from tests.conftest import GOLDEN
+from tests.fuzz import fuzz, fuzz_settings
 
 TEXT = np.frombuffer(b"Experts route tokens; routers learn. " * 5, np.uint8).astype(np.int64)
 BATCHES = [pack([(TEXT[i:i + 40], TEXT[i + 1:i + 41])]) for i in range(0, 120, 20)]
@@ -205,7 +206,8 @@ def pristine(tmp_path_factory):
     return {p.name: p.read_bytes() for p in path.iterdir()}
 
 
-@settings(max_examples=300, deadline=None)
+@fuzz
+@fuzz_settings(300)
 @given(damages=st.lists(DAMAGE, min_size=1, max_size=3))
 def test_random_damage_loads_identically_or_is_a_damaged_checkpoint(pristine, damages):
     with tempfile.TemporaryDirectory() as folder:
@@ -217,7 +219,8 @@ def test_random_damage_loads_identically_or_is_a_damaged_checkpoint(pristine, da
         assert ckpt.step == 3 and _same(ckpt.state, STATE) and _same(ckpt.meta, META)
 
 
-@settings(max_examples=300, deadline=None)
+@fuzz
+@fuzz_settings(300)
 @given(damages=st.lists(DAMAGE.filter(lambda d: d[0] != "manifest.json"), min_size=1,
                         max_size=3))
 def test_random_damage_to_a_checkpoint_from_before_checksums_is_never_a_traceback(

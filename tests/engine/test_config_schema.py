@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from app.cli import run_cli
@@ -23,6 +23,8 @@ from app.engine.rewards import read_weights_file
 from app.engine.run import RunConfig
 from app.engine.rundir import RunDir
 from app.engine.worker import run_worker
+
+from tests.fuzz import fuzz, fuzz_settings
 
 SAMPLE = Path(__file__).resolve().parents[2] / "sample_data"
 MODEL = str(SAMPLE / "tiny-moe.gguf")
@@ -161,7 +163,8 @@ GRPO_DICTS = st.builds(lambda top, train: {**top, "train": train}, section(GrpoC
                        section(TrainConfig))
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@fuzz
+@fuzz_settings(150)
 @given(RUN_DICTS, GRPO_DICTS)
 def test_random_configs_validate_or_raise_config_error(run_dict, grpo_dict):
     for cls, d in ((RunConfig, {"model": "m", "data": "d", **run_dict}),

@@ -8,7 +8,8 @@ Every fuzz case mutates a small golden file (tests/data/golden) and runs in a lo
 subprocess (`_Worker`). The worker has an address-space limit (RLIMIT_AS, where the platform
 has one) and measures each case's tracemalloc peak. A crash (segfault, abort) or a hang kills
 only the worker, and the case fails with what the worker printed. Hypothesis runs with
-`derandomize=True` and no example database, so every run tests the same cases.
+`derandomize=True` and no example database, so every run tests the same cases
+(tests/fuzz.py: `WORKBENCH_FUZZ=long` for a longer, random hunt).
 
 Mutations: random bytes in the header (everything before `data_offset`); huge values in the u64
 count/length/dimension/offset fields; truncation (header and tensor data); inserted and deleted
@@ -31,11 +32,12 @@ from functools import cache
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from app.engine import EngineError, ModelFormatError, load_adapter, load_model
 from app.engine.gguf_io import read_gguf
+from tests.fuzz import fuzz, fuzz_settings
 
 GOLDEN = Path(__file__).parent.parent / "data" / "golden"
 MODEL_FILES = ("llama-q8_0.gguf", "mixtral-q4_0.gguf", "qwen2-f32.gguf", "gemma3-q8_0.gguf")
@@ -50,10 +52,11 @@ DEADLINE = timedelta(milliseconds=500)  # per example, worker round trip include
 HUGE_U64 = (2**63 - 1, 2**64 - 1, 2**40, 2**63, 2**62, 2**32, 2**32 - 1, 2**31)
 
 
-def fuzz_settings(max_examples: int):
-    return settings(max_examples=max_examples, deadline=DEADLINE, derandomize=True,
-                    database=None, print_blob=False,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+pytestmark = [pytest.mark.slow, fuzz]   # ~35 s in all
+
+
+def gguf_fuzz_settings(max_examples: int):
+    return fuzz_settings(max_examples, DEADLINE)
 
 
 # ---------------------------------------------------------------------------- the golden files
@@ -534,55 +537,55 @@ def metadata_values(draw) -> Case:
 
 # ---------------------------------------------------------------------------- fuzz tests
 
-@fuzz_settings(300)
+@gguf_fuzz_settings(300)
 @given(header_bytes())
 def test_fuzz_header_bytes(worker, c):
     check(worker, c)
 
 
-@fuzz_settings(300)
+@gguf_fuzz_settings(300)
 @given(huge_u64())
 def test_fuzz_huge_counts_and_lengths(worker, c):
     check(worker, c)
 
 
-@fuzz_settings(300)
+@gguf_fuzz_settings(300)
 @given(truncated())
 def test_fuzz_truncated(worker, c):
     check(worker, c)
 
 
-@fuzz_settings(300)
+@gguf_fuzz_settings(300)
 @given(inserted_deleted())
 def test_fuzz_inserted_and_deleted_bytes(worker, c):
     check(worker, c)
 
 
-@fuzz_settings(100)
+@gguf_fuzz_settings(100)
 @given(magic_version())
 def test_fuzz_magic_and_version(worker, c):
     check(worker, c)
 
 
-@fuzz_settings(300)
+@gguf_fuzz_settings(300)
 @given(tensor_dims())
 def test_fuzz_tensor_dimensions(worker, c):
     check(worker, c)
 
 
-@fuzz_settings(300)
+@gguf_fuzz_settings(300)
 @given(tensor_types())
 def test_fuzz_tensor_types(worker, c):
     check(worker, c)
 
 
-@fuzz_settings(300)
+@gguf_fuzz_settings(300)
 @given(tensor_offsets())
 def test_fuzz_tensor_offsets(worker, c):
     check(worker, c)
 
 
-@fuzz_settings(500)
+@gguf_fuzz_settings(500)
 @given(metadata_values())
 def test_fuzz_metadata_values(worker, c):
     check(worker, c)

@@ -14,7 +14,7 @@ import tracemalloc
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from app.engine import chat_template as ct
@@ -22,6 +22,7 @@ from app.engine.chat_template import render_chat
 from app.engine.errors import ConfigError, EngineError, TemplateError
 from app.engine.gguf_io import read_gguf, write_gguf
 from tests.conftest import GOLDEN
+from tests.fuzz import fuzz, fuzz_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATES = ROOT / "tests" / "data" / "templates"
@@ -231,7 +232,8 @@ _SMALL_BUDGET = {"MAX_STEPS": 20_000, "RENDER_DEADLINE_S": 1.0, "MAX_LEN": 1 << 
                  "MAX_CHARS": 1 << 23}  # smaller caps, the same code: many examples a second
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@fuzz
+@fuzz_settings(100)
 @given(st.lists(_statements(), min_size=1, max_size=3).map(
     lambda parts: "{% set ns = namespace(s='x') %}" + "".join(parts)))
 def test_random_templates_render_or_raise_an_engine_error_within_the_budget(source):

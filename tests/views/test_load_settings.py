@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given
 from hypothesis import strategies as st
 
 from app.engine.errors import EngineError
 from tests.engine.test_config_schema import BAD_CONFIGS, GRPO_DICTS, RUN_DICTS, _bad_config_ids
+from tests.fuzz import fuzz, fuzz_settings
 
 
 @pytest.fixture
@@ -34,8 +35,8 @@ def test_a_malformed_settings_file_changes_nothing_and_says_why(view, tmp_path, 
         assert part in error.message
 
 
-@settings(max_examples=100, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@fuzz
+@fuzz_settings(100, suppress=(HealthCheck.function_scoped_fixture,))
 @given(st.one_of(RUN_DICTS, GRPO_DICTS.map(lambda d: {**d, "kind": "grpo"})))
 def test_load_settings_never_raises_and_never_half_fills(view, tmp_path, d):
     before = (view.kind(), view.config_dict())
