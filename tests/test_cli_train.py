@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from app.cli import run_cli
 from app.engine.jobs import JobQueue
 from app.engine.rundir import RunDir
@@ -18,6 +20,7 @@ def _train(out, *extra):
                     "--lr", "5e-3", "--val-split", "0.1", "-o", str(out), *extra])
 
 
+@pytest.mark.slow
 def test_train_on_sample_data_lowers_the_loss(tmp_path, capsys):
     assert _train(tmp_path / "run", "--epochs", "1", "--eval-every", "10", "--json") == 0
     lines = [json.loads(l) for l in capsys.readouterr().out.splitlines() if l.startswith("{")]
@@ -31,6 +34,7 @@ def test_train_on_sample_data_lowers_the_loss(tmp_path, capsys):
     assert run_cli(["runs", "show", str(tmp_path / "run")]) == 0
 
 
+@pytest.mark.slow
 def test_resume_extends_a_finished_run(tmp_path, capsys):
     assert _train(tmp_path / "run", "--epochs", "1", "--max-steps", "4") == 0
     capsys.readouterr()

