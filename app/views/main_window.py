@@ -25,6 +25,7 @@ from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QListWidget, QListWi
 from app.engine.model_info import ModelCard, describe_model
 from app.views.context import SCREENS, AppContext
 from app.views.error_panel import ErrorPanel
+from app.views.run_tail import BackgroundPoll
 
 APP_NAME = "GGUF Workbench"
 RECENT_KEY = "recent/models"
@@ -126,12 +127,13 @@ class MainWindow(QMainWindow):
         self.ctx.status_message.connect(self.show_message)
         self.ctx.run_selected.connect(self._on_run_selected)
         self.ctx.model_selected.connect(self._on_model_selected)
-        self._status_timer = QTimer(self, interval=STATUS_INTERVAL_MS)
-        self._status_timer.timeout.connect(self.refresh_status)
-        self._status_timer.start()
         self.show_screen("new_run")
         self.reattach()
         self.refresh_status()
+        self._status_poll = BackgroundPoll(self.worker_state, STATUS_INTERVAL_MS, self)
+        self._status_poll.result.connect(self._show_status)
+        self._status_poll.failed.connect(self._show_queue_error)
+        self._status_poll.start()
 
     # ---------------------------------------------------------------- screens
     def _build_screen(self, key: str) -> QWidget:
@@ -205,7 +207,8 @@ class MainWindow(QMainWindow):
         return self.error_banner.isVisibleTo(self)
 
     def worker_state(self) -> dict:
-        """{"running": bool, "pid": int | None, "jobs": {state: count}} from the queue."""
+        """{"running": bool, "pid": int | None, "jobs": {state: count}} from the queue (the
+        status bar reads it every second in the reader thread: SQLite and the worker's lock)."""
         running = self.ctx.worker_running()
         counts: dict[str, int] = {}
         for job in self.ctx.queue.list(("running", "queued", "paused")):
@@ -214,11 +217,18 @@ class MainWindow(QMainWindow):
                 "jobs": counts}
 
     def refresh_status(self) -> None:
+        """Read the worker's state now and show it."""
         try:
             state = self.worker_state()
         except Exception as e:                  # noqa: BLE001 -- the queue is unreadable
-            self.worker_label.setText(f"Queue unavailable: {getattr(e, 'message', e)}")
+            self._show_queue_error(e)
             return
+        self._show_status(state)
+
+    def _show_queue_error(self, error: BaseException) -> None:
+        self.worker_label.setText(f"Queue unavailable: {getattr(error, 'message', error)}")
+
+    def _show_status(self, state: dict) -> None:
         jobs = state["jobs"]
         queued = jobs.get("queued", 0)
         detail = ", ".join(f"{n} {s}" for s, n in jobs.items()) or "no jobs waiting"
@@ -306,7 +316,7 @@ class MainWindow(QMainWindow):
 
     def closeEvent(self, event) -> None:         # noqa: N802 -- Qt override
         """Close the window only: the worker keeps training (reopening reattaches)."""
-        self._status_timer.stop()
+        self._status_poll.stop()
         self.ctx.settings.setValue("window/geometry", self.saveGeometry())
         for widget in self.screens.values():
             shutdown = getattr(widget, "shutdown", None)

@@ -28,7 +28,8 @@ from app.engine.rundir import RunDir
 from app.views.completions import CompletionsView
 from app.views.grpo_curves import KEYS as GRPO_KEYS
 from app.views.grpo_curves import GrpoCurves
-from app.views.plots import ACCENT, ORANGE, RunRanges, box, filled_curve, num, small_plot
+from app.views.plots import (ACCENT, ORANGE, PacedReveal, RunRanges, box, filled_curve, num,
+                              small_plot)
 from app.views.run_compare import ComparePanel
 from app.views.run_tail import PacedRedraw, RunTail, Series, clock
 
@@ -81,6 +82,7 @@ class MonitorView(QWidget):
         self.stats_label.setSizePolicy(QSizePolicy.Ignored, QSizePolicy.Preferred)
 
         self.redraw = PacedRedraw(self)            # one plot per event-loop pass
+        self.reveal = PacedReveal(self)            # and when the screen appears
         self.ranges = RunRanges(self._x_max)
         self.compare = ComparePanel(ctx)
         self.compare.changed.connect(lambda: self.redraw.mark(
@@ -145,6 +147,7 @@ class MonitorView(QWidget):
         ctx.run_selected.connect(self.set_run)
         self._set_kind("sft")
         self._update_buttons()
+        self.reveal.hide(self)
         if getattr(ctx, "current_run", None):
             self.set_run(ctx.current_run)
 
@@ -173,8 +176,15 @@ class MonitorView(QWidget):
 
     def showEvent(self, event) -> None:
         super().showEvent(event)
+        if not event.spontaneous():
+            self.reveal.start(self)
         self.tail.start()                        # after a close; a no-op when following
         self.compare.start()
+
+    def hideEvent(self, event) -> None:
+        super().hideEvent(event)
+        if not event.spontaneous():
+            self.reveal.hide(self)               # laid out and painted when shown again
 
     def _redraw_keys(self) -> tuple[str, ...]:
         return SFT_KEYS + (GRPO_KEYS if self.kind == "grpo" else ())

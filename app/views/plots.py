@@ -5,6 +5,9 @@ that follow a run.
 user zooms or pans one of them; values are refit only when they outgrow the view (or fill less
 than half of it). A range that changed on every update would make pyqtgraph re-lay out the axes
 and paint each plot twice (5-20 ms).
+
+`PacedReveal` shows a screen's plots one at a time when the screen appears (Qt would lay out and
+paint them all in one pass).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pyqtgraph as pg
+from PySide6.QtCore import QObject, QTimer
 from PySide6.QtWidgets import QWidget
 
 ACCENT = "#2f6fde"
@@ -154,3 +158,40 @@ class RunRanges:
             self._refit.discard(plot)
             below = 0.0 if from_zero else 0.25 * span    # room to fall: fewer refits
             vb.setYRange(lo - below, hi + 0.08 * span, padding=0)
+
+
+class PacedReveal(QObject):
+    """Shows a screen's plots one at a time when the screen appears: Qt lays out and paints
+    every widget of a newly shown screen in one pass, and the first layout and paint of a
+    pyqtgraph plot cost 5-15 ms (its axes), so Monitor's five plots blocked the window for
+    25-35 ms at once, several times that on a busy machine. `hide(screen)`, while the screen is
+    hidden, hides the plots it would show (their place in the layout is kept); `start(screen)`,
+    from its showEvent, shows them again in order, one per tick. For screens that do not hide
+    plots themselves."""
+
+    def __init__(self, parent: QObject | None = None, interval_ms: int = 15):
+        super().__init__(parent)
+        self._hidden: list[QWidget] = []
+        self.timer = QTimer(self, interval=interval_ms)
+        self.timer.timeout.connect(self._next)
+
+    def hide(self, screen: QWidget) -> None:
+        self.timer.stop()
+        for plot in screen.findChildren(pg.PlotWidget):
+            if plot.isVisibleTo(screen):
+                policy = plot.sizePolicy()
+                policy.setRetainSizeWhenHidden(True)
+                plot.setSizePolicy(policy)
+                plot.hide()
+                self._hidden.append(plot)
+
+    def start(self, screen: QWidget) -> None:
+        self.hide(screen)                   # any shown while the screen was hidden
+        if self._hidden:
+            self.timer.start()
+
+    def _next(self) -> None:
+        if self._hidden:
+            self._hidden.pop(0).show()
+        if not self._hidden:
+            self.timer.stop()
