@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
         from app.views.app import run_gui, sample_model_path
 
         return run_gui([sys.argv[0]], model_path=sample_model_path())
-    from app.cli import run_cli
+    from app.cli.main import run_cli
 
     return run_cli(argv)
 

@@ -28,7 +28,7 @@ skips dx where nothing upstream needs it; SDPA skips the masked half).
 
     weights as stored (the GGUF tensor data)
     + trainable parameters x 16 (float32 value, gradient and two AdamW moments)
-    + activations kept for backward (app.engine.model_info.layer_activation_bytes: per token
+    + activations kept for backward (app.engine.model.card.layer_activation_bytes: per token
       and layer, what attention, the FFN and the LoRA branches keep), all layers without
       checkpointing; with interval N the saved inputs of ceil(L/N) segments (C each) plus one
       segment of N layers alive during its backward; plus the residual stream and its
@@ -49,9 +49,9 @@ import statistics
 import time
 import numpy as np
 
-from app.engine.config import ModelConfig
-from app.engine.model_info import (Linear, block_linears, kept_activation_bytes,
-                                     layer_activation_bytes)
+from app.engine.model.config import ModelConfig
+from app.engine.model.card import (Linear, block_linears, kept_activation_bytes,
+                                   layer_activation_bytes)
 
 F32 = 4  # bytes
 
@@ -107,7 +107,7 @@ def step_flops(cfg: ModelConfig, n_tokens: int, ranks: dict[str, int], trained: 
 def memory_bound(cfg: ModelConfig, n_tokens: int, stored_bytes: int, n_trainable: int,
                  ranks: dict[str, int], checkpoint: int, vocab_chunk: int) -> dict[str, int]:
     """Lower bound in bytes of a training step's peak memory, by part (module docstring); the
-    activations are app.engine.model_info's model, which New run's estimate uses too."""
+    activations are app.engine.model.card's model, which New run's estimate uses too."""
     layers = layer_activation_bytes(cfg, n_tokens, ranks)
     boundary = n_tokens * cfg.n_embd * F32
     out = {"weights": stored_bytes, "trainable_and_optimizer": 16 * n_trainable,

@@ -92,9 +92,9 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["WORKBENCH_CACHE_DIR"] = os.path.join(tmp, "cache")
-        from app.engine.data import DataConfig, Dataset, tokenize_file
-        from app.engine.lint import lint_dataset
-        from app.engine.tokenizer import load_tokenizer
+        from app.engine.data.dataset import DataConfig, Dataset, tokenize_file
+        from app.engine.data.lint import lint_dataset
+        from app.engine.text.tokenizer import load_tokenizer
 
         path = Path(tmp) / "chat.jsonl"
         rows = write_chat_jsonl(path, args.mb)

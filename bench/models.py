@@ -45,7 +45,7 @@ def model_path(name: str) -> Path | None:
         return path
     MODELS.mkdir(parents=True, exist_ok=True)
     if name in SPECS:
-        from app.engine.new_model import NewModelSpec, create_model
+        from app.engine.model.new_model import NewModelSpec, create_model
 
         create_model(path, NewModelSpec(**SPECS[name], context_length=1024, seed=0, name=name),
                      BYTE_VOCAB)
@@ -66,8 +66,8 @@ def _gemma() -> Path | None:
 
 def write_quantized(src: Path, dst: Path, ggml_type: int) -> None:
     """Copy src with its 2-D/3-D weights (except the router) quantized to ggml_type."""
-    from app.engine.gguf_io import quantize, read_gguf, write_gguf
-    from app.engine.lora import tensor_kind
+    from app.engine.io.gguf import quantize, read_gguf, write_gguf
+    from app.engine.model.lora import tensor_kind
 
     quantizer = quantize_q4_k if ggml_type == Q4_K else lambda x: quantize(x, ggml_type)
     f = read_gguf(src)

@@ -1,4 +1,4 @@
-"""AdamW step throughput of app.engine.optim against a naive-expression AdamW.
+"""AdamW step throughput of app.engine.training.optimizers against a naive-expression AdamW.
 
 Run from the repository root: ``python -m bench.optim [--params 10_000_000] [--tensors 4]
 [--repeat 5] [--gpu]``. The parameters (float32, split into ``--tensors`` equal tensors) are
@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from app.engine import optim
+from app.engine.training import optimizers as optim
 
 
 def naive_adamw(params, grads, m, v, t, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, wd=0.0, xp=np):

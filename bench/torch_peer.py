@@ -37,12 +37,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from app.engine.config import ModelConfig, config_from_metadata
-from app.engine.gguf_io import dequantize, read_gguf
+from app.engine.model.config import ModelConfig, config_from_metadata
+from app.engine.io.gguf import dequantize, read_gguf
 from app.engine.kernels.moe import RENORM_MIN
-from app.engine.lora import LoraAdapter, init_adapter
-from app.engine.timing import phase
-from app.engine.train import TRAINABLE_TYPES
+from app.engine.model.lora import LoraAdapter, init_adapter
+from app.engine.runtime.timing import phase
+from app.engine.model.params import TRAINABLE_TYPES
 from bench.train import Unsupported, threads
 
 
@@ -214,7 +214,7 @@ class TorchTrainer:
         config = w.train_config()
         adapter = None
         if w.mode == "lora":
-            from app.engine.gguf_io import read_gguf
+            from app.engine.io.gguf import read_gguf
 
             f = read_gguf(w.model)
             shapes = {n: t.shape for n, t in f.tensors.items()}

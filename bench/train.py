@@ -12,13 +12,13 @@ llama.cpp (llama-finetune, bench/llamacpp.py).
 The step, identical on every side: one sequence of C random token ids (fixed seed) with the
 next token as label; AdamW (lr 1e-4, betas 0.9/0.999, eps 1e-8, no weight decay) after
 global-norm gradient clipping at 1.0 (TrainConfig's default is no clipping: the bench turns it
-on for both sides); LoRA alpha = 2 x rank, the adapter made by app.engine.lora.init_adapter
+on for both sides); LoRA alpha = 2 x rank, the adapter made by app.engine.model.lora.init_adapter
 with the same seed; full fine-tuning trains every F32/F16/BF16 tensor.
 
 Timing: WARMUP untimed steps (they fill the caches and let the allocator settle; the first
 one's loss is `loss0`, the loss at the initial weights, equal on both sides), then N timed
 steps. A step's time ("step_ms") is the batch
-construction plus the training step. Its phases come from app.engine.timing's PhaseClock:
+construction plus the training step. Its phases come from app.engine.runtime.timing's PhaseClock:
 data (building the batch from the token window), forward, loss (ours: output norm, head and
 cross-entropy, forward and backward; the peer: head and cross-entropy forward, its backward
 being in "backward"), backward, recompute (ours: the blocks re-run under checkpointing; the
@@ -45,9 +45,9 @@ from pathlib import Path
 
 import numpy as np
 
-from app.engine.backend import peak_rss_mb
-from app.engine.config import TrainConfig
-from app.engine.timing import PhaseClock, phase
+from app.engine.runtime.backend import peak_rss_mb
+from app.engine.training.config import TrainConfig
+from app.engine.runtime.timing import PhaseClock, phase
 
 LR, MAX_GRAD_NORM, SEED = 1e-4, 1.0, 0
 WARMUP = 2   # untimed steps: torch's 2nd step is still ~2x its steady state (allocator, first use)
@@ -76,7 +76,7 @@ class Workload:
 
     def lora_config(self):
         """The LoraConfig TrainSession builds its adapter from (the peer builds the same one)."""
-        from app.engine.lora import LoraConfig
+        from app.engine.model.lora import LoraConfig
 
         c = self.train_config()
         return LoraConfig(c.lora_rank, c.lora_alpha, c.lora_targets, c.rslora, c.seed)
@@ -94,7 +94,7 @@ class Unsupported(Exception):
 def threads() -> int:
     """Threads for every implementation: the engine's count (WORKBENCH_THREADS, else the cores
     this process may run on); the peer gets the same number."""
-    from app.engine.parallel import thread_count
+    from app.engine.runtime.parallel import thread_count
 
     return thread_count()
 
@@ -106,7 +106,7 @@ class EngineTrainer:
         from dataclasses import replace
 
         from app.engine import load_model
-        from app.engine.train import TrainSession
+        from app.engine.training.session import TrainSession
 
         budget = None if w.weight_cache_mb is None else w.weight_cache_mb << 20
         self.model = load_model(w.model, cache_budget=budget, device=device)
@@ -119,7 +119,7 @@ class EngineTrainer:
         return self.model.weights.dequant_seconds
 
     def batch(self, window: np.ndarray):
-        from app.engine.train import Batch
+        from app.engine.data.batches import Batch
 
         return Batch(window[:-1], window[1:])
 
@@ -152,10 +152,10 @@ def measure(trainer, windows: np.ndarray) -> dict:
 
 def costs(w: Workload, n_trainable: int, step_ms: float, peak_mb: float) -> dict:
     """FLOPs, achieved GFLOP/s and the memory lower bound of the step (bench/cost.py)."""
-    from app.engine.config import config_from_metadata
-    from app.engine.gguf_io import read_gguf
-    from app.engine.lora import lora_targets
-    from app.engine.train import TRAINABLE_TYPES
+    from app.engine.model.config import config_from_metadata
+    from app.engine.io.gguf import read_gguf
+    from app.engine.model.lora import lora_targets
+    from app.engine.model.params import TRAINABLE_TYPES
     from bench.cost import memory_bound, step_flops
 
     f = read_gguf(w.model)
@@ -194,7 +194,7 @@ def device_unavailable(device: str, impl: str) -> str | None:
         return None
     if impl != "ours":
         return f"cuda: the {impl} peer runs on the CPU only"
-    from app.engine.backend import gpu_available
+    from app.engine.runtime.backend import gpu_available
 
     return None if gpu_available() else "cuda: not available (no CUDA device or CuPy)"
 

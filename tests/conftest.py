@@ -6,8 +6,12 @@ from pathlib import Path
 
 import pytest
 
+REPO = Path(__file__).resolve().parent.parent
+SAMPLE_DATA = REPO / "sample_data"
 DATA = Path(__file__).parent / "data"
 GOLDEN = DATA / "golden"
+VOCAB = DATA / "vocab"
+TEMPLATES = DATA / "templates"
 GOLDEN_MODELS = ("llama", "mixtral", "qwen2", "qwen2moe", "qwen3moe", "olmoe", "deepseek", "gemma3")
 
 

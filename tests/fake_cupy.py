@@ -6,7 +6,7 @@ into a device computation is a bug, and a copy on a real GPU). Every device-to-h
 (`.get()`, `asnumpy`, `.item()`, `.tolist()`, `float()`, `int()`, `bool()`) is counted in
 `transfers`, so tests can assert how many host round trips a training step makes.
 
-`install(monkeypatch)` makes `app.engine.backend` see this module as CuPy with one device.
+`install(monkeypatch)` makes `app.engine.runtime.backend` see this module as CuPy with one device.
 """
 
 from __future__ import annotations
@@ -123,6 +123,6 @@ module.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(
 
 
 def install(monkeypatch) -> None:
-    import app.engine.backend as backend
+    import app.engine.runtime.backend as backend
     monkeypatch.setattr(backend, "_cupy", module)
     transfers.update(to_host=0, to_device=0)

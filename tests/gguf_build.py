@@ -7,7 +7,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from app.engine.gguf_io import read_gguf
+from app.engine.io.gguf import read_gguf
 
 
 def read_all(path: Path) -> tuple[dict, dict[str, np.ndarray]]:

@@ -35,7 +35,7 @@ from unittest import mock
 
 import numpy as np
 
-from app.engine import model as model_module
+from app.engine.model import transformer as model_module
 from app.engine.kernels.activations import _gelu_table
 
 ATOL = 1e-4

@@ -44,7 +44,7 @@ class ConfigError(EngineError):
 
 
 class TemplateError(EngineError):
-    """A chat template ran past its time or size budget (`app.engine.chat_template`). Not a
+    """A chat template ran past its time or size budget (`app.engine.text.chat_template`). Not a
     ConfigError on purpose: the data pipeline rejects a row on a ConfigError and goes on with
     the next one, whereas a template over budget must stop the whole run at once."""
 

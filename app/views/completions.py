@@ -1,6 +1,6 @@
 """The Monitor's Completions page for GRPO runs: what the model actually wrote, and how it scored.
 
-Two kinds of events carry completions (see app.engine.grpo): "samples" (every samples_every
+Two kinds of events carry completions (see app.engine.training.grpo): "samples" (every samples_every
 steps, all G sampled completions of the step's first prompts, with their advantages) and "eval"
 (its "examples": greedy completions of held-out prompts). Each becomes one entry of the step
 box, the newest first; "Follow newest" shows each new one as it arrives.

@@ -19,8 +19,8 @@ from PySide6.QtWidgets import (QAbstractItemView, QFileDialog, QHBoxLayout, QHea
                                QLineEdit, QProgressBar, QPushButton, QSplitter, QTableWidget,
                                QTableWidgetItem, QTextEdit, QVBoxLayout, QWidget)
 
-from app.engine.data import DataConfig
-from app.engine.lint import LintReport, lint_file
+from app.engine.data.dataset import DataConfig
+from app.engine.data.lint import LintReport, lint_file
 from app.views.context import Background
 from app.views.error_panel import ErrorPanel
 

@@ -25,7 +25,7 @@ from PySide6.QtCore import QSize, Qt
 from PySide6.QtWidgets import (QCheckBox, QComboBox, QHBoxLayout, QLabel, QListWidget,
                                QListWidgetItem, QSlider, QStyle, QVBoxLayout, QWidget)
 
-from app.engine.rundir import RunDir
+from app.engine.runs.rundir import RunDir
 from app.views.run_tail import PacedRedraw, RunTail
 
 PROJECTIONS = {"gate": "ffn_gate_exps", "up": "ffn_up_exps", "down": "ffn_down_exps"}

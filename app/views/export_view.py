@@ -2,7 +2,7 @@
 
 Source: the selected run (its newest checkpoint, a given step, or its final adapter.gguf) or an
 adapter file with its base model. Format (GGUF LoRA, merged GGUF, PEFT, Ollama), tensor type,
-scale, destination. The export runs off the GUI thread (`app.engine.export.export`); its
+scale, destination. The export runs off the GUI thread (`app.engine.export.exporter.export`); its
 verification report is shown check by check, flagged in red when a check failed, with the
 command that loads the result. An export that would replace an existing output asks first;
 one whose output is one of its inputs is refused (the engine's rule, in the error panel).
@@ -47,12 +47,12 @@ def run_checkpoints(run_dir: str) -> list[int]:
 
 def do_export(spec: dict):
     """Build the export source from `spec` and export it (runs in a worker thread)."""
-    from app.engine.export import export, source_from_adapter, source_from_run
+    from app.engine.export.exporter import export, source_from_adapter, source_from_run
 
     if spec["source"] == "run":
         run, which = spec["run_dir"], spec["checkpoint"]
         if which == FINAL:
-            from app.engine.rundir import RunDir
+            from app.engine.runs.rundir import RunDir
 
             model = RunDir(run).config().get("model", "")
             source = source_from_adapter(os.path.join(run, "adapter.gguf"), model)
@@ -289,7 +289,7 @@ class ExportView(QWidget):
                      on_error=lambda error: self._on_error(error, spec))
 
     def _on_error(self, error: BaseException, spec: dict) -> None:
-        from app.engine.export import ExportTargetExists
+        from app.engine.export.exporter import ExportTargetExists
 
         kept = isinstance(error, ExportTargetExists)    # the engine checked before writing
         if kept and self._confirm_replace(error.path):

@@ -1,6 +1,6 @@
 """The Monitor's Rewards page for GRPO runs: how the reward grows, live.
 
-Four plots, fed with the run's step and eval events ("kind": "grpo", see app.engine.grpo) from
+Four plots, fed with the run's step and eval events ("kind": "grpo", see app.engine.training.grpo) from
 the same RunTail as the loss curves and drawn through the Monitor's PacedRedraw and RunRanges:
 
 * Reward: the weighted total reward per step, mean (raw and smoothed) with a +-1 std band,

@@ -3,7 +3,7 @@ current settings.
 
 `estimate_memory(card, trainable, tokens, ...)`: `card` is `describe_model(path, rank, tokens)`
 (its `memory` holds the weights, the dequantized weights, the activations of `tokens` tokens
-per layer and the adapter bytes of all LoRA targets: app.engine.model_info.MemoryEstimate);
+per layer and the adapter bytes of all LoRA targets: app.engine.model.card.MemoryEstimate);
 `trainable` the parameters of the chosen targets. Full fine-tuning (`full`) counts 16 bytes for
 every unquantized parameter instead of the adapter (its float32 copy, gradient and two AdamW
 moments). `checkpoint` is the gradient-checkpointing interval (0: off) and `weight_cache_mb` the
@@ -14,9 +14,9 @@ total and free.
 
 from __future__ import annotations
 
-from app.engine.backend import array_module, device_memory, gpu_available
-from app.engine.model_info import RUNTIME_BYTES, ModelCard, human_bytes, human_count
-from app.engine.weights import default_cache_budget
+from app.engine.runtime.backend import array_module, device_memory, gpu_available
+from app.engine.model.card import RUNTIME_BYTES, ModelCard, human_bytes, human_count
+from app.engine.model.weights import default_cache_budget
 
 
 def estimate_memory(card: ModelCard, trainable: int | None, tokens: str,

@@ -24,7 +24,7 @@ from PySide6.QtWidgets import (QCheckBox, QGridLayout, QHBoxLayout, QLabel, QMes
                                QSplitter, QTabWidget, QVBoxLayout, QWidget)
 
 from app.engine.errors import EngineError
-from app.engine.rundir import RunDir
+from app.engine.runs.rundir import RunDir
 from app.views.completions import CompletionsView
 from app.views.grpo_curves import KEYS as GRPO_KEYS
 from app.views.grpo_curves import GrpoCurves

@@ -13,7 +13,7 @@ takes; its config.json is built by the engine's `build_grpo_config`, as `workben
 with "kind": "grpo", which the worker dispatches on. Custom reward files run as Python with the
 user's rights: before a GRPO run with a file not yet trusted as it is now (typed in, loaded with
 settings, or changed since) is queued, a question names the files, and only Yes trusts them
-(app.engine.reward_functions) and queues the run.
+(app.engine.training.reward_functions) and queues the run.
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtWidgets import (QFileDialog, QHBoxLayout, QLabel, QLineEdit, QMessageBox,
                                QPushButton, QStackedWidget, QTabWidget, QVBoxLayout, QWidget)
 
-from app.engine.data import DataConfig
+from app.engine.data.dataset import DataConfig
 from app.engine.errors import ConfigError, EngineError
-from app.engine.grpo import GrpoConfig, build_grpo_config
-from app.engine.lint import LintReport, lint_file
-from app.engine.model_info import ModelCard, describe_model, human_bytes
-from app.engine.reward_functions import trust_reward_files, untrusted_reward_files
-from app.engine.rundir import RUN_NAME_MAX, default_run_name
+from app.engine.training.grpo import GrpoConfig, build_grpo_config
+from app.engine.data.lint import LintReport, lint_file
+from app.engine.model.card import ModelCard, describe_model, human_bytes
+from app.engine.training.reward_functions import trust_reward_files, untrusted_reward_files
+from app.engine.runs.rundir import RUN_NAME_MAX, default_run_name
 from app.views.context import AppContext, Background, sample_dataset_path, sample_model_path
 from app.views.dataset_panel import DatasetPanel
 from app.views.error_panel import ErrorPanel
@@ -305,7 +305,7 @@ class NewRunView(QWidget):
     def build_config(self):
         """The RunConfig (or GrpoConfig) to start; raises ConfigError when something is
         missing or invalid."""
-        from app.engine.run import RunConfig
+        from app.engine.training.sft import RunConfig
 
         d = self.config_dict()
         if not d["model"]:

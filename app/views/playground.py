@@ -19,7 +19,7 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog
                                QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit, QPushButton,
                                QSlider, QSpinBox, QSplitter, QVBoxLayout, QWidget)
 
-from app.engine.chat_template import chat_prompt_ids, generation_prompt_ids
+from app.engine.text.chat_template import chat_prompt_ids, generation_prompt_ids
 from app.views.context import AppContext, sample_model_path
 from app.views.error_panel import ErrorPanel
 
@@ -28,7 +28,7 @@ FROM_RUN, FROM_FILE, NO_ADAPTER = "run", "file", "none"
 
 def run_adapter_source(run_dir: str) -> tuple[str, str | None]:
     """(model path, adapter file or None) of a run: its config's model and its final adapter."""
-    from app.engine.rundir import RunDir
+    from app.engine.runs.rundir import RunDir
 
     run = RunDir(run_dir)
     model = str(run.config().get("model", ""))
@@ -60,7 +60,7 @@ class _Cache:
 
                 adapter = load_adapter(key[1])
             else:
-                from app.engine.export import source_from_run
+                from app.engine.export.exporter import source_from_run
 
                 adapter = source_from_run(key[1], model_path=model.path).adapter
                 if adapter is None:

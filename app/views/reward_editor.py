@@ -1,7 +1,7 @@
 """The reward functions of a GRPO run: a list of rows (function, its argument, weight) to add
 to and remove from, each checked as you type with the problem shown under it.
 
-A row edits one `RewardSpec` dict (app.engine.reward_functions): the function's kind, the one
+A row edits one `RewardSpec` dict (app.engine.training.reward_functions): the function's kind, the one
 argument that kind takes (see ARGUMENTS) and the weight. Settings a row does not show (a
 numeric reward's tag, a custom function name) are kept as they were loaded. A Python file runs
 as Python with the user's rights (not in a sandbox): while a row names one, a note under the list
@@ -19,7 +19,7 @@ from PySide6.QtWidgets import (QFileDialog, QGridLayout, QHBoxLayout, QLabel, QL
                                QPushButton, QToolButton, QVBoxLayout, QWidget)
 
 from app.engine.errors import ConfigError
-from app.engine.reward_functions import RewardSpec
+from app.engine.training.reward_functions import RewardSpec
 from app.views.form_fields import combo, dspin, set_combo
 
 KINDS = (("exact", "exact match"), ("numeric", "numeric"), ("regex", "regex"),

@@ -22,7 +22,7 @@ from PySide6.QtWidgets import (QLabel, QListWidget, QListWidgetItem, QTableWidge
                                QTableWidgetItem, QVBoxLayout, QWidget)
 
 from app.engine.errors import EngineError
-from app.engine.rundir import RunDir, list_runs
+from app.engine.runs.rundir import RunDir, list_runs
 from app.views.plots import PALETTE, num
 from app.views.run_tail import BackgroundPoll, RunTail, Series
 

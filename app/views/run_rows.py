@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from app.engine.errors import EngineError
-from app.engine.jobs import Job
-from app.engine.rundir import RunDir, list_runs
+from app.engine.runs.queue import Job
+from app.engine.runs.rundir import RunDir, list_runs
 
 REQUESTED = {"pause": "pausing\u2026", "cancel": "cancelling\u2026"}
 STALE_S = 300            # a terminal run whose status has not changed for this long: stalled?

@@ -34,7 +34,7 @@ import numpy as np
 from PySide6.QtCore import QCoreApplication, QObject, QTimer, Signal
 
 from app.engine.errors import EngineError
-from app.engine.rundir import RunDir
+from app.engine.runs.rundir import RunDir
 
 DEFAULT_INTERVAL_MS = 150
 MAX_LOG_BYTES = 64 * 1024          # a first look at a long log.txt reads only its tail

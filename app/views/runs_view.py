@@ -22,8 +22,8 @@ from PySide6.QtWidgets import (QAbstractItemView, QHBoxLayout, QHeaderView, QLab
                                QWidget)
 
 from app.engine.errors import ConfigError, EngineError
-from app.engine.jobs import JobStateError
-from app.engine.rundir import RunDir
+from app.engine.runs.queue import JobStateError
+from app.engine.runs.rundir import RunDir
 from app.views.error_panel import BUG_HINT, ErrorPanel
 from app.views.run_rows import RunRow, collect_runs
 from app.views.run_tail import BackgroundPoll, clock

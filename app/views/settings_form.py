@@ -19,10 +19,10 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import (QCheckBox, QFileDialog, QFrame, QGridLayout, QHBoxLayout, QLabel,
                                QLineEdit, QPushButton, QScrollArea, QVBoxLayout, QWidget)
 
-from app.engine.backend import gpu_available
-from app.engine.config import TrainConfig
-from app.engine.lora import TARGET_GROUPS
-from app.engine.model_info import ModelCard, human_count, lora_param_count
+from app.engine.runtime.backend import gpu_available
+from app.engine.training.config import TrainConfig
+from app.engine.model.lora import TARGET_GROUPS
+from app.engine.model.card import ModelCard, human_count, lora_param_count
 from app.views.form_fields import FormBase, combo, dspin, set_combo, set_field, spin
 
 GROUP_LABELS = {"attention": "Attention (q, k, v, out)", "ffn": "Dense FFN",

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from app.engine import load_model
-from app.engine.config import config_from_metadata
-from app.engine.gguf_io import dequantize, read_gguf
-from app.engine.train import Batch, TrainSession
+from app.engine.model.config import config_from_metadata
+from app.engine.io.gguf import dequantize, read_gguf
+from app.engine.data.batches import Batch
+from app.engine.training.session import TrainSession
 from bench.cost import memory_bound, step_flops
 from bench.llamacpp import parse_progress
 from bench.models import Q4_K, quantize_q4_k

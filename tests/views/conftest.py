@@ -8,14 +8,12 @@ import os
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
-from pathlib import Path  # noqa: E402
-
 import pytest  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
-SAMPLE_MODEL = REPO / "sample_data" / "tiny-moe.gguf"
-SAMPLE_CHAT = REPO / "sample_data" / "chat.jsonl"
-GOLDEN = REPO / "tests" / "data" / "golden"
+from tests.conftest import GOLDEN, SAMPLE_DATA  # noqa: E402
+
+SAMPLE_MODEL = SAMPLE_DATA / "tiny-moe.gguf"
+SAMPLE_CHAT = SAMPLE_DATA / "chat.jsonl"
 
 
 def wait_ready(qtbot, view):
@@ -36,7 +34,7 @@ def settings(tmp_path):
 def ctx(tmp_path, settings, qapp):
     """An AppContext on a private queue and runs folder; `ensure_worker` is recorded, not run
     (tests that want the real worker process use `real_worker_ctx`)."""
-    from app.engine.jobs import JobQueue
+    from app.engine.runs.queue import JobQueue
     from app.views.context import AppContext
 
     (tmp_path / "runs").mkdir(exist_ok=True)
@@ -81,7 +79,7 @@ def golden_run_dir(ctx):
     """A finished-looking run folder: the golden Mixtral model and its LoRA as adapter.gguf."""
     import shutil
 
-    from app.engine.rundir import RunDir
+    from app.engine.runs.rundir import RunDir
 
     run = RunDir.create(ctx.runs_root() / "golden",
                         {"model": str(GOLDEN / "mixtral-f32.gguf"), "data": "d.jsonl"})

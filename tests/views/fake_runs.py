@@ -1,5 +1,5 @@
 """Fake run directories for the view tests: the same files and events the engine writes
-(`app.engine.run.train` through `RunDir`), written progressively, optionally from a thread."""
+(`app.engine.training.sft.train` through `RunDir`), written progressively, optionally from a thread."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-from app.engine.rundir import RunDir, append_line, to_json
+from app.engine.runs.rundir import RunDir
+from app.engine.runtime.files import append_line, to_json
 
 EXPERT_KINDS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 DENSE_KINDS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
@@ -172,10 +173,10 @@ class FakeRun:
 
 
 def fake_grpo_config(**overrides) -> dict:
-    """A GRPO run's config.json (app.engine.grpo.GrpoConfig.to_dict) with two rewards."""
-    from app.engine.config import TrainConfig
-    from app.engine.grpo import GrpoConfig
-    from app.engine.reward_functions import RewardSpec
+    """A GRPO run's config.json (app.engine.training.grpo.GrpoConfig.to_dict) with two rewards."""
+    from app.engine.training.config import TrainConfig
+    from app.engine.training.grpo import GrpoConfig
+    from app.engine.training.reward_functions import RewardSpec
 
     config = GrpoConfig(model="/models/tiny-moe.gguf", prompts="/data/addition.jsonl",
                         rewards=(RewardSpec("exact"), RewardSpec("format", 0.5, arg="answer")),
@@ -185,7 +186,7 @@ def fake_grpo_config(**overrides) -> dict:
 
 
 class FakeGrpoRun:
-    """A GRPO run directory written like `app.engine.grpo.train_grpo` writes it: the reward at
+    """A GRPO run directory written like `app.engine.training.grpo.train_grpo` writes it: the reward at
     step s is `reward_at(s)`, the exact reward's mean that, the format reward's 1 - that."""
 
     def __init__(self, path: str | Path, *, total_steps: int = 20, group_size: int = 4):

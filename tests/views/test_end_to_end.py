@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from PySide6.QtCore import QElapsedTimer, Qt, QTimer
 
-from app.engine.jobs import JobQueue
-from app.engine.lora import load_adapter
-from app.engine.rundir import RunDir
+from app.engine.runs.queue import JobQueue
+from app.engine.model.lora import load_adapter
+from app.engine.runs.rundir import RunDir
 from app.views.context import AppContext
 from app.views.main_window import MainWindow
 from tests.views.conftest import SAMPLE_CHAT, SAMPLE_MODEL

@@ -9,10 +9,10 @@ import pytest
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QMessageBox
 
-from app.engine.export import ExportTargetExists
-from app.engine.lora import load_adapter
-from app.engine.rundir import RunDir
-from app.engine.verify import Check, ExportReport
+from app.engine.export.exporter import ExportTargetExists
+from app.engine.model.lora import load_adapter
+from app.engine.runs.rundir import RunDir
+from app.engine.export.verify import Check, ExportReport
 from app.views import export_view
 from app.views.export_view import FINAL, NEWEST, ExportView
 from tests.views.conftest import GOLDEN, shown

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from PySide6.QtCore import Qt
 
-from app.engine.rundir import RunDir
-from app.engine.worker import run_worker
+from app.engine.runs.rundir import RunDir
+from app.engine.runs.worker import run_worker
 from app.views.monitor import MonitorView
 from app.views.new_run import NewRunView
 from app.views.runs_view import COL, RunsView

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given
 from hypothesis import strategies as st
 
 from app.engine.errors import EngineError
-from tests.engine.test_config_schema import BAD_CONFIGS, GRPO_DICTS, RUN_DICTS, _bad_config_ids
+from tests.engine.training.test_config_schema import BAD_CONFIGS, GRPO_DICTS, RUN_DICTS, _bad_config_ids
 from tests.fuzz import fuzz, fuzz_settings
 
 

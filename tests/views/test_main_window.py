@@ -13,8 +13,8 @@ import shiboken6
 from PySide6.QtCore import QSettings, Qt
 
 from app.engine.errors import ConfigError, ModelFormatError
-from app.engine.model_info import describe_model
-from app.engine.rundir import RunDir
+from app.engine.model.card import describe_model
+from app.engine.runs.rundir import RunDir
 from app.views import main_window as mw
 from app.views.app import sample_model_path
 from app.views.context import SCREENS

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from PySide6.QtCore import Qt
 
-from app.engine.data import DataConfig
-from app.engine.lint import lint_file
-from app.engine.lora import TARGET_GROUPS
-from app.engine.model_info import describe_model, lora_param_count
-from app.engine.rundir import RunDir
+from app.engine.data.dataset import DataConfig
+from app.engine.data.lint import lint_file
+from app.engine.model.lora import TARGET_GROUPS
+from app.engine.model.card import describe_model, lora_param_count
+from app.engine.runs.rundir import RunDir
 from app.views.model_card import discover_models
 from app.views.new_run import NewRunView
 from tests.views.conftest import GOLDEN, SAMPLE_CHAT, SAMPLE_MODEL
@@ -279,7 +279,7 @@ def test_repeating_a_run_keeps_the_settings_the_screen_does_not_show(qtbot, view
     """A run's config.json made on the command line may hold settings New run has no field
     for (global-norm clipping, AdamW betas, the weight cache, an adapter to start from...):
     loading it to repeat the run keeps them; the screen's own fields still win."""
-    from app.engine.run import RunConfig
+    from app.engine.training.sft import RunConfig
 
     cli = RunConfig.from_dict({"model": str(SAMPLE_MODEL), "data": str(SAMPLE_CHAT),
                                "keep_last": 2, "train": {"max_grad_norm": 1.0, "beta2": 0.99,
@@ -339,7 +339,7 @@ def test_a_queue_error_goes_to_the_funnel(qtbot, view, ctx, monkeypatch):
     ctx.error_reported.connect(lambda title, e, context: errors.append((title, e)))
 
     def broken(*a, **k):
-        from app.engine.jobs import QueueError
+        from app.engine.runs.queue import QueueError
 
         raise QueueError("The job queue is locked.", "Try again.")
 

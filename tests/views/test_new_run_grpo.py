@@ -9,13 +9,14 @@ import json
 import pytest
 from PySide6.QtCore import Qt
 
-from app.cli import run_cli
-from app.engine.grpo import GrpoConfig
-from app.engine.rundir import RunDir
+from app.cli.main import run_cli
+from app.engine.training.grpo import GrpoConfig
+from app.engine.runs.rundir import RunDir
 from app.views.grpo_panel import addition_demo
-from tests.views.conftest import REPO, SAMPLE_MODEL
+from tests.conftest import SAMPLE_DATA
+from tests.views.conftest import SAMPLE_MODEL
 
-ADDITION = REPO / "sample_data" / "addition.jsonl"
+ADDITION = SAMPLE_DATA / "addition.jsonl"
 
 
 @pytest.fixture
@@ -173,7 +174,7 @@ def test_reward_code_from_loaded_settings_runs_only_after_yes(qtbot, view, ctx, 
                                                               monkeypatch):
     from PySide6.QtWidgets import QMessageBox
 
-    from app.engine.reward_functions import RewardSpec, untrusted_reward_files
+    from app.engine.training.reward_functions import RewardSpec, untrusted_reward_files
 
     reward = tmp_path / "shared_reward.py"
     reward.write_text("def reward(prompt, completion, **row):\n    return 1.0\n")

@@ -8,7 +8,7 @@ import pytest
 from PySide6.QtCore import Qt
 
 from app.engine import load_adapter, load_model
-from app.engine.chat_template import chat_prompt_ids
+from app.engine.text.chat_template import chat_prompt_ids
 from app.views.playground import FROM_FILE, NO_ADAPTER, PlaygroundView
 from tests.views.conftest import GOLDEN, shown
 
@@ -76,7 +76,7 @@ def test_chat_template_is_applied(qtbot, view, engine):
 
 
 def test_streams_off_the_gui_thread_and_stops(qtbot, view, monkeypatch):
-    import app.engine.model as model_mod
+    import app.engine.model.transformer as model_mod
 
     seen, gate = [], threading.Event()
     original = model_mod.Model.generate

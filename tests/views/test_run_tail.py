@@ -145,7 +145,7 @@ def test_the_gui_thread_never_waits_while_a_run_is_written(qtbot, tmp_path, caps
 
     from PySide6.QtCore import QSettings, QTimer
 
-    from app.engine.jobs import JobQueue
+    from app.engine.runs.queue import JobQueue
     from app.views.context import AppContext
     from app.views.experts import ExpertsView
     from app.views.monitor import MonitorView

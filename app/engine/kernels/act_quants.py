@@ -16,7 +16,7 @@ of x' with the dequantized weight gives llama.cpp's result up to float32 summati
 - F16 -> F16: ``GGML_CPU_FP32_TO_FP16``, round to nearest even.
 
 Rows must be whole blocks, which they are for these weight types (their rows are).
-Only the inference forward uses this (app.engine.params.Params.base_input): training computes
+Only the inference forward uses this (app.engine.model.params.Params.base_input): training computes
 in plain float32.
 """
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from app.engine.backend import get_array_module
+from app.engine.runtime.backend import get_array_module
 from app.engine.kernels.quants import F16, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from app.engine.backend import get_array_module
-from app.engine.parallel import parallel_map, row_blocks
+from app.engine.runtime.backend import get_array_module
+from app.engine.runtime.parallel import parallel_map, row_blocks
 
 _SQRT_2_OVER_PI = np.float32(0.79788456080286535587989211986876)
 _GELU_COEF_A = np.float32(0.044715)

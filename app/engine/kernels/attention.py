@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from app.engine.backend import get_array_module
-from app.engine.parallel import parallel_map
+from app.engine.runtime.backend import get_array_module
+from app.engine.runtime.parallel import parallel_map
 
 MIN_PIECES = 4         # kv heads x query-row blocks per layer, at least (when rows allow)
 BLOCK_ROWS = 128

@@ -10,7 +10,7 @@ Measured faster than both np.add.reduceat over the sorted rows and a flat np.bin
 
 from __future__ import annotations
 
-from app.engine.backend import get_array_module
+from app.engine.runtime.backend import get_array_module
 
 _LIGHT = 16  # longest run of one token summed by the rank loop; longer runs are summed per token
 

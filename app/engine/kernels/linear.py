@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from app.engine.parallel import matmul
+from app.engine.runtime.parallel import matmul
 
 
 class LinearCache(NamedTuple):
     """What linear_backward needs. `w` may be set to None while the step is between forward
     and backward and put back with `_replace(w=...)`: the model does that, so that a weight
-    dequantized for the forward is not kept alive across the step (app.engine.model)."""
+    dequantized for the forward is not kept alive across the step (app.engine.model.transformer)."""
 
     x: Any
     w: Any
@@ -27,7 +27,7 @@ def linear_forward(x, w, bias=None, lora=None, dropout_mask=None, x_base=None):
     dropout_mask: (T, in) LoRA dropout on the LoRA branch's input only, already scaled by
     1/(1-p) (0 where dropped), or None.
     x_base: (T, in) what the base product reads instead of x, or None (inference only:
-    llama.cpp's rounded activations, app.engine.params.Params.base_input); the cache keeps x.
+    llama.cpp's rounded activations, app.engine.model.params.Params.base_input); the cache keeps x.
     Cache: LinearCache with xa = (x * mask) A^T (T, R) kept for dB.
     """
     y = matmul(x if x_base is None else x_base, w.T)     # (T, out)

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from app.engine.backend import get_array_module
-from app.engine.parallel import matmul, parallel_map, row_blocks, thread_count
+from app.engine.runtime.backend import get_array_module
+from app.engine.runtime.parallel import matmul, parallel_map, row_blocks, thread_count
+
+VOCAB_CHUNK = 8192   # vocabulary rows per chunk: each chunk's logits are (T, VOCAB_CHUNK)
 
 
 def _chunk_logits(xp, h, w_out, lo, hi, lora, ha):
@@ -43,7 +45,7 @@ def _softcap(xp, z, softcap):
 
 
 def cross_entropy_forward(h, w_out, labels, token_weights=None, lora=None, softcap: float = 0.0,
-                          chunk: int = 8192):
+                          chunk: int = VOCAB_CHUNK):
     """h (T, C), w_out (V, C) by row slices, labels (T,) int with -1 (any negative) = masked.
 
     token_weights (T,) real weights w_t (any sign) or None for 1; lora (A (R, C), B (V, R),
@@ -76,7 +78,7 @@ def cross_entropy_forward(h, w_out, labels, token_weights=None, lora=None, softc
 
 
 def cross_entropy_frozen_head(h, w_out, labels, token_weights=None, softcap: float = 0.0,
-                              chunk: int = 8192):
+                              chunk: int = VOCAB_CHUNK):
     """Loss, stats and dh (T, C) in one pass over the vocabulary, for a head that gets no
     gradient (frozen, no LoRA); arguments and figures as in cross_entropy_forward.
 

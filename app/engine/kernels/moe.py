@@ -22,10 +22,10 @@ Training path (forward with cache, then backward)::
 
 from __future__ import annotations
 
-from app.engine.backend import get_array_module
+from app.engine.runtime.backend import get_array_module
 from app.engine.kernels.activations import gelu_tanh, gelu_tanh_grad, glu_forward, sigmoid
 from app.engine.kernels.linear import linear_forward
-from app.engine.parallel import parallel_map
+from app.engine.runtime.parallel import parallel_map
 
 RENORM_MIN = 6.1035e-5  # llama.cpp clamps the top-k weight sum from below (build_moe_ffn)
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from app.engine.backend import get_array_module
-from app.engine.parallel import parallel_map, row_blocks
+from app.engine.runtime.backend import get_array_module
+from app.engine.runtime.parallel import parallel_map, row_blocks
 
 
 def rmsnorm_forward(x, w, eps: float):

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from app.engine.backend import get_array_module
+from app.engine.runtime.backend import get_array_module
 
 # GGML type ids (ggml.h / gguf constants.py), only those this module dequantizes.
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8

@@ -1,0 +1,153 @@
+"""Runs in this process, as `workbench train` and `workbench grpo` start them: the run folder
+(or a queued job), the progress printer, Ctrl-C as a pause, the shared compute options."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+TARGET_ALIASES = {"attn": "attention"}
+
+
+def add_compute_options(group) -> None:
+    """--device and --weight-cache-mb (TrainConfig.device, .weight_cache_mb): train and grpo."""
+    group.add_argument("--device", choices=("cpu", "cuda"),
+                       help="where the step computes: cpu (NumPy, default) or cuda (CuPy)")
+    group.add_argument("--weight-cache-mb", type=int, help="dequantized weights kept in memory "
+                       "(default 40%% of RAM; 0: dequantize at every use, least memory)")
+
+
+class Progress:
+    """Prints events: a progress line per step (like ggml-opt's), or JSON lines."""
+
+    def __init__(self, as_json: bool, stream=None):
+        self.as_json, self.stream = as_json, stream or sys.stdout
+        self.tty = self.stream.isatty()
+        self.last_print = 0.0
+
+    def __call__(self, event: dict) -> None:
+        if self.as_json:
+            self.stream.write(json.dumps(event, default=float) + "\n")
+            self.stream.flush()
+            return
+        kind = event.get("type")
+        if kind == "step":
+            now = time.monotonic()
+            final = event["step"] == event["total_steps"]
+            if self.tty or final or now - self.last_print > 5.0:
+                end = "\r" if self.tty and not final else "\n"
+                self.stream.write(_progress_line(event) + end)
+                self.stream.flush()
+                self.last_print = now
+        elif kind == "eval":
+            self._line(f"eval   step {event['step']}: loss={event['loss']:.5f} "
+                       f"acc={100 * event['accuracy']:.2f}% ppl={event['perplexity']:.2f}"
+                       + ("  (best)" if event.get("best") else ""))
+        elif kind in ("log", "start", "done"):
+            text = event.get("message") or " ".join(
+                f"{k}={v}" for k, v in event.items() if k not in ("type", "time"))
+            self._line(f"{kind:<6} {text}")
+
+    def _line(self, text: str) -> None:
+        prefix = "\n" if self.tty else ""
+        self.stream.write(prefix + text + "\n")
+        self.stream.flush()
+
+
+def clock(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    return f"{seconds // 3600:02d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+def _progress_line(e: dict) -> str:
+    cells = 8
+    filled = e["step"] / max(e["total_steps"], 1) * cells
+    full = int(filled)
+    partial = " ▏▎▍▌▋▊▉"[int((filled - full) * 8)] if full < cells else ""
+    bar = ("█" * full + partial).ljust(cells)
+    return (f"train: [{bar}] epoch {e['epoch']}/{e['epochs']} step {e['step']:>5}/"
+            f"{e['total_steps']} loss={e['epoch_loss']:.5f}±{e['epoch_loss_se']:.5f} "
+            f"acc={100 * e['epoch_accuracy']:.2f}±{100 * e['epoch_accuracy_se']:.2f}% "
+            f"lr={e['lr']:.2e} {e['tokens_per_s']:.0f} tok/s t={clock(e['elapsed_s'])} "
+            f"ETA={clock(e['eta_s'])}")
+
+
+def run_in_foreground(run_dir, runner, printer, status_keys=("loss",)) -> int:
+    """Run `runner(report, should_stop, checkpoints)` (a train or train_grpo closure) here,
+    recording every event in the run directory; Ctrl-C (or SIGTERM) pauses after the step."""
+    from app.engine.errors import EngineError
+    from app.engine.runs.worker import install_stop_signals, restore_signals
+
+    stop = threading.Event()
+
+    def report(event: dict) -> None:
+        stored = run_dir.append_metrics(event)
+        if event.get("type") == "step":
+            run_dir.write_status(state="running", step=event["step"],
+                                 total_steps=event["total_steps"], epoch=event["epoch"],
+                                 eta_s=event["eta_s"], fsync=False,
+                                 **{k: event[k] for k in status_keys})
+        printer(stored)
+
+    run_dir.write_status(state="running")
+    previous = install_stop_signals(stop)
+    try:
+        result = runner(report, lambda: "pause" if stop.is_set() else None,
+                        run_dir.checkpoints_dir)
+    except KeyboardInterrupt:  # a second Ctrl-C: stop now, the last checkpoint stays usable
+        run_dir.write_status(state="paused")
+        return 130
+    except BaseException as e:
+        info = e.to_dict() if isinstance(e, EngineError) else {"kind": "bug", "message": str(e)}
+        run_dir.write_status(state="failed", error=info)
+        raise
+    finally:
+        restore_signals(previous)
+    run_dir.write_status(state=result)
+    if result == "paused":
+        print(f"paused: continue with  workbench resume {run_dir.path}", file=sys.stderr)
+        return 130
+    print(f"run finished: {run_dir.path}", file=sys.stderr)
+    return 0
+
+
+def start_run(args, config: dict, name: str, execute) -> int:
+    """Create the run directory (--out, or a dated folder under the runs dir) and either add it
+    to the job queue (--queue) or run it here with `execute(run_dir, as_json)`."""
+    from app.engine.runs.rundir import RunDir, check_path_length, default_run_name, default_runs_dir
+
+    out = Path(args.out) if args.out else Path(default_runs_dir()) / default_run_name(name)
+    check_path_length(out)
+    existed = out.exists()
+    run_dir = RunDir.create(out, config)
+    if args.queue is not None:
+        from app.engine.runs.queue import JobQueue
+
+        try:
+            job_id = JobQueue(args.queue or None).add(run_dir.path)
+        except BaseException:  # the queue refused it: the same command must work next time
+            _take_back(run_dir, existed)
+            raise
+        print(f"queued job {job_id}: {run_dir.path}")
+        return 0
+    print(f"run directory: {run_dir.path}", file=sys.stderr)
+    return execute(run_dir, args.json)
+
+
+def _take_back(run_dir, existed: bool) -> None:
+    """Undo `RunDir.create`: the folder, or (a folder given with --out that was there before)
+    what create put in it."""
+    import shutil
+
+    if not existed:
+        shutil.rmtree(run_dir.path, ignore_errors=True)
+        return
+    run_dir.config_path.unlink(missing_ok=True)
+    for folder in (run_dir.checkpoints_dir, run_dir.exports_dir):
+        try:
+            folder.rmdir()  # only if empty
+        except OSError:
+            pass

@@ -1,0 +1,214 @@
+"""`workbench grpo`: a GRPO-style run (sample, score with rewards, reward-weighted SFT step).
+
+Builds a GrpoConfig from options (or a saved config.json / config.toml), creates the run
+directory (config.json with "kind": "grpo") and runs `app.engine.training.grpo.train_grpo` in the
+foreground with a progress line (or JSON lines with --json), or adds it to the job queue.
+Ctrl-C pauses with a checkpoint; `workbench grpo --resume RUN_DIR` continues exactly.
+Custom reward files run as Python with the user's rights: those named with --reward are trusted
+by naming them, those a --config or a run directory names need --trust-reward-code once (until
+they change; the rule is app.engine.training.reward_functions.check_reward_trust).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from app.cli.foreground import (TARGET_ALIASES, Progress, add_compute_options, clock,
+                                run_in_foreground, start_run)
+from app.engine.errors import ConfigError
+
+REWARD_HELP = ("reward function, repeatable, weight after the last colon (default 1): "
+               "exact[:tag=T][:W], numeric[:tol=X][:tag=T][:W], regex:PATTERN[:W], "
+               "format[:TAG][:W], length[:TARGET][:W], FILE.py[:W] (a Python file defining "
+               "reward(prompt, completion, **row) -> float; it runs as Python with your rights: "
+               "use only files you wrote or trust)")
+TRUST_HELP = ("run the custom reward files a --config or a run directory names: they run as "
+              "Python with your rights (files named with --reward are trusted by naming them)")
+TRUST_HINT = ("Read the file; if you trust it, run the command again with --trust-reward-code "
+              "(it runs as Python with your rights).")
+
+
+def add_grpo_parser(sub) -> None:
+    p = sub.add_parser("grpo", help="GRPO-style training from prompts and reward functions")
+    p.add_argument("--model", "-m", help="GGUF model file")
+    p.add_argument("--prompts", "-d", help='JSONL of prompts: {"messages": [...]} or '
+                                           '{"prompt": "..."}, optional "answer"')
+    p.add_argument("--reward", "-r", action="append", metavar="SPEC", help=REWARD_HELP)
+    p.add_argument("--config", help="a GRPO run's config.json or a config.toml (options override it)")
+    p.add_argument("--out", "-o", help="run directory (default: a new folder under the runs dir)")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue a paused or interrupted GRPO run")
+    p.add_argument("--queue", nargs="?", const="", default=None, metavar="QUEUE",
+                   help="add the run to the job queue instead of running it here")
+    p.add_argument("--json", action="store_true", help="print events as JSON lines")
+    p.add_argument("--trust-reward-code", action="store_true", help=TRUST_HELP)
+    g = p.add_argument_group("sampling and rewards")
+    g.add_argument("--group-size", "-G", type=int, help="completions per prompt (default 8)")
+    g.add_argument("--prompts-per-step", "-P", type=int, help="prompts per step (default 4)")
+    g.add_argument("--temperature", "-t", type=float, help="sampling temperature (default 1.0)")
+    g.add_argument("--top-p", type=float, help="nucleus sampling (default 1.0)")
+    g.add_argument("--max-new-tokens", "-n", type=int,
+                   help="tokens per completion, end-of-turn included (default 64)")
+    g.add_argument("--advantage", choices=("group-std", "no-std", "batch-std"),
+                   help="advantage normalisation (default group-std)")
+    g.add_argument("--kl", type=float, help="KL penalty coefficient against the base model (default 0)")
+    g.add_argument("--answer-field", help='row field with the reference answer (default "answer")')
+    g.add_argument("--reward-timeout", type=float, help="seconds per custom reward call (default 10)")
+    g.add_argument("--val-split", type=float,
+                   help="fraction of prompts held out for greedy evaluation (default 0)")
+    g.add_argument("--eval-every", type=int, help="steps between evaluations (0: start and end)")
+    g.add_argument("--eval-samples", type=int,
+                   help="also sample this many completions per held-out prompt at each evaluation")
+    g.add_argument("--samples-every", type=int, help="steps between sampled-completion events")
+    g.add_argument("--parse-special", action="store_true",
+                   help="plain prompts: special-token texts become their tokens")
+    g = p.add_argument_group("training")
+    g.add_argument("--rank", type=int)
+    g.add_argument("--alpha", type=float)
+    g.add_argument("--targets", help="comma list: attn, ffn, experts, shared, router, output")
+    g.add_argument("--dropout", type=float, help="LoRA dropout (default 0)")
+    g.add_argument("--adapter", help="continue training this GGUF LoRA adapter")
+    g.add_argument("--optimizer", choices=("adamw", "sgd"))
+    g.add_argument("--lr", type=float)
+    g.add_argument("--schedule", choices=("constant", "linear", "cosine"))
+    g.add_argument("--warmup", type=int, help="warmup steps")
+    g.add_argument("--max-steps", type=int, help="optimizer steps (default 100)")
+    g.add_argument("--gclip", type=float, help="element-wise gradient clip (0: off)")
+    g.add_argument("--max-grad-norm", type=float, help="global gradient-norm clip (0: off)")
+    g.add_argument("--weight-decay", type=float)
+    g.add_argument("--checkpoint-interval", type=int, help="gradient checkpointing every N layers")
+    g.add_argument("--save-every", type=int, help="steps between checkpoints (default 25)")
+    g.add_argument("--seed", type=int)
+    add_compute_options(g)
+
+
+def grpo_config_from_args(args):
+    """A GrpoConfig from --config (if any) with the command-line options on top."""
+    from app.engine.runtime.schema import check, read_config_file
+    from app.engine.training.grpo import GrpoConfig, build_grpo_config
+    from app.engine.training.reward_functions import RewardSpec
+
+    base = read_config_file(args.config) if args.config else {}
+    base.pop("kind", None)
+    check({"model": "", "prompts": "", **base}, GrpoConfig, args.config)
+    train = base.setdefault("train", {})
+    for key, value in (("model", args.model), ("prompts", args.prompts),
+                       ("adapter", args.adapter)):
+        if value is not None:
+            base[key] = value
+    options = {"group_size": args.group_size, "prompts_per_step": args.prompts_per_step,
+               "temperature": args.temperature, "top_p": args.top_p,
+               "max_new_tokens": args.max_new_tokens, "advantage": args.advantage, "kl": args.kl,
+               "answer_field": args.answer_field, "reward_timeout": args.reward_timeout,
+               "val_split": args.val_split, "eval_every": args.eval_every,
+               "eval_samples": args.eval_samples,
+               "samples_every": args.samples_every, "max_steps": args.max_steps,
+               "save_every": args.save_every}
+    base.update({k: v for k, v in options.items() if v is not None})
+    if args.parse_special:
+        base["parse_special"] = True
+    if args.reward:
+        base["rewards"] = [RewardSpec.parse(text).to_dict() for text in args.reward]
+    targets = lambda s: [TARGET_ALIASES.get(t.strip(), t.strip()) for t in s.split(",") if t]
+    train_options = {"lora_rank": args.rank, "lora_alpha": args.alpha,
+                     "lora_dropout": args.dropout, "optimizer": args.optimizer, "lr": args.lr,
+                     "schedule": args.schedule, "warmup_steps": args.warmup, "gclip": args.gclip,
+                     "max_grad_norm": args.max_grad_norm, "weight_decay": args.weight_decay,
+                     "checkpoint_interval": args.checkpoint_interval, "seed": args.seed,
+                     "device": args.device, "weight_cache_mb": args.weight_cache_mb,
+                     "lora_targets": targets(args.targets) if args.targets else None}
+    train.update({k: v for k, v in train_options.items() if v is not None})
+    return build_grpo_config(base)
+
+
+class GrpoProgress(Progress):
+    """Progress for GRPO events: a progress line per step with the reward, eval and sample lines."""
+
+    def __call__(self, event: dict) -> None:
+        kind = event.get("type")
+        if kind == "start" and not self.as_json:
+            rewards = ", ".join(f"{r['name']} x{r['weight']:g}" for r in event["rewards"])
+            return self._line(
+                f"start  grpo: {event['total_steps']} steps of {event['prompts_per_step']} prompts "
+                f"x {event['group_size']} completions; {event['train_prompts']} training prompts, "
+                f"{event['val_prompts']} held out, {event['skipped_rows']} skipped; rewards "
+                f"{rewards}; advantage {event['advantage']}, kl {event['kl']:g}; "
+                f"{event['trainable']:,} trainable parameters"
+                + (f"; resumed at step {event['resumed_at']}" if event["resumed_at"] else ""))
+        if self.as_json or kind not in ("step", "eval", "samples"):
+            return super().__call__(event)
+        if kind == "step":
+            now = time.monotonic()
+            final = event["step"] == event["total_steps"]
+            if self.tty or final or now - self.last_print > 5.0:
+                end = "\r" if self.tty and not final else "\n"
+                self.stream.write(grpo_progress_line(event) + end)
+                self.stream.flush()
+                self.last_print = now
+        elif kind == "eval":
+            parts = " ".join(f"{n}={v['mean']:.3f}" for n, v in event["rewards"].items())
+            text = (f"eval   step {event['step']}: reward={event['reward_mean']:.3f} ({parts}) "
+                    f"greedy on {event['prompts']} held-out prompts")
+            if event.get("sampled"):
+                s = event["sampled"]
+                text += (f"; sampled reward={s['reward_mean']:.3f} ({s['samples']} per prompt, "
+                         f"T={s['temperature']:g})")
+            self._line(text)
+        else:
+            items = event["items"]
+            lines = [f"samples step {event['step']}:"]
+            for it in items[:6]:
+                lines.append(f"  {it['prompt'][:40]!r} -> {it['completion'][:40]!r} "
+                             f"reward={it['reward']:.2f}")
+            self._line("\n".join(lines))
+
+
+def grpo_progress_line(e: dict) -> str:
+    cells = 8
+    filled = e["step"] / max(e["total_steps"], 1) * cells
+    full = int(filled)
+    partial = " ▏▎▍▌▋▊▉"[int((filled - full) * 8)] if full < cells else ""
+    bar = ("█" * full + partial).ljust(cells)
+    per = " ".join(f"{n}={v['mean']:.2f}" for n, v in e["rewards"].items()) \
+        if len(e["rewards"]) > 1 else ""
+    kl = f" kl={e['kl']:.4f}" if e.get("kl") is not None else ""
+    return (f"grpo: [{bar}] step {e['step']:>5}/{e['total_steps']} "
+            f"reward={e['reward_mean']:.3f}±{e['reward_std']:.3f} {per}{' ' if per else ''}"
+            f"len={e['completion_len_mean']:.1f} clip={100 * e['completion_clipped_fraction']:.0f}% "
+            f"flat={100 * e['zero_spread_fraction']:.0f}% loss={e['loss']:+.4f}{kl} "
+            f"lr={e['lr']:.2e} {e['step_s']:.2f}s/step t={clock(e['elapsed_s'])} "
+            f"ETA={clock(e['eta_s'])}")
+
+
+def execute_grpo(run_dir, as_json: bool, trust_reward_code: bool = False) -> int:
+    """Run a GRPO run directory in this process, recording events in the run directory. Its
+    custom reward files must be trusted (`trust_reward_code`: the user trusts them now)."""
+    from app.engine.training.grpo import GrpoConfig, train_grpo
+    from app.engine.training.reward_functions import check_reward_trust
+
+    config = GrpoConfig.from_dict(run_dir.config())
+    check_reward_trust(config.rewards, TRUST_HINT, trust_reward_code)
+    runner = lambda report, should_stop, checkpoints: train_grpo(config, report, should_stop,
+                                                                  checkpoints)
+    return run_in_foreground(run_dir, runner, GrpoProgress(as_json),
+                             status_keys=("loss", "reward_mean"))
+
+
+def cmd_grpo(args) -> int:
+    from app.engine.training.reward_functions import check_reward_trust
+    from app.engine.runs.rundir import RunDir
+
+    if args.resume:
+        run_dir = RunDir(args.resume)
+        if run_dir.config().get("kind") != "grpo":
+            raise ConfigError(f"{run_dir.path} is not a GRPO run.",
+                              "Resume training runs with: workbench resume RUN_DIR")
+        return execute_grpo(run_dir, args.json, args.trust_reward_code)
+    from app.engine.runtime.backend import array_module
+
+    config = grpo_config_from_args(args)
+    # --reward replaces the config's rewards: files named on the command line are trusted
+    check_reward_trust(config.rewards, TRUST_HINT, args.trust_reward_code or bool(args.reward))
+    if args.queue is None:
+        array_module(config.train.device)  # no usable GPU: say so before a run folder exists
+    return start_run(args, config.to_dict(), f"grpo-{Path(config.prompts).stem}", execute_grpo)

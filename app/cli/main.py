@@ -1,0 +1,426 @@
+"""The `workbench` command line: parse, call the engine's public API, print. No Qt here."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+
+import numpy as np
+
+from app.cli.resume import cmd_resume
+from app.cli.train import add_train_parsers, cmd_train
+from app.cli.grpo import add_grpo_parser, cmd_grpo
+from app.engine.errors import ConfigError, EngineError
+
+
+def _model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", required=True, help="GGUF model file")
+    p.add_argument("--adapter", "-a", help="GGUF LoRA adapter file")
+    p.add_argument("--scale", "-s", type=float, default=1.0, help="adapter user scale (default 1.0)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="workbench",
+        description="Fine-tune GGUF language models. Without a command, opens the window.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("info", help="show a GGUF model's card")
+    p.add_argument("model", help="GGUF model file")
+    p.add_argument("--rank", type=int, default=16, help="LoRA rank for the memory estimate")
+    p.add_argument("--context", type=int, default=512, help="context for the memory estimate")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+    p = sub.add_parser("generate", help="generate text (streams to stdout)")
+    _model_options(p)
+    p.add_argument("--prompt", "-p", required=True)
+    p.add_argument("--chat", action="store_true",
+                   help="wrap the prompt as a user turn with the model's chat template")
+    p.add_argument("--max-tokens", "-n", type=int, default=64)
+    p.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+
+    p = sub.add_parser("logits", help="write the logits of a token sequence to a .npy file")
+    _model_options(p)
+    p.add_argument("--tokens", required=True, help="comma-separated token ids, e.g. 1,2,3")
+    p.add_argument("--out", "-o", required=True, help="output .npy file (float32, T x V)")
+
+    p = sub.add_parser("tokenize", help="print the token ids of a text")
+    p.add_argument("--model", "-m", required=True, help="GGUF model or vocab file")
+    p.add_argument("--text", required=True)
+    p.add_argument("--no-special", action="store_true", help="do not add BOS/EOS")
+    p.add_argument("--parse-special", action="store_true", help="parse <special> token texts")
+    p = sub.add_parser("lint", help="check a JSONL dataset against a model's tokenizer")
+    p.add_argument("data", help="JSONL dataset")
+    p.add_argument("--model", "-m", required=True, help="GGUF model (or vocab) file")
+    p.add_argument("--ctx", type=int, default=None,
+                   help="context in tokens (default 512, capped at the model's)")
+    p.add_argument("--format", default="auto",
+                   choices=["auto", "text", "completion", "chat", "alpaca", "sharegpt"])
+    p.add_argument("--overflow", default="truncate", choices=["truncate", "split", "drop"],
+                   help="rows longer than the context (default truncate)")
+    p.add_argument("--weights", help="reward weights file (numbers, or JSONL with ids)")
+    p.add_argument("--normalize", default="none", choices=["none", "mean-std", "min-max", "clip"])
+    p.add_argument("--clip", type=float, nargs=2, metavar=("LO", "HI"), help="range for --normalize clip")
+    p.add_argument("--allow-negative", action="store_true", help="allow negative weights")
+    p.add_argument("--completion-as-chat", action="store_true",
+                   help="render prompt/completion rows with the chat template")
+    p.add_argument("--parse-special", action="store_true",
+                   help="in text/completion rows, turn special-token texts into their tokens")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+
+    add_train_parsers(sub)
+    add_grpo_parser(sub)
+
+    p = sub.add_parser("new-model", help="write a freshly initialised small model (train from scratch)")
+    p.add_argument("--tokenizer", required=True, help="GGUF file whose tokenizer is copied")
+    p.add_argument("--out", "-o", required=True, help="output GGUF file")
+    p.add_argument("--arch", default="llama", help="architecture (default llama)")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=0, help="default: same as --heads")
+    p.add_argument("--ffn", type=int, default=688, help="FFN width (per expert for MoE)")
+    p.add_argument("--experts", type=int, default=0)
+    p.add_argument("--experts-used", type=int, default=0)
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--tied", action="store_true", help="tie the output head to the embedding")
+    p.add_argument("--seed", type=int, default=0)
+
+    p = sub.add_parser("queue", help="the training job queue: add, list, cancel, pause, resume, "
+                                     "retry, reorder, worker")
+    qsub = p.add_subparsers(dest="queue_command", required=True, metavar="ACTION")
+    qp = {name: qsub.add_parser(name, help=text) for name, text in (
+        ("add", "queue a run directory (it must hold config.json)"),
+        ("list", "list the jobs with their progress"),
+        ("cancel", "cancel a job (a running job stops after its current step)"),
+        ("pause", "pause a job (a running job saves a checkpoint and stops after its step)"),
+        ("resume", "resume a paused job (it continues from its last checkpoint)"),
+        ("retry", "queue a failed or cancelled job again (from its last checkpoint)"),
+        ("reorder", "move a queued or paused job to POSITION (1 = next)"),
+        ("worker", "run queued jobs in this process, one after another"))}
+    for q in qp.values():
+        q.add_argument("--queue", metavar="PATH",
+                       help="queue database (default: $WORKBENCH_QUEUE, else the user data dir)")
+    qp["add"].add_argument("run_dir", help="run directory holding config.json")
+    qp["add"].add_argument("--priority", type=int, default=0,
+                           help="higher goes ahead of queued jobs with a lower priority")
+    qp["list"].add_argument("--state", action="append", help="only jobs in this state (repeatable)")
+    qp["list"].add_argument("--json", action="store_true", help="print JSON")
+    for name in ("cancel", "pause", "resume", "retry", "reorder"):
+        qp[name].add_argument("id", type=int, help="job id (see: workbench queue list)")
+    qp["reorder"].add_argument("position", type=int, help="new place among queued jobs (1 = next)")
+    qp["worker"].add_argument("--once", action="store_true",
+                              help="exit when no job is queued instead of waiting for more")
+    qp["worker"].add_argument("--nice", type=int, default=0, metavar="N",
+                              help="lower this worker's CPU priority by N (POSIX nice; the "
+                                   "window starts its worker with 10)")
+
+    p = sub.add_parser("runs", help="inspect run directories: list, show")
+    rsub = p.add_subparsers(dest="runs_command", required=True, metavar="ACTION")
+    r = rsub.add_parser("list", help="the runs under a folder")
+    r.add_argument("dir", nargs="?", help="folder of runs (default: the user data dir's runs/)")
+    r.add_argument("--json", action="store_true", help="print JSON")
+    r = rsub.add_parser("show", help="a run's config, status, final and best metrics")
+    r.add_argument("run_dir")
+    r.add_argument("--json", action="store_true", help="print JSON")
+
+    p = sub.add_parser("export", help="export a run (or an adapter) as a GGUF LoRA adapter, a "
+                                      "merged GGUF, a PEFT adapter or an Ollama Modelfile; verified")
+    p.add_argument("run_dir", nargs="?", help="run directory (its newest checkpoint)")
+    p.add_argument("--to", required=True, choices=("gguf-lora", "merged", "peft", "ollama"))
+    p.add_argument("--out", "-o", help="output file (gguf-lora, merged) or folder (peft, ollama); "
+                                       "default: RUN_DIR/exports/")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing output (never the export's own inputs)")
+    p.add_argument("--type", default="f32", choices=("f32", "f16", "bf16", "q8_0"),
+                   help="adapter tensor type (PEFT: f32 or f16; default f32)")
+    p.add_argument("--fallback-type", default="q8_0", choices=("q8_0", "f16", "bf16"),
+                   help="merged: type for tensors whose own type gguf cannot write (e.g. Q4_K)")
+    p.add_argument("--scale", "-s", type=float, default=1.0,
+                   help="adapter user scale, folded into the export (default 1.0)")
+    p.add_argument("--adapter", "-a", help="export this adapter (GGUF LoRA file or PEFT folder) "
+                                           "instead of a run; needs --model")
+    p.add_argument("--model", "-m", help="base GGUF model (default: the run's)")
+    p.add_argument("--step", type=int, help="export this checkpoint step instead of the newest")
+    p.add_argument("--no-llamacpp", action="store_true",
+                   help="skip the llama.cpp comparison even if llama-cpp-python is installed")
+    p.add_argument("--json", action="store_true", help="print the verification report as JSON")
+    return parser
+
+
+def cmd_new_model(args) -> int:
+    from app.engine.model.new_model import NewModelSpec, create_model
+
+    spec = NewModelSpec(arch=args.arch, n_layer=args.layers, n_embd=args.width,
+                        n_head=args.heads, n_head_kv=args.kv_heads, n_ff=args.ffn,
+                        n_expert=args.experts, n_expert_used=args.experts_used,
+                        context_length=args.context, tied_output=args.tied, seed=args.seed)
+    create_model(args.out, spec, args.tokenizer)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def cmd_info(args) -> int:
+    from app.engine.model.card import describe_model
+
+    card = describe_model(args.model, rank=args.rank, context=args.context)
+    if args.json:
+        print(json.dumps(card.to_dict(), indent=2))
+        return 0
+    width = max(len(label) for label, _ in card.rows())
+    for label, value in card.rows():
+        print(f"{label:<{width}}  {value}")
+    return 0
+
+
+def _load(args):
+    from app.engine import load_adapter, load_model
+
+    model = load_model(args.model)
+    adapter = load_adapter(args.adapter) if args.adapter else None
+    return model, adapter
+
+
+def cmd_generate(args) -> int:
+    model, adapter = _load(args)
+    tok = model.tokenizer
+    from app.engine.text.chat_template import chat_prompt_ids, generation_prompt_ids
+
+    prompt_ids = (chat_prompt_ids(tok, args.prompt) if args.chat
+                  else generation_prompt_ids(tok, args.prompt))
+    new_ids: list[int] = []
+    printed = ""
+    for token in model.generate(prompt_ids, args.max_tokens, args.temperature, args.top_p,
+                                args.seed, adapter, args.scale):
+        new_ids.append(token)
+        text = tok.decode(new_ids)
+        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+            sys.stdout.write(text[len(printed):])
+            sys.stdout.flush()
+            printed = text
+    sys.stdout.write(tok.decode(new_ids)[len(printed):] + "\n")
+    return 0
+
+
+def cmd_logits(args) -> int:
+    try:
+        tokens = [int(t) for t in args.tokens.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise ConfigError(f"--tokens must be comma-separated integers, got {args.tokens!r}.") from None
+    model, adapter = _load(args)
+    logits = model.logits(tokens, adapter=adapter, adapter_scale=args.scale)
+    np.save(args.out, logits)
+    print(f"wrote {args.out}: float32 {logits.shape[0]} x {logits.shape[1]}")
+    return 0
+
+
+def cmd_tokenize(args) -> int:
+    from app.engine import load_tokenizer
+
+    tok = load_tokenizer(args.model)
+    ids = tok.encode(args.text, add_special=not args.no_special, parse_special=args.parse_special)
+    print(",".join(map(str, ids)))
+    return 0
+
+
+def cmd_lint(args) -> int:
+    from app.engine.data.dataset import DataConfig
+    from app.engine.data.lint import lint_file
+
+    config = DataConfig(format=args.format, overflow=args.overflow, weights_path=args.weights,
+                        normalize=args.normalize, clip_range=tuple(args.clip) if args.clip else None,
+                        allow_negative_weights=args.allow_negative,
+                        completion_as_chat=args.completion_as_chat,
+                        parse_special=args.parse_special)
+    report = lint_file(args.data, args.model, config, context=args.ctx)
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(errors="replace")   # dataset text on a console that lacks its characters
+    print(json.dumps(report.to_dict(), ensure_ascii=False) if args.json else report.to_text())
+    return 0
+
+
+def _fmt_seconds(s) -> str:
+    if not isinstance(s, (int, float)) or s != s or s < 0:
+        return "?"
+    s = int(round(s))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def _fmt_progress(status: dict) -> str:
+    parts = []
+    if status.get("step") is not None:
+        total = status.get("total_steps")
+        parts.append(f"step {status['step']}" + (f"/{total}" if total else ""))
+    if isinstance(status.get("reward_mean"), (int, float)):
+        parts.append(f"reward {status['reward_mean']:.3f}")
+    if isinstance(status.get("loss"), (int, float)):
+        parts.append(f"loss {status['loss']:.4f}")
+    if status.get("eta_s") is not None and status.get("state") == "running":
+        parts.append(f"eta {_fmt_seconds(status['eta_s'])}")
+    return ", ".join(parts)
+
+
+def _run_status(run_dir) -> dict:
+    from app.engine.runs.rundir import RunDir
+
+    try:
+        return RunDir(run_dir).status()
+    except EngineError as e:
+        return {"problem": e.message}
+
+
+def cmd_queue(args) -> int:
+    from app.engine.runs.queue import JobQueue
+
+    queue = JobQueue(args.queue)
+    action = args.queue_command
+    if action == "add":
+        job_id = queue.add(args.run_dir, priority=args.priority)
+        print(f"queued job {job_id}: {queue.get(job_id).run_dir}")
+        return 0
+    if action == "list":
+        jobs = queue.list(args.state)
+        if args.json:
+            print(json.dumps([{**j.to_dict(), "status": _run_status(j.run_dir)} for j in jobs],
+                             indent=2))
+            return 0
+        if not jobs:
+            print(f"no jobs in {queue.path}")
+            return 0
+        print(f"{'ID':>4}  {'STATE':<22}  {'RUN':<30}  PROGRESS")
+        for j in jobs:
+            state = j.state + (f" ({j.requested_action} requested)"
+                               if j.requested_action != "none" else "")
+            status = _run_status(j.run_dir)
+            info = (f"{j.error_kind}: {j.error_message}" if j.state == "failed"
+                    else status.get("problem") or _fmt_progress(status))
+            name = j.run_dir if len(j.run_dir) <= 30 else "..." + j.run_dir[-27:]
+            print(f"{j.id:>4}  {state:<22}  {name:<30}  {info}")
+        return 0
+    if action == "worker":
+        import logging
+        import threading
+
+        from app.engine.runs.worker import (install_stop_signals, lower_priority, restore_signals,
+                                            run_worker)
+
+        lower_priority(args.nice)
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                            format="%(asctime)s %(levelname)s %(message)s")
+        stop = threading.Event()
+        previous = install_stop_signals(stop)
+        try:
+            n = run_worker(queue, once=args.once, stop_event=stop)
+        finally:
+            restore_signals(previous)
+        print(f"worker stopped after {n} job(s)", file=sys.stderr)
+        return 0
+    if action == "reorder":
+        job = queue.reorder(args.id, args.position)
+    else:
+        job = getattr(queue, action)(args.id)
+    note = f", {job.requested_action} requested" if job.requested_action != "none" else ""
+    print(f"job {job.id}: {job.state}{note}")
+    return 0
+
+
+def cmd_runs(args) -> int:
+    from app.engine.runs.rundir import RunDir, list_runs
+
+    if args.runs_command == "list":
+        runs = list_runs(args.dir)
+        rows = [{"run_dir": str(r.path), "name": r.name, "status": _run_status(r.path)}
+                for r in runs]
+        if args.json:
+            print(json.dumps(rows, indent=2))
+        elif not rows:
+            print("no runs found")
+        else:
+            width = max(len(r["name"]) for r in rows)
+            for r in rows:
+                st = r["status"]
+                print(f"{r['name']:<{width}}  {st.get('state', 'new'):<10}  "
+                      f"{st.get('problem') or _fmt_progress(st)}")
+        return 0
+    run = RunDir(args.run_dir)
+    run.config()  # not a run directory: a clear error
+    summary = run.summary()
+    if args.json:
+        print(json.dumps(summary, indent=2, default=str))
+        return 0
+    print(f"run      {summary['run_dir']}")
+    cfg = summary["config"] or {}
+    simple = {k: v for k, v in cfg.items() if isinstance(v, (str, int, float, bool)) or v is None}
+    if simple:
+        print("config   " + ", ".join(f"{k}={v}" for k, v in simple.items()))
+    st = summary["status"]
+    print(f"state    {st.get('state', 'new')}" + (f"  ({_fmt_progress(st)})" if _fmt_progress(st)
+                                                  else ""))
+    if st.get("error"):
+        print(f"error    {st['error'].get('kind')}: {st['error'].get('message')}")
+        if st["error"].get("hint"):
+            print(f"hint     {st['error']['hint']}")
+    skip = {"type", "time"}
+    for label, events in (("final", summary["final"]), ("best", summary["best"])):
+        for kind, ev in events.items():
+            if kind in ("step", "eval"):
+                values = ", ".join(f"{k}={v:.5g}" if isinstance(v, float) else f"{k}={v}"
+                                   for k, v in ev.items()
+                                   if k not in skip and isinstance(v, (int, float, str)))
+                print(f"{label + ' ' + kind:<13}{values}")
+    print(f"events   {summary['events']} in metrics.jsonl")
+    for problem in summary["problems"]:
+        print(f"problem  {problem}")
+    return 0
+
+
+def cmd_export(args) -> int:
+    from app.engine.export.exporter import export, source_from_adapter, source_from_run
+
+    if args.run_dir and args.adapter:
+        raise ConfigError("Give a run directory or --adapter, not both.")
+    if args.run_dir:
+        source = source_from_run(args.run_dir, step=args.step, model_path=args.model)
+    elif args.adapter:
+        if not args.model:
+            raise ConfigError("--adapter needs the base model (--model).")
+        source = source_from_adapter(args.adapter, args.model)
+    else:
+        raise ConfigError("Nothing to export.", "Give a run directory, or --adapter and --model.")
+    report = export(source, args.to, args.out, adapter_type=args.type,
+                    fallback_type=args.fallback_type, scale=args.scale,
+                    llamacpp=False if args.no_llamacpp else None, overwrite=args.overwrite)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.to_text())
+    if not report.ok:
+        print(f"error: the export at {report.path} failed verification; do not use it.",
+              file=sys.stderr)
+        return 3
+    return 0
+
+
+COMMANDS = {"lint": cmd_lint, "info": cmd_info, "generate": cmd_generate, "logits": cmd_logits,
+            "tokenize": cmd_tokenize, "new-model": cmd_new_model,
+            "queue": cmd_queue, "runs": cmd_runs, "train": cmd_train,
+            "resume": cmd_resume, "export": cmd_export, "grpo": cmd_grpo}
+
+
+def run_cli(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except EngineError as e:
+        print(f"error: {e.message}", file=sys.stderr)
+        if e.hint:
+            print(f"hint: {e.hint}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception:
+        traceback.print_exc()
+        print("error: this is a bug in the workbench; please report it with the traceback above.",
+              file=sys.stderr)
+        return 1

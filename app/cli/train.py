@@ -1,0 +1,143 @@
+"""`workbench train`: a supervised run in the foreground (or queued), with progress.
+
+Builds a RunConfig from options (or a saved config.json / config.toml), creates the run
+directory, and runs `app.engine.training.sft.train` with a reporter that appends every event to
+metrics.jsonl and prints a progress line as ggml-opt does (or JSON lines with --json).
+Ctrl-C pauses: the run saves a checkpoint and `workbench resume RUN_DIR` (app.cli.resume)
+continues it exactly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from app.cli.foreground import (TARGET_ALIASES, Progress, add_compute_options, run_in_foreground,
+                                start_run)
+from app.engine.errors import ConfigError
+
+def add_train_parsers(sub) -> None:
+    p = sub.add_parser("train", help="train a LoRA adapter or fine-tune a model on a dataset")
+    p.add_argument("--model", "-m", help="GGUF model file")
+    p.add_argument("--data", "-d", help="JSONL dataset")
+    p.add_argument("--config", help="a run's config.json or a config.toml (options override it)")
+    p.add_argument("--out", "-o", help="run directory (default: a new folder under the runs dir)")
+    p.add_argument("--queue", nargs="?", const="", default=None, metavar="QUEUE",
+                   help="add the run to the job queue instead of running it here")
+    p.add_argument("--json", action="store_true", help="print events as JSON lines")
+    g = p.add_argument_group("what to train")
+    g.add_argument("--mode", choices=("lora", "full", "hybrid"))
+    g.add_argument("--rank", type=int)
+    g.add_argument("--alpha", type=float)
+    g.add_argument("--targets", help="comma list: attn, ffn, experts, shared, router, output")
+    g.add_argument("--full-targets", help="hybrid runs: norms, router, embeddings, output")
+    g.add_argument("--dropout", type=float, help="LoRA dropout")
+    g.add_argument("--adapter", help="continue training this GGUF LoRA adapter")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--optimizer", choices=("adamw", "sgd", "lbfgs"))
+    g.add_argument("--lr", type=float)
+    g.add_argument("--schedule", choices=("constant", "linear", "cosine"))
+    g.add_argument("--warmup", type=int, help="warmup steps")
+    g.add_argument("--epochs", type=int)
+    g.add_argument("--max-steps", type=int, help="cap on optimizer steps (--epochs 0: exactly)")
+    g.add_argument("--batch", type=int, help="windows per optimizer step (accumulated)")
+    g.add_argument("--grad-accum", type=int)
+    g.add_argument("--gclip", type=float, help="element-wise gradient clip (0: off)")
+    g.add_argument("--weight-decay", type=float)
+    g.add_argument("--checkpoint-interval", type=int, help="gradient checkpointing every N layers")
+    g.add_argument("--seed", type=int)
+    add_compute_options(g)
+    g = p.add_argument_group("data")
+    g.add_argument("--ctx", type=int, help="context (tokens per window)")
+    g.add_argument("--format", help="auto, text, completion, chat, alpaca, sharegpt")
+    g.add_argument("--val-split", type=float, help="validation fraction")
+    g.add_argument("--val-data", help="a separate validation file")
+    g.add_argument("--weights", help="reward-weights file")
+    g.add_argument("--normalize", choices=("none", "mean-std", "min-max", "clip"))
+    g.add_argument("--allow-negative", action="store_true", help="allow negative weights")
+    g.add_argument("--strict", action="store_true", help="refuse to start on any bad row")
+    g.add_argument("--overflow", choices=("truncate", "split", "drop"), help="rows longer than ctx")
+    g.add_argument("--packing", choices=("pack", "pad", "none"))
+    g.add_argument("--chat-loss", choices=("assistant", "last"), help="which assistant turns train")
+    g.add_argument("--completion-as-chat", action="store_true",
+                   help="render prompt/completion rows with the chat template")
+    g.add_argument("--parse-special", action="store_true",
+                   help="special-token texts in text/completion rows become their tokens")
+    g = p.add_argument_group("run")
+    g.add_argument("--eval-every", type=int)
+    g.add_argument("--save-every", type=int)
+    g.add_argument("--patience", type=int, help="early stopping (evaluations without gain)")
+
+    p = sub.add_parser("resume", help="continue an interrupted or finished run")
+    p.add_argument("run_dir")
+    p.add_argument("--extend-epochs", type=int, default=0, help="train this many more epochs")
+    p.add_argument("--step", type=int, help="resume from this checkpoint step (the newer ones "
+                                            "are set aside as step-N.skipped)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--trust-reward-code", action="store_true",
+                   help="GRPO runs: run the custom reward files the run names (they run as "
+                        "Python with your rights)")
+
+
+def run_config_from_args(args):
+    """A RunConfig from --config (if any) with the command-line options on top. Every problem
+    of the file is reported at once, before the options go on top of it."""
+    from app.engine.runtime.schema import check, read_config_file
+    from app.engine.training.sft import RunConfig
+
+    base = read_config_file(args.config) if args.config else {}
+    check({"model": "", "data": "", **base}, RunConfig, args.config)
+    base.setdefault("train", {})
+    base.setdefault("data_config", {})
+    train, data = base["train"], base["data_config"]
+    for key, value in (("model", args.model), ("data", args.data), ("epochs", args.epochs),
+                       ("max_steps", args.max_steps),
+                       ("eval_every", args.eval_every), ("save_every", args.save_every),
+                       ("patience", args.patience), ("adapter", args.adapter)):
+        if value is not None:
+            base[key] = str(Path(value).resolve()) if key in ("model", "data", "adapter") else value
+    targets = lambda s: [TARGET_ALIASES.get(t.strip(), t.strip()) for t in s.split(",") if t]
+    options = {"mode": args.mode, "lora_rank": args.rank, "lora_alpha": args.alpha,
+               "lora_dropout": args.dropout, "optimizer": args.optimizer, "lr": args.lr,
+               "schedule": args.schedule, "warmup_steps": args.warmup, "gclip": args.gclip,
+               "weight_decay": args.weight_decay, "checkpoint_interval": args.checkpoint_interval,
+               "seed": args.seed, "device": args.device,
+               "weight_cache_mb": args.weight_cache_mb,
+               "lora_targets": targets(args.targets) if args.targets else None,
+               "full_targets": targets(args.full_targets) if args.full_targets else None}
+    if args.batch or args.grad_accum:
+        options["grad_accum"] = (args.batch or 1) * (args.grad_accum or 1)
+    train.update({k: v for k, v in options.items() if v is not None})
+    data_options = {"context": args.ctx, "format": args.format, "val_fraction": args.val_split,
+                    "val_path": args.val_data, "weights_path": args.weights,
+                    "normalize": args.normalize, "seed": args.seed, "overflow": args.overflow,
+                    "packing": args.packing, "chat_loss": args.chat_loss}
+    data.update({k: v for k, v in data_options.items() if v is not None})
+    if args.allow_negative:
+        data["allow_negative_weights"] = True
+    for flag in ("strict", "completion_as_chat", "parse_special"):
+        if getattr(args, flag):
+            data[flag] = True
+    if "model" not in base or "data" not in base:
+        raise ConfigError("A run needs a model and a dataset.", "Pass --model and --data.")
+    config = RunConfig.from_dict(base)
+    config.validate()
+    return config
+
+
+def execute_sft(run_dir, as_json: bool) -> int:
+    """Run a training run directory's config in this process."""
+    from app.engine.training.sft import RunConfig, train
+
+    config = RunConfig.from_dict(run_dir.config())
+    runner = lambda report, should_stop, checkpoints: train(config, report, should_stop,
+                                                             checkpoints)
+    return run_in_foreground(run_dir, runner, Progress(as_json))
+
+
+def cmd_train(args) -> int:
+    from app.engine.runtime.backend import array_module
+
+    config = run_config_from_args(args)
+    if args.queue is None:
+        array_module(config.train.device)  # no usable GPU: say so before a run folder exists
+    return start_run(args, config.to_dict(), Path(config.data).stem, execute_sft)

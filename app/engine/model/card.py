@@ -1,0 +1,279 @@
+"""The model card: what a GGUF file holds and roughly what a LoRA run on it will need.
+
+The memory model (`MemoryEstimate`, `layer_activation_bytes`) is the one bench/cost.py's lower
+bound uses, plus what the engine holds beyond it: the dequantized-weight cache, a layer's
+working copy when the cache cannot hold them all, and the process's runtime. Measured against
+it (peak RSS, 2026-11-22): Gemma 3 270M Q4_K_M LoRA at context 512, 1.91 GB with the default
+cache and 0.93 GB without; bench-moe Q8_0 at context 256, 389 MB and 191 MB.
+
+Reads only the header (metadata and tensor table), so it is fast even for a 50 GB file. Used by
+`workbench info` and by the GUI's model picker.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from app.engine.model.config import ModelConfig, config_from_metadata
+from app.engine.io.gguf import GGUFFile, read_gguf, type_name
+from app.engine.kernels.loss import VOCAB_CHUNK
+from app.engine.model.lora import tensor_kind
+from app.engine.model.params import TRAINABLE_TYPES
+from app.engine.model.weights import default_cache_budget
+
+DEFAULT_LORA_TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output",
+                        "ffn_gate", "ffn_up", "ffn_down",
+                        "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps",
+                        "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
+
+
+# ---- what a training step keeps ------------------------------------------------------------------
+
+F32 = 4  # bytes
+
+
+class Linear(NamedTuple):
+    name: str      # the weight's tensor name
+    rows: int      # input rows per step (tokens, or token slots for expert projections)
+    n_in: int
+    n_out: int
+
+
+def block_linears(cfg: ModelConfig, il: int, n_tokens: int) -> list[Linear]:
+    """The linear layers of block `il` with their row counts for a step of n_tokens."""
+    t, c, p = n_tokens, cfg.n_embd, f"blk.{il}."
+    q_out, kv_out = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
+    out = [Linear(p + "attn_q.weight", t, c, q_out), Linear(p + "attn_k.weight", t, c, kv_out),
+           Linear(p + "attn_v.weight", t, c, kv_out), Linear(p + "attn_output.weight", t, q_out, c)]
+
+    def ffn(pattern: str, rows: int, width: int) -> list[Linear]:
+        return [Linear(p + pattern.format("gate"), rows, c, width),
+                Linear(p + pattern.format("up"), rows, c, width),
+                Linear(p + pattern.format("down"), rows, width, c)]
+
+    if not cfg.layer_is_moe(il):
+        return out + ffn("ffn_{}.weight", t, cfg.n_ff)
+    out.append(Linear(p + "ffn_gate_inp.weight", t, c, cfg.n_expert))
+    out += ffn("ffn_{}_exps.weight", t * cfg.n_expert_used, cfg.n_ff_exp)
+    if cfg.n_ff_shexp:
+        out += ffn("ffn_{}_shexp.weight", t, cfg.n_ff_shexp)
+    return out
+
+
+def layer_activation_bytes(cfg: ModelConfig, n_tokens: int, ranks: dict[str, int]) -> list[int]:
+    """Bytes each layer keeps for its backward, for n_tokens tokens: float32 values per token
+
+        attention: block input and normed input (2C), q, k, v after RoPE (H·D + 2·Hkv·D),
+                   attention output (H·D), log-sum-exp (H)
+        FFN:       its input and normed input (2C), gate and up pre-activations (2F dense;
+                   2·K·F_exp for the routed experts, 2·F_shexp for shared experts, E router
+                   probabilities)
+        LoRA:      the rank activations x·A^T, R per adapted projection per row
+
+    ranks: LoRA rank per adapted tensor name."""
+    out = []
+    for il in range(cfg.n_layer):
+        c, d = cfg.n_embd, cfg.head_dim
+        n = 2 * c + 2 * cfg.n_head * d + 2 * cfg.n_head_kv * d + cfg.n_head        # attention
+        n += 2 * c                                                                 # FFN input
+        if cfg.layer_is_moe(il):
+            n += cfg.n_expert + 2 * cfg.n_expert_used * cfg.n_ff_exp + 2 * cfg.n_ff_shexp
+        else:
+            n += 2 * cfg.n_ff
+        for lin in block_linears(cfg, il, 1):                                      # rows per token
+            n += lin.rows * ranks.get(lin.name, 0)
+        out.append(n * n_tokens * F32)
+    return out
+
+
+def kept_activation_bytes(layers: list[int], boundary: int, checkpoint: int) -> int:
+    """Activations alive at once: every layer's without checkpointing; with interval N the
+    saved inputs of ceil(L/N) segments (`boundary` bytes each) plus one segment of N layers
+    during its backward. Plus the residual stream and its gradient (2 x boundary)."""
+    if checkpoint:
+        starts = range(0, len(layers), checkpoint)
+        kept = len(starts) * boundary + max((sum(layers[s:s + checkpoint]) for s in starts),
+                                            default=0)
+    else:
+        kept = sum(layers)
+    return kept + 2 * boundary
+
+
+RUNTIME_BYTES = 100 << 20  # the engine's process before a model (Python, NumPy): 93 MB measured
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes a training run needs, by part, for the card's LoRA rank (every target) and
+    context, float32 compute. `total_for` puts them together for the chosen settings."""
+
+    weights: int                        # base weights as stored (memory-mapped, all read)
+    dequantized: int                    # float32 copies of every quantized tensor: the most
+                                        # the weight cache (app.engine.model.weights) holds
+    dequant_working: int                # float32 copy of the largest layer's quantized weights
+    adapter: int                        # LoRA params + grads + AdamW moments, every target
+    layer_activations: tuple[int, ...]  # what each layer keeps for backward (no checkpointing)
+    boundary: int                       # one layer's input (T x C float32): a checkpoint
+    head_chunk: int                     # one loss-head chunk of logits
+    attention_scores: int               # one layer's (H, T, T) scores: backward's buffers
+
+    def activations(self, checkpoint: int = 0) -> int:
+        """Kept activations plus the backward's working buffers: the gradients of the layer in
+        flight (about its activations again), attention scores and a loss-head chunk."""
+        kept = kept_activation_bytes(list(self.layer_activations), self.boundary, checkpoint)
+        return (kept + max(self.layer_activations, default=0) + self.attention_scores
+                + self.head_chunk)
+
+    def dequantized_in_use(self, cache_budget: int) -> int:
+        """Float32 weights alive: what the cache keeps under `cache_budget` bytes, plus one
+        layer's copy when the cache cannot keep them all."""
+        kept = min(cache_budget, self.dequantized)
+        return kept + (self.dequant_working if kept < self.dequantized else 0)
+
+    def total_for(self, trained_state: int, checkpoint: int = 0,
+                  cache_budget: int | None = None) -> int:
+        """Weights, float32 weights in use, `trained_state` (adapter or full copies with their
+        gradients and moments), activations and the process's runtime."""
+        budget = default_cache_budget() if cache_budget is None else cache_budget
+        return (self.weights + self.dequantized_in_use(budget) + trained_state
+                + self.activations(checkpoint) + RUNTIME_BYTES)
+
+    @property
+    def total(self) -> int:
+        """A LoRA run on every target without checkpointing, with the default weight cache."""
+        return self.total_for(self.adapter)
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    path: str
+    file_size: int
+    name: str
+    config: ModelConfig
+    n_params: int
+    tensor_types: dict[str, int]
+    has_chat_template: bool
+    tokenizer_model: str
+    lora_params: int
+    memory: MemoryEstimate
+    lora_rank: int
+    context: int
+    full_params: int = 0    # elements full fine-tuning trains (every F32/F16/BF16 tensor)
+    tensor_shapes: dict[str, tuple[int, ...]] = field(repr=False, default_factory=dict)
+
+    def rows(self) -> list[tuple[str, str]]:
+        """(label, value) pairs for a card in the CLI or the GUI."""
+        c = self.config
+        experts = "none (dense)"
+        if c.is_moe:
+            experts = f"{c.n_expert} ({c.n_expert_used} used per token)"
+            if c.n_ff_shexp:
+                experts += ", shared expert" + (" (sigmoid-gated)" if c.shared_expert_gate else "")
+            if c.leading_dense_blocks:
+                experts += f", {c.leading_dense_blocks} leading dense layer(s)"
+        types = ", ".join(f"{t} x{n}" for t, n in sorted(self.tensor_types.items(),
+                                                          key=lambda kv: -kv[1]))
+        m = self.memory
+        return [
+            ("File", os.path.basename(self.path)),
+            ("Name", self.name),
+            ("Architecture", c.arch),
+            ("Layers", str(c.n_layer)),
+            ("Width", str(c.n_embd)),
+            ("Heads", f"{c.n_head} ({c.n_head_kv} kv, head dim {c.head_dim})"),
+            ("Experts", experts),
+            ("Context length", f"{c.context_length:,}"),
+            ("Vocabulary", f"{c.n_vocab:,} ({self.tokenizer_model})"),
+            ("Parameters", human_count(self.n_params)),
+            ("Tensor types", types),
+            ("File size", human_bytes(self.file_size)),
+            ("Chat template", "yes" if self.has_chat_template else "no (ChatML default)"),
+            (f"LoRA run estimate (rank {self.lora_rank}, context {self.context})",
+             f"{human_bytes(m.total)}: weights {human_bytes(m.weights)}, dequantized weights "
+             f"{human_bytes(m.dequantized_in_use(default_cache_budget()))}, adapter+optimizer "
+             f"{human_bytes(m.adapter)} ({human_count(self.lora_params)} trainable), activations "
+             f"{human_bytes(m.activations())}, runtime {human_bytes(RUNTIME_BYTES)}"),
+        ]
+
+    def to_dict(self) -> dict:
+        m = self.memory
+        return {"path": self.path, "file_size": self.file_size, "name": self.name,
+                "config": self.config.to_dict(), "n_params": self.n_params,
+                "tensor_types": self.tensor_types, "has_chat_template": self.has_chat_template,
+                "tokenizer_model": self.tokenizer_model, "lora_params": self.lora_params,
+                "lora_rank": self.lora_rank, "context": self.context,
+                "memory": {"weights": m.weights, "dequantized": m.dequantized,
+                           "dequant_working": m.dequant_working, "adapter": m.adapter,
+                           "activations": m.activations(), "runtime": RUNTIME_BYTES,
+                           "total": m.total}}
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TB"
+
+
+def human_count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
+
+
+def lora_param_count(shapes: dict[str, tuple[int, ...]], rank: int,
+                     targets=DEFAULT_LORA_TARGETS) -> int:
+    """Trainable parameters of rank-`rank` adapters on every tensor whose kind is in targets."""
+    total = 0
+    for name, shape in shapes.items():
+        parts = name.split(".")
+        if len(parts) == 4 and parts[0] == "blk" and parts[2] in targets and parts[3] == "weight":
+            *experts, out, inp = shape
+            total += (experts[0] if experts else 1) * rank * (out + inp)
+    return total
+
+
+def estimate_lora_memory(f: GGUFFile, cfg: ModelConfig, rank: int, context: int,
+                         targets=DEFAULT_LORA_TARGETS) -> tuple[MemoryEstimate, int]:
+    shapes = {n: t.shape for n, t in f.tensors.items()}
+    n_lora = lora_param_count(shapes, rank, targets)
+    quantized = {n: t for n, t in f.tensors.items() if t.ggml_type != 0}
+    layer_f32 = max((sum(t.n_elements * F32 for n, t in quantized.items()
+                         if n.startswith(f"blk.{il}.")) for il in range(cfg.n_layer)), default=0)
+    ranks = {n: rank for n in shapes if tensor_kind(n) in targets}
+    t = context
+    return MemoryEstimate(
+        weights=sum(t.nbytes for t in f.tensors.values()),
+        dequantized=sum(t.n_elements * F32 for t in quantized.values()),
+        dequant_working=layer_f32, adapter=n_lora * 16,
+        layer_activations=tuple(layer_activation_bytes(cfg, t, ranks)),
+        boundary=t * cfg.n_embd * F32,
+        head_chunk=t * min(cfg.n_vocab, VOCAB_CHUNK) * F32,
+        attention_scores=cfg.n_head * t * t * F32), n_lora
+
+
+def describe_model(path: str | os.PathLike, rank: int = 16, context: int = 512) -> ModelCard:
+    """Read a GGUF header and build its card (raises ModelFormatError/UnsupportedModelError)."""
+    f = read_gguf(path)
+    try:
+        cfg = config_from_metadata(f.metadata, f.tensors)
+        context = min(context, cfg.context_length)
+        memory, n_lora = estimate_lora_memory(f, cfg, rank, context)
+        return ModelCard(
+            path=str(path), file_size=f.file_size,
+            name=str(f.metadata.get("general.name", os.path.basename(str(path)))),
+            config=cfg, n_params=sum(t.n_elements for t in f.tensors.values()),
+            tensor_types=dict(Counter(type_name(t.ggml_type) for t in f.tensors.values())),
+            has_chat_template=bool(f.metadata.get("tokenizer.chat_template")),
+            tokenizer_model=str(f.metadata.get("tokenizer.ggml.model", "none")),
+            lora_params=n_lora, memory=memory, lora_rank=rank, context=context,
+            full_params=sum(t.n_elements for t in f.tensors.values()
+                            if t.ggml_type in TRAINABLE_TYPES),
+            tensor_shapes={n: t.shape for n, t in f.tensors.items()})
+    finally:
+        f.close()

@@ -1,0 +1,118 @@
+"""Freshly initialised small models ("train from scratch"), written as ordinary GGUF files.
+
+The architecture and sizes are options; the tokenizer (every `tokenizer.*` key) is copied from an
+existing GGUF file. The tensors are exactly those the loader requires for that architecture
+(`app.engine.model.transformer.expected_shapes`), so the result loads, trains and runs like any other model.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from app.engine.model.config import config_from_metadata
+from app.engine.errors import ConfigError
+from app.engine.io.gguf import read_gguf, write_gguf
+from app.engine.model.transformer import expected_shapes
+
+
+# Architectures whose required metadata NewModelSpec covers (qwen2moe and deepseek need shared-
+# expert and leading-dense settings it does not have).
+NEW_MODEL_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "olmoe", "gemma3")
+
+
+@dataclass(frozen=True)
+class NewModelSpec:
+    arch: str = "llama"
+    n_layer: int = 4
+    n_embd: int = 256
+    n_head: int = 4
+    n_head_kv: int = 0            # 0: same as n_head (no GQA)
+    n_ff: int = 688               # dense FFN width (also the expert width for llama/olmoe)
+    n_expert: int = 0
+    n_expert_used: int = 0
+    context_length: int = 512
+    rope_base: float = 10000.0
+    rms_eps: float = 1e-5
+    tied_output: bool = False
+    init_std: float = 0.02
+    seed: int = 0
+    name: str = "workbench-from-scratch"
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_head_kv or self.n_head
+
+    def validate(self) -> None:
+        if self.arch not in NEW_MODEL_ARCHITECTURES:
+            raise ConfigError(f"New models of architecture '{self.arch}' are not supported.",
+                              "Use one of: " + ", ".join(NEW_MODEL_ARCHITECTURES) + ".")
+        if min(self.n_layer, self.n_embd, self.n_head, self.kv_heads, self.n_ff) < 1:
+            raise ConfigError("Layers, width, heads and FFN width must be positive.")
+        if self.n_embd % self.n_head or self.n_head % self.kv_heads:
+            raise ConfigError("The width must divide by the heads, and the heads by the kv heads.")
+        if self.arch in ("qwen3moe", "olmoe") and not self.n_expert:
+            raise ConfigError(f"A '{self.arch}' model needs experts (n_expert > 0).")
+        if self.n_expert and not 0 < self.n_expert_used <= self.n_expert:
+            raise ConfigError("Experts used per token must be between 1 and the expert count.")
+
+
+def _metadata(spec: NewModelSpec, tokenizer_meta: dict) -> dict:
+    a = spec.arch
+    n_vocab = len(tokenizer_meta["tokenizer.ggml.tokens"])
+    meta = {
+        "general.architecture": a, "general.name": spec.name, "general.type": "model",
+        f"{a}.block_count": spec.n_layer, f"{a}.embedding_length": spec.n_embd,
+        f"{a}.feed_forward_length": spec.n_ff, f"{a}.context_length": spec.context_length,
+        f"{a}.attention.head_count": spec.n_head, f"{a}.attention.head_count_kv": spec.kv_heads,
+        f"{a}.attention.layer_norm_rms_epsilon": spec.rms_eps,
+        f"{a}.rope.freq_base": spec.rope_base, f"{a}.vocab_size": n_vocab,
+    }
+    if spec.n_expert:
+        meta.update({f"{a}.expert_count": spec.n_expert,
+                     f"{a}.expert_used_count": spec.n_expert_used,
+                     f"{a}.expert_feed_forward_length": spec.n_ff})
+    meta.update(tokenizer_meta)
+    return meta
+
+
+def init_tensors(shapes: dict[str, tuple[int, ...]], init_std: float, seed: int) -> dict:
+    """Norm weights 1, biases 0, everything else N(0, init_std); output projections (attention
+    output and FFN down) scaled by 1/sqrt(2 n_layer) as GPT-2 does, for a stable deep start."""
+    rng = np.random.default_rng(seed)
+    n_layer = 1 + max((int(n.split(".")[1]) for n in shapes if n.startswith("blk.")), default=0)
+    tensors = {}
+    for name, shape in shapes.items():
+        if "norm" in name:
+            tensors[name] = np.ones(shape, np.float32)
+        elif name.endswith(".bias"):
+            tensors[name] = np.zeros(shape, np.float32)
+        else:
+            std = init_std
+            if "attn_output" in name or "ffn_down" in name:
+                std /= np.sqrt(2 * n_layer)
+            tensors[name] = rng.normal(0.0, std, shape).astype(np.float32)
+    return tensors
+
+
+def create_model(path: str | os.PathLike, spec: NewModelSpec, tokenizer_from: str | os.PathLike):
+    """Write a freshly initialised F32 model with the tokenizer of `tokenizer_from`."""
+    spec.validate()
+    source = read_gguf(tokenizer_from)
+    tokenizer_meta = {k: v for k, v in source.metadata.items() if k.startswith("tokenizer.")}
+    source.close()
+    if "tokenizer.ggml.tokens" not in tokenizer_meta:
+        raise ConfigError(f"{tokenizer_from} has no tokenizer to copy.",
+                          "Pick a GGUF model or vocab file with tokenizer.ggml.tokens.")
+    meta = _metadata(spec, tokenizer_meta)
+    names = ["token_embd.weight"] + ([] if spec.tied_output else ["output.weight"])
+    cfg = config_from_metadata(meta, names)
+    shapes = expected_shapes(cfg)
+    if spec.arch in ("qwen2", "qwen2moe"):  # these GGUFs carry q/k/v biases
+        for il in range(cfg.n_layer):
+            for proj in ("q", "k", "v"):
+                shapes[f"blk.{il}.attn_{proj}.bias"] = (shapes[f"blk.{il}.attn_{proj}.weight"][0],)
+    write_gguf(path, meta, init_tensors(shapes, spec.init_std, spec.seed))
+    return path

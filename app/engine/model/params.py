@@ -1,0 +1,133 @@
+"""What a forward pass reads: frozen base weights, fully trained tensors and LoRA pairs.
+
+`Params` is the one place that decides, per tensor name, where the numbers come from:
+- a fully trained tensor (`full[name]`, a float32 master copy that the optimizer updates),
+- else the frozen base weight from the memory-mapped file (dequantized when used),
+and whether a LoRA pair applies to it (`adapter`). Gradient names follow the GGUF adapter
+format: `<tensor>` for a full tensor, `<tensor>.lora_a` / `<tensor>.lora_b` for LoRA.
+
+It also decides what a base weight multiplies (`base_input`): with `llamacpp_numerics` the
+activations rounded as llama.cpp's CPU backend rounds them for the weight's stored type
+(Q8_0/Q8_1/Q8_K/F16, app.engine.kernels.act_quants), so that inference logits match
+llama.cpp's to ~1e-6 on quantized models; without it plain float32. It is on for what a user
+reads (Model.logits, Model.generate: the CLI, the playground) and off for everything that
+trains or samples for training (TrainSession, GRPO's Model.generate_batch and log-probs):
+a quantizer has no useful gradient, and GRPO samples from the numerics it trains.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+
+from app.engine.kernels.act_quants import quantize_activations
+from app.engine.model.lora import LoraAdapter
+from app.engine.model.weights import WeightStore
+
+TRAINABLE_TYPES = (0, 1, 30)  # F32, F16, BF16: quantized tensors stay frozen (stop-gradient)
+
+
+class _Cast:
+    """An expert- or row-indexable lazy view whose items are cast to the compute dtype."""
+
+    def __init__(self, view, dtype):
+        self.view, self.dtype, self.shape = view, dtype, view.shape
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, index):
+        return self.view[index].astype(self.dtype, copy=False)
+
+
+class Params:
+    def __init__(self, store: WeightStore, dtype=np.float32, full: dict | None = None,
+                 adapter: LoraAdapter | None = None, adapter_scale: float = 1.0,
+                 training: bool = False, llamacpp_numerics: bool = False):
+        if training and llamacpp_numerics:
+            raise ValueError("llamacpp_numerics is for inference: training computes in float32")
+        self.store = store
+        self.dtype = np.dtype(dtype)
+        self.full = full or {}
+        self.adapter = adapter
+        self.adapter_scale = adapter_scale
+        self.training = training  # exact GELU instead of ggml's fp16 table (differentiable)
+        self.llamacpp_numerics = llamacpp_numerics  # see base_input
+        self.lora_dropout = 0.0
+        self.dropout_seed: tuple[int, ...] = (0,)  # set per micro-batch by the trainer
+
+    def has(self, name: str) -> bool:
+        return name in self.full or name in self.store
+
+    def trains(self, name: str) -> bool:
+        return name in self.full
+
+    def weight(self, name: str):
+        if name in self.full:
+            return self.full[name]
+        return self.store.get(name).astype(self.dtype, copy=False)
+
+    def experts(self, name: str):
+        if name in self.full:
+            return self.full[name]
+        view = self.store.experts(name)
+        return view if self.dtype == np.float32 else _Cast(view, self.dtype)
+
+    def row_view(self, name: str):
+        """A 2-D tensor read by row slices (the loss head): see WeightStore.row_view."""
+        if name in self.full:
+            return self.full[name]
+        view = self.store.row_view(name)
+        if isinstance(view, np.ndarray):
+            return view.astype(self.dtype, copy=False)
+        return view if self.dtype == np.float32 else _Cast(view, self.dtype)
+
+    def base_input(self, name: str, x):
+        """What the base weight `name` multiplies, for activations x (..., in): with
+        llamacpp_numerics and a weight read from the file, x rounded to the activation type of
+        the weight's stored GGML type (a new array, or x itself for F32); else x itself (a
+        trained tensor in `full` is float32). LoRA branches always read x: llama.cpp's adapters
+        are float32."""
+        if not self.llamacpp_numerics or name in self.full:
+            return x
+        return quantize_activations(x, self.store.gguf.tensors[name].ggml_type)
+
+    def rows(self, name: str, index: np.ndarray):
+        if name in self.full:
+            return self.full[name][self.store.xp.asarray(index)]
+        return self.store.rows(name, index).astype(self.dtype, copy=False)
+
+    def lora(self, name: str):
+        if self.adapter is None:
+            return None
+        pair = self.adapter.scaled(name, self.adapter_scale)
+        if pair is None:
+            return None
+        a, b, s = pair
+        return a.astype(self.dtype, copy=False), b.astype(self.dtype, copy=False), s
+
+
+    def dropout_mask(self, name: str, shape, dtype):
+        """LoRA dropout keep-mask scaled by 1/(1-p), or None (off, or not training).
+
+        Drawn from (dropout_seed, tensor name), so recomputing a layer under gradient
+        checkpointing reproduces exactly the same mask."""
+        p = self.lora_dropout
+        if not self.training or p <= 0.0:
+            return None
+        rng = np.random.default_rng([*self.dropout_seed, zlib.crc32(name.encode())])
+        mask = (rng.random(shape) >= p).astype(dtype) / dtype.type(1.0 - p)
+        return self.store.xp.asarray(mask)  # drawn on the host: the same masks on any device
+
+
+class Grads(dict):
+    """Gradient accumulator by name: adding to a name twice sums (tied weights, fan-out)."""
+
+    def add(self, name: str, g) -> None:
+        if g is None:
+            return
+        if name in self:
+            self[name] = self[name] + g
+        else:
+            self[name] = g

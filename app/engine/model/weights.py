@@ -1,0 +1,138 @@
+"""Frozen base weights: memory-mapped in their GGUF type, dequantized when used.
+
+F32 tensors are zero-copy views of the file. Quantized tensors are dequantized on demand into
+float32 and kept in a bounded LRU cache, so a model larger than the budget still runs (it just
+dequantizes again). Experts are cached one expert at a time, and embedding lookups dequantize
+only the rows they read.
+
+On a GPU (`xp` = cupy) the quantized bytes are copied to the device and dequantized there, and
+the cache (F32 tensors too) lives in device memory, budgeted against the GPU's memory.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+
+import numpy as np
+
+from app.engine.runtime.backend import device_memory
+from app.engine.io.gguf import GGUFFile, dequantize
+
+
+def default_cache_budget(xp=np) -> int:
+    """40% of the device's memory (host RAM on the CPU): dequantized float32 copies are 2-8x
+    larger than Q8/Q4 weights."""
+    try:
+        return int(device_memory(xp)[1] * 0.4)
+    except (ValueError, OSError, AttributeError):
+        return 4 << 30
+
+
+class WeightStore:
+    def __init__(self, gguf: GGUFFile, cache_budget: int | None = None, xp=np):
+        self.gguf, self.xp = gguf, xp
+        self.budget = default_cache_budget(xp) if cache_budget is None else cache_budget
+        self._cache: OrderedDict = OrderedDict()
+        self._cached_bytes = 0
+        self.dequant_seconds = 0.0  # time spent dequantizing, for the benchmarks' phase split
+        self._lock = threading.Lock()  # the engine's threads read experts concurrently
+
+    def _dequantize(self, raw, ggml_type: int) -> np.ndarray:
+        t0 = time.perf_counter()
+        out = dequantize(raw if self.xp is np else self.xp.asarray(raw), ggml_type)
+        with self._lock:
+            self.dequant_seconds += time.perf_counter() - t0
+        return out
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.gguf.tensors
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.gguf.tensors[name].shape
+
+    def _cached(self, key, make):
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        value = make()                      # outside the lock: threads dequantize side by side
+        with self._lock:
+            if value.nbytes <= self.budget and key not in self._cache:
+                self._cache[key] = value
+                self._cached_bytes += value.nbytes
+                while self._cached_bytes > self.budget:
+                    _, old = self._cache.popitem(last=False)
+                    self._cached_bytes -= old.nbytes
+        return value
+
+    def get(self, name: str) -> np.ndarray:
+        """The whole tensor as float32 (NumPy shape)."""
+        info = self.gguf.tensors[name]
+        if info.ggml_type == 0:
+            if self.xp is np:
+                return self.gguf.array(name)
+            return self._cached(name, lambda: self.xp.asarray(self.gguf.array(name)))
+        return self._cached(name, lambda: self._dequantize(self.gguf.raw(name),
+                                                           info.ggml_type).reshape(info.shape))
+
+    def rows(self, name: str, index: np.ndarray) -> np.ndarray:
+        """Rows `index` of a 2-D tensor as float32: (len(index), n_cols)."""
+        info = self.gguf.tensors[name]
+        whole = self._cache.get(name)
+        if whole is not None:
+            return whole[self.xp.asarray(index)]
+        raw = self.gguf.raw(name)[index]                              # (N, row_bytes)
+        if info.ggml_type == 0:
+            return self.xp.asarray(raw.view(np.float32))
+        return self._dequantize(raw, info.ggml_type)
+
+    def row_view(self, name: str):
+        """The 2-D tensor for row-sliced reading: the float32 array when it fits the cache
+        budget, else a view that dequantizes only the rows asked for (the output head of a
+        large-vocabulary model is never materialised in full then)."""
+        info = self.gguf.tensors[name]
+        if info.ggml_type == 0 or info.n_elements * 4 <= self.budget:
+            return self.get(name)
+        return RowView(self, name)
+
+    def experts(self, name: str) -> "ExpertView":
+        return ExpertView(self, name)
+
+    def expert(self, name: str, e: int) -> np.ndarray:
+        """Expert e of a 3-D (E, out, in) tensor as float32 (out, in)."""
+        info = self.gguf.tensors[name]
+        if info.ggml_type == 0:
+            return self.get(name)[e]
+        whole = self._cache.get(name)
+        if whole is not None:
+            return whole[e]
+        return self._cached((name, e), lambda: self._dequantize(self.gguf.raw(name)[e],
+                                                                info.ggml_type))
+
+
+class ExpertView:
+    """Indexable by expert like an (E, out, in) array, dequantizing one expert at a time."""
+
+    def __init__(self, store: WeightStore, name: str):
+        self.store, self.name = store, name
+        self.shape = store.shape(name)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, e: int) -> np.ndarray:
+        return self.store.expert(self.name, int(e))
+
+
+class RowView:
+    """Sliceable by rows like a (rows, cols) float32 array, dequantizing each slice on demand."""
+
+    def __init__(self, store: WeightStore, name: str):
+        self.store, self.name = store, name
+        self.shape = store.shape(name)
+        self.ggml_type = store.gguf.tensors[name].ggml_type
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        return self.store._dequantize(self.store.gguf.raw(self.name)[rows], self.ggml_type)

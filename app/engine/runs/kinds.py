@@ -1,0 +1,48 @@
+"""Run kinds: what a run directory's config.json "kind" means, in one table.
+
+Each kind names its config class (the schema of its config.json), the loop the worker runs for
+it, and what the window and `workbench runs` show of it: its labels and its headline metric
+(the status.json key a row shows, and whether lower or higher is better). A config without
+"kind" is a supervised run ("sft"), as every run was before GRPO. Code that needs to know a
+run's kind asks this table, not the string.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from app.engine.errors import ConfigError
+from app.engine.training import grpo, sft
+
+
+@dataclass(frozen=True)
+class RunKind:
+    name: str
+    config_class: type
+    run_job: Callable          # (RunDir, JobControl) -> final state, as the worker calls it
+    label: str                 # short: a Runs column
+    title: str                 # long: New run's choice
+    metric: str                # the headline metric: its status.json key
+    lower_is_better: bool      # for the headline metric
+
+
+SFT = RunKind(sft.KIND, sft.RunConfig, sft.run_sft_job, label="SFT", title="Supervised (SFT)",
+              metric="loss", lower_is_better=True)
+GRPO = RunKind(grpo.KIND, grpo.GrpoConfig, grpo.run_grpo_job, label="GRPO",
+               title="GRPO (reward-driven)", metric="reward_mean", lower_is_better=False)
+KINDS = {k.name: k for k in (SFT, GRPO)}
+
+
+def kind_of(config: dict, where: str = "config.json") -> RunKind:
+    """The kind a run config names (none: "sft"); an unknown kind is a ConfigError."""
+    name = config.get("kind", sft.KIND)
+    if name not in KINDS:
+        raise ConfigError(f"Unknown run kind {name!r} in {where}.",
+                          f"Use one of {', '.join(KINDS)} (no kind: {sft.KIND}).")
+    return KINDS[name]
+
+
+def run_job(run_dir, control) -> str:
+    """The worker's runner: the loop of the run directory's kind."""
+    return kind_of(run_dir.config(), str(run_dir.config_path)).run_job(run_dir, control)

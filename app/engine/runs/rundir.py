@@ -1,0 +1,329 @@
+"""A run directory: everything about one training run, and the API between GUI, CLI and worker.
+
+```
+RUN_DIR/
+  config.json      the run as submitted (plus resolved defaults); written once, atomically
+  status.json      state, step, total_steps, epoch, loss, eta_s, updated_at, writer, error...;
+                   atomic
+  metrics.jsonl    one JSON object per line (step, eval, norms, routing, log events); appended
+  log.txt          human-readable log lines; appended
+  checkpoints/     step-N/ directories (written by app.engine.training.checkpoints)
+  exports/         adapters and merged models
+```
+
+Whole files are replaced atomically (temporary file in the same directory, fsync, `os.replace`),
+so a reader never sees a half-written `config.json` or `status.json` and a crash keeps the old
+file. Appended files are written one line per `write` call on an O_APPEND descriptor; a reader
+tailing `metrics.jsonl` with `read_metrics(offset)` only ever returns complete lines.
+
+Files are written and read through `app.engine.runtime.files` (atomic writes, appends, JSON).
+Bad files raise EngineErrors (never a bare OSError or JSONDecodeError); a full disk raises
+`DiskFullError` and leaves the previous files intact.
+
+Every status write records its writer (host, pid, process start time), so that a reader sees a
+"running" run whose process died without a word (kill -9, a crash) as "interrupted".
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+from app.engine.errors import ConfigError, EngineError
+from app.engine.runtime.files import (StorageError, append_line, atomic_write_json, read_json,
+                                      storage_error, to_json)
+from app.engine.runtime.processes import pid_alive, process_started
+
+CONFIG = "config.json"
+STATUS = "status.json"
+METRICS = "metrics.jsonl"
+LOG = "log.txt"
+CHECKPOINTS = "checkpoints"
+EXPORTS = "exports"
+
+NAME_MAX = 255   # bytes in one file or folder name (ext4, APFS; NTFS counts 255 UTF-16 units)
+RUN_NAME_MAX = NAME_MAX - 8   # a new run's name: room for the "-N" that makes it unique
+
+
+# --------------------------------------------------------------------------- the run directory
+
+
+class RunDir:
+    """One run's directory. Cheap to construct; nothing is read until asked."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path).expanduser().absolute()
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.path)!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RunDir) and other.path == self.path
+
+    def __hash__(self) -> int:
+        return hash(self.path)
+
+    # ---------------------------------------------------------------- layout
+    @property
+    def config_path(self) -> Path:
+        return self.path / CONFIG
+
+    @property
+    def status_path(self) -> Path:
+        return self.path / STATUS
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.path / METRICS
+
+    @property
+    def log_path(self) -> Path:
+        return self.path / LOG
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.path / CHECKPOINTS
+
+    @property
+    def exports_dir(self) -> Path:
+        return self.path / EXPORTS
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def exists(self) -> bool:
+        """True when the directory holds a config.json (is a run directory)."""
+        return self.config_path.is_file()
+
+    # ---------------------------------------------------------------- creation and config
+    @classmethod
+    def create(cls, path: str | os.PathLike, config: dict, *, exist_ok: bool = False) -> "RunDir":
+        """Make the directory (and checkpoints/, exports/) and write config.json atomically.
+
+        An existing run (a config.json already there) raises ConfigError unless `exist_ok`,
+        in which case the config is replaced.
+        """
+        if not isinstance(config, dict):
+            raise ConfigError(f"A run's config must be a JSON object, got {type(config).__name__}.")
+        run = cls(path)
+        check_path_length(run.path)
+        if run.config_path.exists() and not exist_ok:
+            raise ConfigError(f"{run.path} already holds a run (config.json exists).",
+                              "Choose another output folder, or resume that run.")
+        try:
+            for d in (run.path, run.checkpoints_dir, run.exports_dir):
+                d.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise storage_error(e, run.path, "create") from e
+        run.write_config(config)
+        return run
+
+    def write_config(self, config: dict) -> None:
+        atomic_write_json(self.config_path, config)
+
+    def config(self) -> dict:
+        """config.json as a dict; missing or corrupt raises ConfigError with a hint."""
+        if not self.path.is_dir():
+            raise ConfigError(f"The run directory {self.path} does not exist.",
+                              "Check the path, or create the run first (workbench train --out).")
+        if not self.config_path.exists():
+            raise ConfigError(f"{self.path} is not a run directory: it has no {CONFIG}.",
+                              "Create the run first (workbench train --queue writes it).")
+        cfg = read_json(self.config_path, what="run config", error_cls=ConfigError)
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"The run config {self.config_path} is not a JSON object.",
+                              "Recreate the run.")
+        return cfg
+
+    # ---------------------------------------------------------------- status
+    def status(self) -> dict:
+        """status.json as a dict ({} before the first write); corrupt raises StorageError.
+        A "running" status whose writer is gone reads as "interrupted" (resumable), no ETA."""
+        st = read_json(self.status_path, what="run status", missing_ok=True)
+        if st is None:
+            return {}
+        if not isinstance(st, dict):
+            raise StorageError(f"The run status {self.status_path} is not a JSON object.",
+                               "Delete status.json; the worker rewrites it.")
+        if st.get("state") == "running" and _writer_gone(st.get("writer")):
+            st["state"] = "interrupted"
+            st.pop("eta_s", None)
+        return st
+
+    def write_status(self, *, replace: bool = False, fsync: bool = True, **fields) -> dict:
+        """Merge `fields` into status.json (or replace it) and stamp `updated_at`; atomic.
+
+        A corrupt previous status is overwritten rather than refused (status is derived state).
+        Returns the status written.
+        """
+        st: dict = {}
+        if not replace:
+            try:
+                st = self.status()
+            except StorageError:
+                st = {}
+        st.update(fields)
+        st["updated_at"] = time.time()
+        st["writer"] = {"host": socket.gethostname(), "pid": os.getpid(),
+                        "started": process_started(os.getpid())}
+        atomic_write_json(self.status_path, st, fsync=fsync)
+        return st
+
+    # ---------------------------------------------------------------- metrics and log
+    def append_metrics(self, event: dict) -> dict:
+        """Append one event as a JSON line. `type` defaults to "step", `time` to now.
+
+        Returns the event as written (with type and time). Non-JSON values (numpy scalars and
+        arrays) are converted; anything else unserialisable raises TypeError (a bug).
+        """
+        ev = dict(event)
+        ev.setdefault("type", "step")
+        ev.setdefault("time", time.time())
+        line = to_json(ev)
+        append_line(self.metrics_path, line)
+        return ev
+
+    def read_metrics(self, since_offset: int = 0) -> tuple[list[dict], int]:
+        """Complete events after byte `since_offset`, and the offset to pass next time.
+
+        A trailing line without its newline (being written, or torn by a crash) is not
+        returned and the offset stays before it. Lines that are not JSON objects (a torn line
+        terminated later) are skipped. If the file shrank below the offset (replaced), reading
+        restarts at 0. A missing file gives ([], 0).
+        """
+        try:
+            with open(self.metrics_path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if since_offset > size:
+                    since_offset = 0
+                f.seek(since_offset)
+                data = f.read(size - since_offset)
+        except FileNotFoundError:
+            return [], 0
+        except OSError as e:
+            raise storage_error(e, self.metrics_path, "read") from e
+        end = data.rfind(b"\n")
+        if end < 0:
+            return [], since_offset
+        events = []
+        for raw in data[:end].split(b"\n"):
+            if not raw.strip():
+                continue
+            try:
+                ev = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, ValueError):
+                continue
+            if isinstance(ev, dict):
+                events.append(ev)
+        return events, since_offset + end + 1
+
+    def metrics(self) -> list[dict]:
+        """Every complete event in metrics.jsonl."""
+        return self.read_metrics(0)[0]
+
+    def log(self, line: str) -> None:
+        """Append a timestamped line to log.txt (multi-line text is kept together)."""
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        append_line(self.log_path, f"{stamp} {line.rstrip()}")
+
+    # ---------------------------------------------------------------- summary
+    def summary(self) -> dict:
+        """What `workbench runs show` prints: config, status, final and best metrics.
+
+        `final[type]` is the last event of each type; `best[type]` is the event with the
+        lowest finite `loss` among events of that type (step, eval). Never raises for a
+        broken run: problems are reported under `problems`.
+        """
+        out: dict = {"run_dir": str(self.path), "config": None, "status": {}, "final": {},
+                     "best": {}, "events": 0, "problems": []}
+        try:
+            out["config"] = self.config()
+        except EngineError as e:
+            out["problems"].append(e.message)
+        try:
+            out["status"] = self.status()
+        except EngineError as e:
+            out["problems"].append(e.message)
+        try:
+            events = self.metrics()
+        except EngineError as e:
+            out["problems"].append(e.message)
+            events = []
+        out["events"] = len(events)
+        out["final"], out["best"] = summarize_metrics(events)
+        return out
+
+
+def _writer_gone(writer: Any) -> bool:
+    """Has the process that wrote a status ended? Known only for a writer on this host."""
+    if not isinstance(writer, dict) or writer.get("host") != socket.gethostname():
+        return False
+    pid = writer.get("pid")
+    if not isinstance(pid, int):
+        return False
+    if writer.get("started") is not None:    # Linux: also catches the pid's reuse since
+        return process_started(pid) != writer["started"]
+    return not pid_alive(pid)
+
+
+def summarize_metrics(events: Iterable[dict]) -> tuple[dict, dict]:
+    """(last event per type, lowest-loss event per type for types that carry a loss)."""
+    final: dict[str, dict] = {}
+    best: dict[str, dict] = {}
+    for ev in events:
+        kind = str(ev.get("type", "step"))
+        final[kind] = ev
+        loss = ev.get("loss")
+        if isinstance(loss, (int, float)) and not isinstance(loss, bool) and math.isfinite(loss):
+            if kind not in best or loss < best[kind]["loss"]:
+                best[kind] = ev
+    return final, best
+
+
+def check_path_length(path: Path) -> None:
+    """ConfigError when a folder name in `path` is longer than file systems allow (an OSError
+    on any use of the path otherwise)."""
+    for part in path.parts:
+        if len(os.fsencode(part)) > NAME_MAX:
+            raise ConfigError(f"The folder name {part[:40]}... is {len(os.fsencode(part))} "
+                              f"bytes long; file systems allow at most {NAME_MAX}.",
+                              "Choose a shorter run name or output folder.")
+
+
+def default_run_name(stem: str) -> str:
+    """A new run's folder name: `YYYYmmdd-HHMMSS-<stem>`, the stem (a dataset's file name)
+    shortened, a character at a time, to RUN_NAME_MAX bytes."""
+    prefix = time.strftime("%Y%m%d-%H%M%S-")
+    while len(os.fsencode(prefix + stem)) > RUN_NAME_MAX:
+        stem = stem[:-1]
+    return prefix + stem
+
+
+def default_runs_dir() -> Path:
+    """`runs/` in the user data directory (where `workbench train` puts runs by default)."""
+    import platformdirs
+
+    return Path(platformdirs.user_data_dir("gguf-workbench")) / "runs"
+
+
+def list_runs(folder: str | os.PathLike | None = None) -> list[RunDir]:
+    """Run directories (holding a config.json) directly under `folder`, newest first."""
+    root = Path(folder) if folder is not None else default_runs_dir()
+    if not root.is_dir():
+        return []
+    runs = [RunDir(p) for p in root.iterdir() if p.is_dir() and (p / CONFIG).is_file()]
+
+    def mtime(r: RunDir) -> float:
+        try:
+            return max(r.config_path.stat().st_mtime,
+                       r.status_path.stat().st_mtime if r.status_path.exists() else 0.0)
+        except OSError:
+            return 0.0
+
+    return sorted(runs, key=lambda r: (-mtime(r), r.name))

@@ -1,0 +1,189 @@
+"""Files the engine writes and reads: atomic replacement (temporary file in the same folder,
+fsync, os.replace), appended lines, JSON, and OSErrors turned into StorageError with a hint
+(DiskFullError for a full disk). A reader never sees a half-written file, and a crash or a
+full disk keeps the previous one."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from app.engine.errors import EngineError
+
+_DISK_FULL_ERRNOS = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+
+
+class StorageError(EngineError):
+    """A file could not be read or written, or its content is corrupt."""
+
+    kind = "storage"
+
+
+class DiskFullError(StorageError):
+    """The disk (or the user's quota) is full."""
+
+    kind = "disk_full"
+
+
+# --------------------------------------------------------------------------- atomic file helpers
+
+
+def _json_default(obj: Any) -> Any:
+    """numpy scalars and arrays (and anything with .item()/.tolist()) as plain JSON values."""
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    if hasattr(obj, "item"):
+        return obj.item()
+    if isinstance(obj, Path):
+        return str(obj)
+    if isinstance(obj, (set, frozenset, tuple)):
+        return list(obj)
+    raise TypeError(f"{type(obj).__name__} is not JSON serializable")
+
+
+def to_json(obj: Any, indent: int | None = None) -> str:
+    return json.dumps(obj, indent=indent, default=_json_default, ensure_ascii=False)
+
+
+def storage_error(exc: OSError, path: str | os.PathLike, action: str = "write") -> StorageError:
+    """The EngineError for an OSError while reading or writing `path`."""
+    path = Path(path)
+    if exc.errno in _DISK_FULL_ERRNOS:
+        return DiskFullError(
+            f"The disk is full: could not {action} {path}.",
+            f"Free some space on the disk that holds {path.parent} (for example delete old "
+            "checkpoints, exports or runs), then resume or retry the run. The previous files "
+            "were kept intact.")
+    if isinstance(exc, PermissionError):
+        return StorageError(f"Permission denied: could not {action} {path}.",
+                            "Check the file's and the folder's permissions.")
+    return StorageError(f"Could not {action} {path}: {exc.strerror or exc}.",
+                        "Check that the disk is mounted and writable.")
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename in `directory` durable (best effort: not every platform allows it)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, fsync: bool = True) -> None:
+    """Replace `path` with `data` atomically: temp file in the same directory, fsync, os.replace.
+
+    Readers see the old or the new content, never a mix; if anything fails (a crash, a full
+    disk) the old file stays as it was and the temporary file is removed. OSErrors become
+    StorageError / DiskFullError.
+    """
+    path = Path(path)
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            view = memoryview(data)
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        tmp = None
+        if fsync:
+            fsync_dir(path.parent)
+    except OSError as e:
+        raise storage_error(e, path) from e
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any, *, fsync: bool = True) -> None:
+    """`obj` as indented JSON (numpy values converted), written with `atomic_write_bytes`."""
+    atomic_write_bytes(path, (to_json(obj, indent=2) + "\n").encode("utf-8"), fsync=fsync)
+
+
+def read_json(path: str | os.PathLike, *, what: str = "file",
+              error_cls: type[EngineError] = StorageError, missing_ok: bool = False) -> Any:
+    """Parse a JSON file; missing, unreadable or corrupt files raise `error_cls` with a hint.
+
+    With `missing_ok`, a missing file returns None.
+    """
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        if missing_ok:
+            return None
+        raise error_cls(f"The {what} {path} does not exist.",
+                        "Check the path; the run directory may be incomplete.") from None
+    except OSError as e:
+        err = storage_error(e, path, "read")
+        raise error_cls(err.message, err.hint) from e
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise error_cls(f"The {what} {path} is corrupt (not valid JSON: {e}).",
+                        "Restore it from a backup or recreate the run; the workbench always "
+                        "writes it atomically, so another program may have changed it.") from e
+
+
+def _read_at(fd: int, offset: int) -> bytes:
+    if hasattr(os, "pread"):
+        return os.pread(fd, 1, offset)
+    os.lseek(fd, offset, os.SEEK_SET)  # Windows: O_APPEND writes still go to the end
+    return os.read(fd, 1)
+
+
+def append_line(path: str | os.PathLike, line: str) -> None:
+    """Append one line (a newline is added) with a single write on an O_APPEND descriptor.
+
+    If the file ends in a torn line (a crash or a full disk in the middle of a write), that
+    line is terminated first so the new line stays parseable.
+    """
+    path = Path(path)
+    data = line.encode("utf-8") + b"\n"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            size = os.fstat(fd).st_size
+            if size and _read_at(fd, size - 1) != b"\n":
+                data = b"\n" + data
+            view = memoryview(data)
+            while view:  # one write for a regular file; the loop only guards short writes
+                n = os.write(fd, view)
+                view = view[n:]
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise storage_error(e, path, "append to") from e
+
+
+def loads_json(text: str) -> Any:
+    """json.loads whose every failure is a ValueError: a json.JSONDecodeError (with its msg,
+    line and column), or a ValueError saying which limit the text exceeds (an integer longer
+    than Python's int-from-string digit limit, nesting deeper than the recursion limit)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise
+    except ValueError:
+        raise ValueError(f"an integer longer than {sys.get_int_max_str_digits()} digits") from None
+    except RecursionError:
+        raise ValueError("nested too deeply") from None

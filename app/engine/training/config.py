@@ -1,0 +1,89 @@
+"""TrainConfig: how a run trains (what is trainable, the optimizer, the schedule, the step
+structure), checked by the run-config schema (`app.engine.runtime.schema`)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import ClassVar
+
+from app.engine.errors import ConfigError
+from app.engine.kernels.loss import VOCAB_CHUNK
+from app.engine.model.lora import TARGET_GROUPS
+from app.engine.runtime.schema import (AT_LEAST_0, AT_LEAST_1, FRACTION, POSITIVE, TEXT,
+                                       check)
+from app.engine.training.optimizers import SCHEDULES
+
+TRAIN_MODES = ("lora", "full", "hybrid")
+OPTIMIZERS = ("adamw", "sgd", "lbfgs")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """How to train: what is trainable, the optimizer, the schedule, the step structure.
+
+    mode: "lora" (adapters only), "full" (every F32/F16/BF16 tensor; quantized ones stay frozen)
+    or "hybrid" (adapters plus the unquantized tensors named by `full_targets`).
+    full_targets: tensor kinds or groups for hybrid runs: "norms", "router", "embeddings",
+    "output", or kinds such as "attn_q".
+    weight_decay: decoupled, on matrices only; 1-D tensors (norms, biases) are never decayed.
+    """
+
+    mode: str = "lora"
+    lora_rank: int = 16
+    lora_alpha: float = 32.0
+    lora_targets: tuple[str, ...] = ("attention", "ffn", "experts", "shared")
+    rslora: bool = False
+    lora_dropout: float = 0.0       # on 2-D targets' LoRA input; 3-D expert adapters have none (as PEFT)
+    full_targets: tuple[str, ...] = ()
+    optimizer: str = "adamw"
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    gclip: float = 0.0
+    max_grad_norm: float = 0.0
+    schedule: str = "constant"
+    warmup_steps: int = 0
+    min_lr: float = 0.0
+    max_steps: int = 100
+    grad_accum: int = 1
+    checkpoint_interval: int = 0
+    vocab_chunk: int = VOCAB_CHUNK
+    seed: int = 0
+    device: str = "cpu"             # "cpu" (NumPy) or "cuda" (CuPy): where the step computes
+    weight_cache_mb: int | None = None  # dequantized frozen weights kept (None: 40% of memory)
+
+    SCHEMA_RULES: ClassVar[dict] = dict(  # app.engine.runtime.schema: what the types cannot say
+        mode=TRAIN_MODES, lora_rank=AT_LEAST_1, lora_alpha=POSITIVE,
+        lora_targets=tuple(dict.fromkeys([*TARGET_GROUPS, *(kind for kinds in TARGET_GROUPS.values()
+                                                            for kind in kinds)])),
+        lora_dropout=FRACTION, full_targets=TEXT, optimizer=OPTIMIZERS, lr=POSITIVE,
+        weight_decay=AT_LEAST_0, beta1=FRACTION, beta2=FRACTION, eps=POSITIVE, gclip=AT_LEAST_0,
+        max_grad_norm=AT_LEAST_0, schedule=SCHEDULES, warmup_steps=AT_LEAST_0, min_lr=AT_LEAST_0,
+        max_steps=AT_LEAST_1, grad_accum=AT_LEAST_1, checkpoint_interval=AT_LEAST_0,
+        vocab_chunk=AT_LEAST_1, seed=AT_LEAST_0, device=("cpu", "cuda"),
+        weight_cache_mb=AT_LEAST_0)
+
+    @property
+    def cache_budget(self) -> int | None:
+        """weight_cache_mb in bytes, for load_model (None: its default)."""
+        return None if self.weight_cache_mb is None else self.weight_cache_mb << 20
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        """From a run's config.json section (lists become tuples); any unknown key, wrong type or
+        value out of range is a ConfigError listing them all (app.engine.runtime.schema)."""
+        check(d, cls)
+        d = dict(d)
+        for key in ("lora_targets", "full_targets"):
+            if key in d:
+                d[key] = tuple(d[key])
+        return cls(**d)
+
+    def validate(self) -> None:
+        """The schema's types, ranges and allowed values (app.engine.runtime.schema), then what
+        one key cannot say: a hybrid run names what it trains in full."""
+        check(asdict(self), TrainConfig)
+        if self.mode == "hybrid" and not self.full_targets:
+            raise ConfigError("A hybrid run needs full_targets (e.g. norms, router).")

@@ -1,0 +1,201 @@
+"""Exports never destroy a file the user did not name as disposable: an existing destination is
+replaced only with --overwrite, the export's own inputs (the base model, the adapter, the run's
+adapter.gguf and checkpoints) never, not even through a link; a failed export leaves what was
+at the destination untouched. (issue 16)"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from app.cli.main import run_cli
+from app.engine.export import exporter as ex
+from app.engine.errors import ConfigError
+from app.engine.export.exporter import ExportSource, ExportTargetExists, check_destination
+from app.engine.model.lora import load_adapter
+from app.engine.runs.rundir import RunDir
+from tests.conftest import GOLDEN
+
+NAME = "qwen2"                   # the smallest golden model
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def tree(folder: Path) -> dict[str, str]:
+    """Every file under `folder` (hidden ones too) with its hash."""
+    return {str(p.relative_to(folder)): digest(p) for p in sorted(folder.rglob("*"))
+            if p.is_file()}
+
+
+@pytest.fixture
+def base(tmp_path) -> Path:
+    """A copy of a golden model: the tests may not touch the real one even if the guard fails."""
+    path = tmp_path / "base.gguf"
+    shutil.copy(GOLDEN / f"{NAME}-f32.gguf", path)
+    return path
+
+
+@pytest.fixture
+def run(tmp_path, base) -> RunDir:
+    """A finished-looking run of `base`: its final adapter.gguf, no checkpoint."""
+    run = RunDir.create(tmp_path / "run", {"model": str(base), "data": "d.jsonl"})
+    shutil.copy(GOLDEN / f"{NAME}-lora.gguf", run.path / "adapter.gguf")
+    return run
+
+
+def export_cli(*args) -> int:
+    return run_cli(["export", *map(str, args), "--no-llamacpp"])
+
+
+def adapter_args(run: RunDir, base: Path) -> list:
+    return ["--adapter", run.path / "adapter.gguf", "--model", base]
+
+
+def test_merging_over_the_base_model_is_refused(run, base, capsys):
+    before = digest(base)
+    for extra in ([], ["--overwrite"]):
+        assert export_cli(*adapter_args(run, base), "--to", "merged", "--out", base, *extra) == 2
+        err = capsys.readouterr().err
+        assert f"error: Exporting to {base} would write over the base model" in err
+        assert "hint: An export never replaces its own inputs, not even when allowed" in err
+    assert digest(base) == before
+    assert sorted(p.name for p in base.parent.iterdir()) == ["base.gguf", "run"]
+
+
+def test_exporting_over_the_runs_adapter_is_refused(run, capsys):
+    final = run.path / "adapter.gguf"
+    before = digest(final)
+    for extra in ([], ["--overwrite"]):
+        assert export_cli(run.path, "--to", "gguf-lora", "--type", "q8_0", "--out", final,
+                          *extra) == 2
+        assert f"would write over the run's adapter.gguf ({final})" in capsys.readouterr().err
+    assert digest(final) == before
+
+
+@pytest.mark.parametrize("link", [os.symlink, os.link], ids=["symlink", "hard link"])
+def test_a_link_to_the_base_model_is_refused(run, base, tmp_path, capsys, link):
+    out = tmp_path / "linked.gguf"
+    link(base, out)
+    before = digest(base)
+    assert export_cli(*adapter_args(run, base), "--to", "merged", "--out", out,
+                      "--overwrite") == 2
+    assert "would write over the base model" in capsys.readouterr().err
+    assert digest(base) == before and os.path.samefile(out, base)
+
+
+def test_an_existing_file_is_replaced_only_with_overwrite(run, base, tmp_path, capsys):
+    out = tmp_path / "mine.gguf"
+    out.write_bytes(b"the user's file")
+    assert export_cli(*adapter_args(run, base), "--to", "gguf-lora", "--out", out) == 2
+    err = capsys.readouterr().err
+    assert f"error: {out} exists already." in err
+    assert "hint: Pass --overwrite to replace it, or choose another path (--out)." in err
+    assert out.read_bytes() == b"the user's file"
+    assert export_cli(*adapter_args(run, base), "--to", "gguf-lora", "--out", out,
+                      "--overwrite") == 0
+    assert load_adapter(out).tensors
+
+
+def test_the_default_destination_is_not_replaced_silently(run, capsys):
+    exported = run.exports_dir / "adapter-f16.gguf"
+    assert export_cli(run.path, "--to", "gguf-lora", "--type", "f16") == 0
+    first = digest(exported)
+    assert export_cli(run.path, "--to", "gguf-lora", "--type", "f16", "--scale", "0.5") == 2
+    assert f"{exported} exists already" in capsys.readouterr().err
+    assert digest(exported) == first
+    assert export_cli(run.path, "--to", "gguf-lora", "--type", "f16", "--scale", "0.5",
+                      "--overwrite") == 0
+    assert digest(exported) != first
+
+
+@pytest.mark.parametrize("to", ["peft", "ollama"])
+def test_folder_exports(run, base, tmp_path, capsys, to):
+    out = tmp_path / to
+    out.mkdir()                                      # an empty folder holds nothing to lose
+    assert export_cli(*adapter_args(run, base), "--to", to, "--out", out) == 0
+    first = tree(out)
+    assert export_cli(*adapter_args(run, base), "--to", to, "--out", out, "--scale", "2") == 2
+    assert f"{out} exists already" in capsys.readouterr().err
+    assert tree(out) == first
+    assert export_cli(*adapter_args(run, base), "--to", to, "--out", out, "--scale", "2",
+                      "--overwrite") == 0
+    assert tree(out).keys() == first.keys() and tree(out) != first
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    (out / "notes.txt").write_text("mine")           # replacing the folder would delete it
+    assert export_cli(*adapter_args(run, base), "--to", to, "--out", out, "--overwrite") == 2
+    assert "holds files a" in capsys.readouterr().err and (out / "notes.txt").is_file()
+
+
+def test_a_folder_export_never_replaces_a_folder_holding_an_input(run, base, tmp_path, capsys):
+    out = tmp_path / "ollama"
+    assert export_cli(*adapter_args(run, base), "--to", "ollama", "--out", out) == 0
+    adapter = out / "adapter.gguf"                   # the exported adapter, exported again
+    before = tree(out)
+    assert export_cli("--adapter", adapter, "--model", base, "--to", "ollama", "--out", out,
+                      "--overwrite") == 2
+    assert f"would write over the adapter ({adapter})" in capsys.readouterr().err
+    assert tree(out) == before
+    assert export_cli(run.path, "--to", "peft", "--out", run.path, "--overwrite") == 2
+    assert "would write over the run's" in capsys.readouterr().err
+
+
+def test_a_file_where_a_folder_goes_and_the_reverse(run, tmp_path):
+    source = ExportSource(str(run.path / "adapter.gguf"), run_dir=str(run.path))
+    a_file, a_folder = tmp_path / "f.gguf", tmp_path / "folder"
+    a_file.write_bytes(b"x")
+    (a_folder / "sub").mkdir(parents=True)
+    with pytest.raises(ConfigError, match="is a file, and a peft export is a folder"):
+        check_destination(source, "peft", a_file, overwrite=True)
+    with pytest.raises(ConfigError, match="is a folder, and a merged export is one file"):
+        check_destination(source, "merged", a_folder, overwrite=True)
+
+
+def test_the_runs_checkpoints_are_inputs(run, base):
+    step = run.checkpoints_dir / "step-2"
+    step.mkdir()
+    (step / "state.npz").write_bytes(b"state")
+    source = ExportSource(str(base), run_dir=str(run.path), checkpoint=str(step))
+    for out, to in ((step / "state.npz", "merged"), (step, "peft"), (step / "new.gguf", "merged"),
+                    (run.checkpoints_dir, "ollama"), (run.path, "peft")):
+        with pytest.raises(ConfigError, match="would write over the (checkpoint|run's)"):
+            check_destination(source, to, out, overwrite=True)
+    check_destination(source, "merged", run.exports_dir / "merged.gguf")
+    with pytest.raises(ExportTargetExists):
+        check_destination(source, "merged", run.path / "config.json")
+
+
+def test_a_failed_export_leaves_the_existing_file(run, base, tmp_path, monkeypatch):
+    import gguf
+
+    out = tmp_path / "merged.gguf"
+    out.write_bytes(b"an earlier export")
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", disk_full)
+    source = ex.source_from_adapter(run.path / "adapter.gguf", base)
+    with pytest.raises(OSError, match="No space"):
+        ex.export(source, "merged", out, llamacpp=False, overwrite=True)
+    assert out.read_bytes() == b"an earlier export"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base.gguf", "merged.gguf", "run"]
+
+
+def test_a_failed_folder_export_leaves_the_existing_folder(run, base, tmp_path, monkeypatch):
+    out = tmp_path / "ollama"
+    assert export_cli(*adapter_args(run, base), "--to", "ollama", "--out", out) == 0
+    before = tree(out)
+
+    def broken(*args, **kwargs):                     # after the adapter has been written
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(ex, "modelfile_text", broken)
+    source = ex.source_from_adapter(run.path / "adapter.gguf", base)
+    with pytest.raises(OSError, match="No space"):
+        ex.export(source, "ollama", out, llamacpp=False, scale=2.0, overwrite=True)
+    assert tree(out) == before
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
