@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import numpy as np
 
 from app.engine.runtime.backend import get_array_module
@@ -57,23 +59,37 @@ def gelu_ggml(x):
     return xp.where(x >= 10.0, x, y).astype(x.dtype)
 
 
-def swiglu_forward(g, u):
-    """g, u: (T, F) -> silu(g) * u (blocks of rows on the engine's threads).
+class SwigluCache(NamedTuple):
+    """What swiglu_backward needs: g, u (T, F). Not sigmoid(g): backward recomputes it rather
+    than keep a third (T, F) array of every layer alive across the step."""
 
-    The cache is (g, u) only: backward recomputes sigmoid(g) rather than keep a third (T, F)
-    array of every layer alive across the step."""
+    g: Any
+    u: Any
+
+
+class GegluCache(NamedTuple):
+    """What geglu_backward needs: g, u (T, F) and which GELU ran. Not gelu(g): backward
+    recomputes it."""
+
+    g: Any
+    u: Any
+    exact: bool
+
+
+def swiglu_forward(g, u):
+    """g, u: (T, F) -> (silu(g) * u, SwigluCache) (blocks of rows on the engine's threads)."""
     xp = get_array_module(g)
     out = xp.empty_like(g)                               # (T, F)
 
     def rows(r: slice) -> None:
         xp.multiply(g[r] * sigmoid(g[r]), u[r], out=out[r])
     parallel_map(rows, row_blocks(len(g)), xp)
-    return out, (g, u)
+    return out, SwigluCache(g, u)
 
 
 def swiglu_backward(dout, cache):
     """dout: (T, F) -> (dg, du): d silu(g)/dg = s (1 + g (1 - s)) with s = sigmoid(g)."""
-    g, u = cache
+    g, u = cache.g, cache.u
     xp = get_array_module(g)
     dg, du = xp.empty_like(g), xp.empty_like(g)          # (T, F)
 
@@ -87,14 +103,14 @@ def swiglu_backward(dout, cache):
 
 def geglu_forward(g, u, exact: bool = False):
     """g, u: (T, F) -> gelu(g) * u, with ggml's table unless exact (the training path).
-    The cache is (g, u, exact): backward recomputes gelu(g)."""
+    Cache: GegluCache."""
     xp = get_array_module(g)
     out = xp.empty_like(g)                               # (T, F)
 
     def rows(r: slice) -> None:
         xp.multiply(gelu_tanh(g[r]) if exact else gelu_ggml(g[r]), u[r], out=out[r])
     parallel_map(rows, row_blocks(len(g)), xp)
-    return out, (g, u, exact)
+    return out, GegluCache(g, u, exact)
 
 
 def geglu_backward(dout, cache):
@@ -105,7 +121,7 @@ def geglu_backward(dout, cache):
     for training. Training therefore runs geglu_forward(g, u, exact=True), whose derivative this
     is; for a table-GELU cache, dg is still the exact GELU's derivative (a surrogate).
     """
-    g, u, exact = cache
+    g, u, exact = cache.g, cache.u, cache.exact
     xp = get_array_module(g)
     dg, du = xp.empty_like(g), xp.empty_like(g)          # (T, F)
 

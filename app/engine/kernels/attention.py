@@ -15,6 +15,8 @@ mask only, never on the thread count, so the results do not either.
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import numpy as np
 
 from app.engine.runtime.backend import get_array_module
@@ -23,6 +25,23 @@ from app.engine.runtime.parallel import parallel_map
 MIN_PIECES = 4         # kv heads x query-row blocks per layer, at least (when rows allow)
 BLOCK_ROWS = 128
 MIN_BLOCK_ROWS = 64
+
+
+class AttentionCache(NamedTuple):
+    """What attention_backward needs: q (Tq, H, D), k (Tk, Hkv, D), v (Tk, Hkv, Dv), mask
+    (Tq, Tk), out (Tq, H, Dv), lse (Hkv, G, Tq), and the forward's pieces (attention_pieces).
+    `mask` and `out` are references to the caller's arrays, not copies, so they must not be
+    modified in place before the backward."""
+
+    q: Any
+    k: Any
+    v: Any
+    mask: Any
+    scale: float
+    out: Any
+    lse: Any
+    pieces: list[tuple[int, int, slice, slice]]
+    n_blocks: int
 
 
 def attention_pieces(xp, n_kv: int, mask) -> tuple[list[tuple[int, int, slice, slice]], int]:
@@ -62,9 +81,7 @@ def attention_forward(q, k, v, scale: float, mask):
     """q: (Tq, H, D), k: (Tk, Hkv, D), v: (Tk, Hkv, Dv), mask: (Tq, Tk) -> out (Tq, H, Dv).
 
     Query head h reads kv head h // (H / Hkv) (contiguous groups, as ggml broadcasts).
-    Cache: (q, k, v, mask, scale, out, lse (Hkv, G, Tq), the pieces the backward reuses);
-    `mask` and `out` are references to the caller's arrays, not copies, so they must not be
-    modified in place before the backward.
+    Cache: AttentionCache.
     """
     xp = get_array_module(q)
     tq, n_head, _ = q.shape
@@ -88,7 +105,7 @@ def attention_forward(q, k, v, scale: float, mask):
         out[rows, heads] = (probs @ v[keys, j]).transpose(1, 0, 2)    # (Tr, G, Dv)
     pieces, n_blocks = attention_pieces(xp, n_kv, mask)
     parallel_map(piece, pieces, xp)
-    return out, (q, k, v, mask, scale, out, lse, (pieces, n_blocks))
+    return out, AttentionCache(q, k, v, mask, scale, out, lse, pieces, n_blocks)
 
 
 def attention_backward(dout, cache):
@@ -99,16 +116,16 @@ def attention_backward(dout, cache):
     the G query heads that share a kv head. Peak extra memory: two (G, Tr, Tk) buffers per
     thread.
     """
-    q, k, v, mask, scale, out, lse, (pieces, n_blocks) = cache
+    q, k, v, scale, lse = cache.q, cache.k, cache.v, cache.scale, cache.lse
     xp = get_array_module(q)
     tq, n_head, _ = q.shape
     n_kv = k.shape[1]
     group = n_head // n_kv
-    mask = mask.astype(q.dtype, copy=False)                           # (Tq, Tk)
-    delta = (dout * out).sum(-1)                                      # (Tq, H)
+    mask = cache.mask.astype(q.dtype, copy=False)                     # (Tq, Tk)
+    delta = (dout * cache.out).sum(-1)                                # (Tq, H)
     dq = xp.empty_like(q)                                             # (Tq, H, D)
-    dk_parts = xp.zeros((n_blocks, *k.shape), k.dtype)                # (B, Tk, Hkv, D)
-    dv_parts = xp.zeros((n_blocks, *v.shape), v.dtype)                # (B, Tk, Hkv, Dv)
+    dk_parts = xp.zeros((cache.n_blocks, *k.shape), k.dtype)          # (B, Tk, Hkv, D)
+    dv_parts = xp.zeros((cache.n_blocks, *v.shape), v.dtype)          # (B, Tk, Hkv, Dv)
 
     def piece(args) -> None:
         j, block, rows, keys = args
@@ -127,6 +144,6 @@ def attention_backward(dout, cache):
         dq[rows, heads] = ((ds @ kj) * scale).transpose(1, 0, 2)      # (Tr, G, D)
         dk_parts[block, keys, j] = (ds.transpose(0, 2, 1) @ qj).sum(0) * scale  # (Tk', D)
         del ds
-    parallel_map(piece, pieces, xp)
+    parallel_map(piece, cache.pieces, xp)
     dk, dv = dk_parts.sum(0), dv_parts.sum(0)                         # over row blocks, in order
     return dq, dk, dv

@@ -10,9 +10,28 @@ Measured faster than both np.add.reduceat over the sorted rows and a flat np.bin
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 from app.engine.runtime.backend import get_array_module
 
 _LIGHT = 16  # longest run of one token summed by the rank loop; longer runs are summed per token
+
+
+class EmbeddingCache(NamedTuple):
+    """What embedding_backward needs: the tokens (T,) int; nothing else."""
+
+    tokens: Any
+
+
+class LoraEmbeddingCache(NamedTuple):
+    """What lora_embedding_backward needs: tokens (T,), A[tokens] (T, R), B (C, R), the scale
+    and the vocabulary size V."""
+
+    tokens: Any
+    at: Any
+    b: Any
+    scale: float
+    n_vocab: int
 
 
 def _segment_rows(rows, tokens):
@@ -51,32 +70,31 @@ def embedding_forward(table, tokens, gathered: bool = False):
 
     With gathered=True, `table` is already the looked-up rows (T, C) (e.g. WeightStore.rows for
     a quantized table, which must not be dequantized whole) and is returned as is. The cache is
-    (tokens,) either way: the backward needs nothing else.
+    an EmbeddingCache either way.
     """
     xp = get_array_module(table)
     tokens = xp.asarray(tokens)                                      # (T,)
     out = table if gathered else table[tokens]                       # (T, C)
-    return out, (tokens,)
+    return out, EmbeddingCache(tokens)
 
 
 def embedding_backward(dout, cache, n_vocab: int):
     """dout: (T, C) -> dtable (V, C): the rows of dout scatter-added into their tokens."""
-    (tokens,) = cache
-    return _scatter_rows(dout, tokens, n_vocab)
+    return _scatter_rows(dout, cache.tokens, n_vocab)
 
 
 def lora_embedding_forward(a, b, tokens, scale: float):
     """Token-embedding LoRA: a (V, R), b (C, R) -> delta (T, C) = s * A[tokens] B^T (to add to
-    the embedding rows e). Cache: (tokens, A[tokens] (T, R), b, scale, V)."""
+    the embedding rows e). Cache: LoraEmbeddingCache."""
     tokens = get_array_module(a).asarray(tokens)                     # (T,)
     at = a[tokens]                                                   # (T, R)
-    return scale * (at @ b.T), (tokens, at, b, scale, a.shape[0])    # (T, C)
+    return scale * (at @ b.T), LoraEmbeddingCache(tokens, at, b, scale, a.shape[0])  # (T, C)
 
 
 def lora_embedding_backward(dout, cache):
     """dout: (T, C) -> (dA (V, R), dB (C, R)): dB = s dout^T A[tokens], dA = rows scatter of
     s dout B."""
-    tokens, at, b, scale, n_vocab = cache
+    at, b, scale = cache.at, cache.b, cache.scale
     db = scale * (dout.T @ at)                                       # (C, R)
     dat = scale * (dout @ b)                                         # (T, R)
-    return _scatter_rows(dat, tokens, n_vocab), db
+    return _scatter_rows(dat, cache.tokens, cache.n_vocab), db

@@ -10,7 +10,9 @@ from app.engine.runtime.parallel import matmul
 class LinearCache(NamedTuple):
     """What linear_backward needs. `w` may be set to None while the step is between forward
     and backward and put back with `_replace(w=...)`: the model does that, so that a weight
-    dequantized for the forward is not kept alive across the step (app.engine.model.transformer)."""
+    dequantized for the forward is not kept alive across the step (app.engine.model.transformer).
+    x (T, in), w (out, in), lora (A (R, in), B (out, R), scale) or None, xa (T, R) or None,
+    mask (T, in) or None."""
 
     x: Any
     w: Any
@@ -50,10 +52,10 @@ def linear_backward(dout, cache, need_dw: bool):
     (T, R), dx += s dB_ A (times the dropout mask), dA = s dB_^T (x * mask) (R, in),
     dB = s dout^T xa (out, R); B @ A is never formed.
     """
-    x, w, has_bias, lora, xa, mask = cache
+    x, w, lora, xa, mask = cache.x, cache.w, cache.lora, cache.xa, cache.mask
     dx = matmul(dout, w)                                 # (T, in)
     dw = matmul(dout.T, x) if need_dw else None          # (out, in)
-    dbias = dout.sum(0) if has_bias else None            # (out,)
+    dbias = dout.sum(0) if cache.has_bias else None      # (out,)
     dlora = None
     if lora is not None:
         a, b, scale = lora

@@ -18,12 +18,31 @@ Gemma 3's 262,144-token vocabulary, 172 GFLOP of a 800 GFLOP step at context 512
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import numpy as np
 
 from app.engine.runtime.backend import get_array_module
 from app.engine.runtime.parallel import matmul, parallel_map, row_blocks, thread_count
 
 VOCAB_CHUNK = 8192   # vocabulary rows per chunk: each chunk's logits are (T, VOCAB_CHUNK)
+
+
+class CrossEntropyCache(NamedTuple):
+    """What cross_entropy_backward needs, for the N labelled tokens: h (N, C), w_out (V, C) by
+    row slices, labels (N,), coef (N,) = w_t / N, lse (N,), lora (A (R, C), B (V, R), scale) or
+    None, ha (N, R) or None, the softcap, the chunk and the tokens (to scatter dh back to T)."""
+
+    h: Any
+    w_out: Any
+    labels: Any
+    coef: Any
+    lse: Any
+    lora: Any
+    ha: Any
+    softcap: float
+    chunk: int
+    tokens: _Tokens
 
 
 def _chunk_logits(xp, h, w_out, lo, hi, lora, ha):
@@ -51,7 +70,8 @@ def cross_entropy_forward(h, w_out, labels, token_weights=None, lora=None, softc
     token_weights (T,) real weights w_t (any sign) or None for 1; lora (A (R, C), B (V, R),
     scale) or None; softcap > 0: logits = cap * tanh(z / cap).
     loss = sum_t w_t * (lse_t - z_t[label_t]) / N, N = number of unmasked tokens (0 if none).
-    Returns (loss: float, stats: dict(n_tokens, n_correct, loss_sum_unweighted), cache).
+    Returns (loss: float, stats: dict(n_tokens, n_correct, loss_sum_unweighted),
+    CrossEntropyCache).
     """
     xp = get_array_module(h)
     v = w_out.shape[0]
@@ -72,8 +92,8 @@ def cross_entropy_forward(h, w_out, labels, token_weights=None, lora=None, softc
                 run.merge(zr, r, lab[r], lo, hi)
             parallel_map(merge, blocks, xp)
     lse, loss, stats = run.result(wt, lab)
-    cache = dict(h=h_act, w_out=w_out, labels=lab, coef=wt / max(n, 1), lse=lse, lora=lora,
-                 ha=ha, softcap=softcap, chunk=chunk, tokens=tokens)
+    cache = CrossEntropyCache(h_act, w_out, lab, wt / max(n, 1), lse, lora, ha, softcap, chunk,
+                              tokens)
     return loss, stats, cache
 
 
@@ -218,8 +238,8 @@ def cross_entropy_backward(cache, need_dw: bool = False):
     need_dw (a frozen head gets nothing of its size allocated); LoRA grads when a LoRA is given.
     Masked tokens get dh = 0.
     """
-    h, w_out, lab, coef, lse = cache["h"], cache["w_out"], cache["labels"], cache["coef"], cache["lse"]
-    lora, ha, softcap, chunk = cache["lora"], cache["ha"], cache["softcap"], cache["chunk"]
+    h, w_out, lab, coef, lse = cache.h, cache.w_out, cache.labels, cache.coef, cache.lse
+    lora, ha, softcap, chunk = cache.lora, cache.ha, cache.softcap, cache.chunk
     xp = get_array_module(h)
     n, c = h.shape
     v = w_out.shape[0]
@@ -265,4 +285,4 @@ def cross_entropy_backward(cache, need_dw: bool = False):
         dh_rows += dha @ a                                              # (N, C)
         db *= scale
         dlora = (dha.T @ h, db)                                         # (R, C), (V, R)
-    return cache["tokens"].scatter(dh_rows), dw_out, dlora
+    return cache.tokens.scatter(dh_rows), dw_out, dlora

@@ -22,12 +22,52 @@ Training path (forward with cache, then backward)::
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 from app.engine.runtime.backend import get_array_module
 from app.engine.kernels.activations import gelu_tanh, gelu_tanh_grad, glu_forward, sigmoid
 from app.engine.kernels.linear import linear_forward
 from app.engine.runtime.parallel import parallel_map
 
 RENORM_MIN = 6.1035e-5  # llama.cpp clamps the top-k weight sum from below (build_moe_ffn)
+
+
+class RouterCache(NamedTuple):
+    """What router_backward needs: probs (T, E), selected (T, K), total (T, 1) or None,
+    clamped (T, 1) bool or None (both None without renormalisation), weight_scale."""
+
+    probs: Any
+    selected: Any
+    total: Any
+    clamped: Any
+    weight_scale: float
+
+
+class ExpertsCache(NamedTuple):
+    """What experts_backward needs: the input's shape (T, C), order (T*K,), offsets (E+1,) host
+    ints, the sorted inputs xs (T*K, C), pre-activations g, u (T*K, F), the weights (gate, up
+    (E, F, C), down (E, C, F)), act, per projection the LoRA or None and its rank activations
+    (T*K, R) or None. Not h = act(g) * u: backward recomputes it."""
+
+    x_shape: tuple[int, int]
+    order: Any
+    offsets: list[int]
+    xs: Any
+    g: Any
+    u: Any
+    weights: tuple[Any, Any, Any]
+    act: str
+    loras: tuple[Any, Any, Any]
+    lora_acts: tuple[Any, Any, Any]
+
+
+class CombineCache(NamedTuple):
+    """What combine_backward needs: the expert outputs in slot order (T*K, C), order (T*K,),
+    weights (T, K)."""
+
+    unsorted: Any
+    order: Any
+    weights: Any
 
 
 def softmax(x, axis=-1):
@@ -43,8 +83,7 @@ def router_forward(logits, k: int, renorm: bool, weight_scale: float):
 
     softmax over all experts, top-k (the selection is a constant for the gradient), optional
     renormalisation of the k weights by max(sum, RENORM_MIN), optional scale.
-    cache = (probs (T, E), selected (T, K), total (T, 1) or None, clamped (T, 1) bool or None,
-    weight_scale).
+    Cache: RouterCache.
     """
     xp = get_array_module(logits)
     probs = softmax(logits)                                             # (T, E)
@@ -58,22 +97,22 @@ def router_forward(logits, k: int, renorm: bool, weight_scale: float):
         weights = weights / total
     if weight_scale not in (0.0, 1.0):
         weights = weights * weight_scale
-    return selected, weights, (probs, selected, total, clamped, weight_scale)
+    return selected, weights, RouterCache(probs, selected, total, clamped, weight_scale)
 
 
 def router_backward(dweights, cache):
     """dweights: (T, K) -> dlogits (T, E), through scale, renorm (with its clamp), the top-k
     gather (selection constant) and the softmax over all experts."""
-    probs, selected, total, clamped, weight_scale = cache
+    probs, selected, total = cache.probs, cache.selected, cache.total
     xp = get_array_module(dweights)
     dw = dweights
-    if weight_scale not in (0.0, 1.0):
-        dw = dw * weight_scale                                          # (T, K)
+    if cache.weight_scale not in (0.0, 1.0):
+        dw = dw * cache.weight_scale                                    # (T, K)
     if total is not None:
         w = xp.take_along_axis(probs, selected, axis=-1) / total        # (T, K) renormed weights
         # d(w0 / S) with S = sum(w0): (dw - <dw, w>) / S; with S clamped (a constant): dw / S
         proj = (dw * w).sum(-1, keepdims=True)                          # (T, 1)
-        dw = (dw - xp.where(clamped, 0.0, proj)) / total                # (T, K)
+        dw = (dw - xp.where(cache.clamped, 0.0, proj)) / total          # (T, K)
     dprobs = xp.zeros_like(probs)                                       # (T, E)
     xp.put_along_axis(dprobs, selected, dw.astype(probs.dtype, copy=False), axis=-1)
     return probs * (dprobs - (dprobs * probs).sum(-1, keepdims=True))   # (T, E)
@@ -161,9 +200,8 @@ def experts_forward_train(x, order, offsets, token_of, w_gate, w_up, w_down, act
     """Training forward of the expert block: like experts_forward, returns (ys (T*K, C), cache).
 
     act: "silu" (SwiGLU) or anything else for GeGLU with the exact tanh GELU (differentiable; the
-    inference path uses ggml's fp16 table). The cache keeps the sorted inputs xs (T*K, C), the
-    gate/up pre-activations g, u (T*K, F) and the LoRA rank activations (T*K, R); h is
-    recomputed from g, u in backward. Frozen expert weights are read one expert at a time.
+    inference path uses ggml's fp16 table). Cache: ExpertsCache, h recomputed from g, u in
+    backward. Frozen expert weights are read one expert at a time.
     """
     xp = get_array_module(x)
     n_slots, c = token_of.shape[0], x.shape[1]
@@ -194,8 +232,8 @@ def experts_forward_train(x, order, offsets, token_of, w_gate, w_up, w_down, act
             ha = xp.matmul(a, loras[2][0][e].T, out=lora_acts[2][lo:hi])  # (n, R)
             ye += (loras[2][2] * ha) @ loras[2][1][e].T                 # (n, C)
     parallel_map(run, busiest_first(host_offsets), xp)
-    cache = dict(x_shape=x.shape, order=order, offsets=host_offsets, xs=xs, g=g_all, u=u_all,
-                 weights=(w_gate, w_up, w_down), act=act, loras=tuple(loras), lora_acts=lora_acts)
+    cache = ExpertsCache(x.shape, order, host_offsets, xs, g_all, u_all, (w_gate, w_up, w_down),
+                         act, tuple(loras), lora_acts)
     return ys, cache
 
 
@@ -216,10 +254,10 @@ def experts_backward(dys, cache, need_dw=(False, False, False), dw_out=None):
     if isinstance(need_dw, bool):
         need_dw = (need_dw,) * 3
     dw_out = (None,) * 3 if dw_out is None else dw_out
-    xs, g_all, u_all, act = cache["xs"], cache["g"], cache["u"], cache["act"]
-    weights, loras, lora_acts = cache["weights"], cache["loras"], cache["lora_acts"]
-    offs, order = cache["offsets"], cache["order"]
-    t, c = cache["x_shape"]
+    xs, g_all, u_all, act = cache.xs, cache.g, cache.u, cache.act
+    weights, loras, lora_acts = cache.weights, cache.loras, cache.lora_acts
+    offs, order = cache.offsets, cache.order
+    t, c = cache.x_shape
     n_expert = len(offs) - 1
     dtype = xs.dtype
     dws = []
@@ -282,13 +320,13 @@ def experts_backward(dys, cache, need_dw=(False, False, False), dw_out=None):
 # ---- combine -----------------------------------------------------------------------------------
 
 def combine_forward(ys, order, weights):
-    """ys: (T*K, C) in sorted order, weights (T, K) -> ((T, C) = sum_k w_k * y_k, cache)."""
+    """ys: (T*K, C) in sorted order, weights (T, K) -> ((T, C) = sum_k w_k * y_k, CombineCache)."""
     xp = get_array_module(ys)
     t, k = weights.shape
     unsorted = xp.empty_like(ys)
     unsorted[order] = ys                                                # (T*K, C) slot order
     out = (unsorted.reshape(t, k, -1) * weights[:, :, None]).sum(1)     # (T, C)
-    return out, (unsorted, order, weights)
+    return out, CombineCache(unsorted, order, weights)
 
 
 def combine(ys, order, weights):
@@ -298,7 +336,7 @@ def combine(ys, order, weights):
 
 def combine_backward(dout, cache):
     """dout: (T, C) -> (dys (T*K, C) in sorted order, dweights (T, K))."""
-    unsorted, order, weights = cache
+    unsorted, order, weights = cache.unsorted, cache.order, cache.weights
     t, k = weights.shape
     y3 = unsorted.reshape(t, k, -1)                                     # (T, K, C)
     dweights = (y3 @ dout[:, :, None])[:, :, 0]                         # (T, K)

@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 from app.engine.runtime.backend import get_array_module
 from app.engine.runtime.parallel import parallel_map, row_blocks
+
+
+class RmsNormCache(NamedTuple):
+    """What rmsnorm_backward needs: x (..., C), w (C,) or (D,), rstd (..., 1)."""
+
+    x: Any
+    w: Any
+    rstd: Any
 
 
 def rmsnorm_forward(x, w, eps: float):
@@ -18,7 +28,7 @@ def rmsnorm_forward(x, w, eps: float):
         rstd[r] = 1.0 / xp.sqrt(ms + eps)
         xp.multiply(x[r] * rstd[r], w, out=out[r])
     parallel_map(rows, row_blocks(len(x)), xp)
-    return out, (x, w, rstd)
+    return out, RmsNormCache(x, w, rstd)
 
 
 def rmsnorm_backward(dout, cache):
@@ -27,7 +37,7 @@ def rmsnorm_backward(dout, cache):
     With g = dout * w and r = rstd: dx = r * (g - x * r^2 * mean(g * x)); dw sums dout * x * r
     over every leading axis, so a per-head norm (x (T, H, D), w (D,)) gets dw of shape (D,).
     """
-    x, w, rstd = cache
+    x, w, rstd = cache.x, cache.w, cache.rstd
     xp = get_array_module(x)
     xn = x * rstd                                                  # (..., C) normalised x
     dw = (dout * xn).reshape(-1, x.shape[-1]).sum(0)               # (C,)

@@ -7,7 +7,18 @@ each head rotate; the rest pass through.
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 NORM, NEOX = "norm", "neox"
+
+
+class RopeCache(NamedTuple):
+    """What rope_backward needs: the tables cos, sin (T, n_rot/2), n_rot and the layout."""
+
+    cos: Any
+    sin: Any
+    n_rot: int
+    mode: str
 
 
 def rope_angles(xp, positions, n_rot: int, base: float, freq_scale: float, dtype):
@@ -38,14 +49,14 @@ def rope_forward(x, cos, sin, n_rot: int, mode: str):
     c, s = cos[:, None, :], sin[:, None, :]              # (T, 1, n_rot/2)
     out = x.copy()
     _merge(out, x0 * c - x1 * s, x0 * s + x1 * c, n_rot, mode)
-    return out, (cos, sin, n_rot, mode)
+    return out, RopeCache(cos, sin, n_rot, mode)
 
 
 def rope_backward(dout, cache):
     """dout: (T, H, D) -> dx (T, H, D): the inverse rotation (the transpose of an orthogonal map,
     i.e. rotation by -theta); dimensions past n_rot pass the gradient straight through."""
-    cos, sin, n_rot, mode = cache
+    n_rot, mode = cache.n_rot, cache.mode
     d0, d1 = _split(dout, n_rot, mode)                   # (T, H, n_rot/2)
-    c, s = cos[:, None, :], sin[:, None, :]              # (T, 1, n_rot/2)
+    c, s = cache.cos[:, None, :], cache.sin[:, None, :]  # (T, 1, n_rot/2)
     dx = dout.copy()                                     # (T, H, D)
     return _merge(dx, d0 * c + d1 * s, d1 * c - d0 * s, n_rot, mode)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from functools import cached_property, partial
-from typing import Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
@@ -20,24 +20,102 @@ from app.engine.model.context import ForwardContext
 from app.engine.model.generation import generate, generate_batch
 from app.engine.errors import ConfigError, ModelFormatError
 from app.engine.io.gguf import GGUFFile, read_gguf
-from app.engine.kernels.activations import (geglu_forward, glu_backward, sigmoid,
-                                            sigmoid_backward, swiglu_forward)
-from app.engine.kernels.attention import attention_backward
-from app.engine.kernels.embedding import (embedding_backward, embedding_forward,
-                                          lora_embedding_backward, lora_embedding_forward)
-from app.engine.kernels.linear import linear_backward, linear_forward
+from app.engine.kernels.activations import (GegluCache, SwigluCache, geglu_forward,
+                                            glu_backward, sigmoid, sigmoid_backward,
+                                            swiglu_forward)
+from app.engine.kernels.attention import AttentionCache, attention_backward
+from app.engine.kernels.embedding import (EmbeddingCache, LoraEmbeddingCache, embedding_backward,
+                                          embedding_forward, lora_embedding_backward,
+                                          lora_embedding_forward)
+from app.engine.kernels.linear import LinearCache, linear_backward, linear_forward
 from app.engine.kernels.loss import (VOCAB_CHUNK, cross_entropy_backward, cross_entropy_forward,
                                      cross_entropy_frozen_head)
-from app.engine.kernels.moe import (combine_backward, combine_forward, dispatch_order,
-                                    experts_backward, experts_forward, experts_forward_train, router_backward,
+from app.engine.kernels.moe import (CombineCache, ExpertsCache, RouterCache, combine_backward,
+                                    combine_forward, dispatch_order, experts_backward,
+                                    experts_forward, experts_forward_train, router_backward,
                                     router_forward)
-from app.engine.kernels.norm import rmsnorm_backward, rmsnorm_forward
-from app.engine.kernels.rope import rope_backward, rope_forward
+from app.engine.kernels.norm import RmsNormCache, rmsnorm_backward, rmsnorm_forward
+from app.engine.kernels.rope import RopeCache, rope_backward, rope_forward
 from app.engine.model.lora import LoraAdapter, check_adapter_fits
 from app.engine.model.params import Grads, Params
 from app.engine.runtime.timing import phase
 from app.engine.model.weights import WeightStore
 from app.engine.text.tokenizer import Tokenizer
+
+
+class LinearLayerCache(NamedTuple):
+    """A projection: its tensor's name (`name`.weight, `name`.bias) and the kernel's cache with
+    w = None; the backward fetches the weight again (Model._linear_forward)."""
+
+    name: str
+    linear: LinearCache
+
+
+class EmbedCache(NamedTuple):
+    """The token embedding: the table's cache (None for a frozen table) and its LoRA's (None
+    without one)."""
+
+    table: EmbeddingCache | None
+    lora: LoraEmbeddingCache | None
+
+
+class AttentionBlockCache(NamedTuple):
+    """A layer's attention: the q, k, v projections (T, C) -> (T, H*D), (T, Hkv*D), the q/k
+    norms (None without cfg.qk_norm), the rotations of q (T, H, D) and k (T, Hkv, D), the
+    attention (None when decoding) and the output projection (T, H*D) -> (T, C)."""
+
+    q: LinearLayerCache
+    k: LinearLayerCache
+    v: LinearLayerCache
+    q_norm: RmsNormCache | None
+    k_norm: RmsNormCache | None
+    q_rope: RopeCache
+    k_rope: RopeCache
+    attn: AttentionCache | None
+    o: LinearLayerCache
+
+
+class FfnCache(NamedTuple):
+    """A gated FFN (dense, or an MoE layer's shared expert): gate and up (T, C) -> (T, F), the
+    activation (T, F), down (T, F) -> (T, C)."""
+
+    gate: LinearLayerCache
+    up: LinearLayerCache
+    act: SwigluCache | GegluCache
+    down: LinearLayerCache
+
+
+class SharedExpertCache(NamedTuple):
+    """An MoE layer's shared expert: its FFN, its output (T, C), its sigmoid gate (T,) or None
+    (ungated), and the layer's input h (T, C) for the gate's gradient."""
+
+    ffn: FfnCache
+    out: Any
+    gate: Any
+    h: Any
+
+
+class MoeCache(NamedTuple):
+    """An MoE FFN: the router's projection (T, C) -> (T, E), the top-K routing, the experts
+    (T*K slots; None on the inference path), the combine (T, C), the shared expert or None."""
+
+    router_in: LinearLayerCache
+    router: RouterCache
+    experts: ExpertsCache | None
+    combine: CombineCache
+    shared: SharedExpertCache | None
+
+
+class BlockCache(NamedTuple):
+    """A transformer block on x (T, C): its norms (post_attn, post_ffw None without
+    cfg.post_norms), its attention and its FFN, dense or MoE."""
+
+    attn_norm: RmsNormCache
+    attn: AttentionBlockCache
+    post_attn: RmsNormCache | None
+    ffn_norm: RmsNormCache
+    ffn: FfnCache | MoeCache
+    post_ffw: RmsNormCache | None
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -263,53 +341,53 @@ class Model:
             x = x + delta
         if cfg.embed_scale != 1.0:
             x = x * x.dtype.type(cfg.embed_scale)
-        return x, (table_cache, lora_cache)
+        return x, EmbedCache(table_cache, lora_cache)
 
-    def _embed_backward(self, dx, cache, params: Params, grads: Grads) -> None:
-        table_cache, lora_cache = cache
+    def _embed_backward(self, dx, cache: EmbedCache, params: Params, grads: Grads) -> None:
         name, cfg = "token_embd.weight", self.config
         if cfg.embed_scale != 1.0:
             dx = dx * dx.dtype.type(cfg.embed_scale)
-        if table_cache is not None:
-            grads.add(name, embedding_backward(dx, table_cache, cfg.n_vocab))
-        if lora_cache is not None:
-            da, db = lora_embedding_backward(dx, lora_cache)
+        if cache.table is not None:
+            grads.add(name, embedding_backward(dx, cache.table, cfg.n_vocab))
+        if cache.lora is not None:
+            da, db = lora_embedding_backward(dx, cache.lora)
             _add_weight_grads(grads, name, None, (da, db))
 
     def _block_forward(self, il: int, x, params: Params, ctx: "ForwardContext"):
         cfg, p, eps = self.config, f"blk.{il}.", self.config.rms_eps
-        c = {}
-        h, c["attn_norm"] = rmsnorm_forward(x, params.weight(p + "attn_norm.weight"), eps)
-        attn, c["attn"] = self._attention_forward(il, h, params, ctx)
+        c_post_attn = c_post_ffw = None
+        h, c_attn_norm = rmsnorm_forward(x, params.weight(p + "attn_norm.weight"), eps)
+        attn, c_attn = self._attention_forward(il, h, params, ctx)
         if cfg.post_norms:
-            attn, c["post_attn"] = rmsnorm_forward(
+            attn, c_post_attn = rmsnorm_forward(
                 attn, params.weight(p + "post_attention_norm.weight"), eps)
         x = x + attn
-        h, c["ffn_norm"] = rmsnorm_forward(x, params.weight(p + "ffn_norm.weight"), eps)
+        h, c_ffn_norm = rmsnorm_forward(x, params.weight(p + "ffn_norm.weight"), eps)
         if cfg.layer_is_moe(il):
-            ffn, c["ffn"] = self._moe_forward(il, h, params, ctx)
+            ffn, c_ffn = self._moe_forward(il, h, params, ctx)
         else:
-            ffn, c["ffn"] = self._ffn_forward(p + "ffn_{}", h, params)
+            ffn, c_ffn = self._ffn_forward(p + "ffn_{}", h, params)
         if cfg.post_norms:
-            ffn, c["post_ffw"] = rmsnorm_forward(ffn, params.weight(p + "post_ffw_norm.weight"), eps)
-        return x + ffn, c
+            ffn, c_post_ffw = rmsnorm_forward(ffn, params.weight(p + "post_ffw_norm.weight"), eps)
+        return x + ffn, BlockCache(attn_norm=c_attn_norm, attn=c_attn, post_attn=c_post_attn,
+                                   ffn_norm=c_ffn_norm, ffn=c_ffn, post_ffw=c_post_ffw)
 
-    def _block_backward(self, il: int, dx, c: dict, params: Params, grads: Grads):
+    def _block_backward(self, il: int, dx, c: BlockCache, params: Params, grads: Grads):
         cfg, p = self.config, f"blk.{il}."
         dffn = dx
         if cfg.post_norms:
-            dffn = self._norm_backward(dffn, c["post_ffw"], p + "post_ffw_norm.weight", params, grads)
+            dffn = self._norm_backward(dffn, c.post_ffw, p + "post_ffw_norm.weight", params, grads)
         if cfg.layer_is_moe(il):
-            dh = self._moe_backward(il, dffn, c["ffn"], params, grads)
+            dh = self._moe_backward(il, dffn, c.ffn, params, grads)
         else:
-            dh = self._ffn_backward(dffn, c["ffn"], params, grads)
-        dx = dx + self._norm_backward(dh, c["ffn_norm"], p + "ffn_norm.weight", params, grads)
+            dh = self._ffn_backward(dffn, c.ffn, params, grads)
+        dx = dx + self._norm_backward(dh, c.ffn_norm, p + "ffn_norm.weight", params, grads)
         dattn = dx
         if cfg.post_norms:
-            dattn = self._norm_backward(dattn, c["post_attn"], p + "post_attention_norm.weight",
+            dattn = self._norm_backward(dattn, c.post_attn, p + "post_attention_norm.weight",
                                         params, grads)
-        dh = self._attention_backward(il, dattn, c["attn"], params, grads)
-        return dx + self._norm_backward(dh, c["attn_norm"], p + "attn_norm.weight", params, grads)
+        dh = self._attention_backward(il, dattn, c.attn, params, grads)
+        return dx + self._norm_backward(dh, c.attn_norm, p + "attn_norm.weight", params, grads)
 
     def _norm_backward(self, dout, cache, name: str, params: Params, grads: Grads):
         dx, dw = rmsnorm_backward(dout, cache)
@@ -328,12 +406,12 @@ class Model:
         # that the WeightStore's budget does not keep would otherwise stay alive, dequantized,
         # across the step (every layer's: the whole model in float32). Cached or F32 weights
         # cost a lookup.
-        return y, (name, cache._replace(w=None))
+        return y, LinearLayerCache(name, cache._replace(w=None))
 
-    def _linear_backward(self, dy, lcache, params: Params, grads: Grads):
-        name, cache = lcache
+    def _linear_backward(self, dy, lcache: LinearLayerCache, params: Params, grads: Grads):
+        name = lcache.name
         wname = name + ".weight"
-        cache = cache._replace(w=params.weight(wname))
+        cache = lcache.linear._replace(w=params.weight(wname))
         dx, dw, dbias, dlora = linear_backward(dy, cache, need_dw=params.trains(wname))
         _add_weight_grads(grads, wname, dw, dlora)
         _add_full(grads, params, name + ".bias", dbias)
@@ -342,43 +420,45 @@ class Model:
     def _attention_forward(self, il: int, h, params: Params, ctx: "ForwardContext"):
         cfg, p, eps = self.config, f"blk.{il}.", self.config.rms_eps
         t, hd = h.shape[0], cfg.head_dim
-        c = {}
-        q, c["q"] = self._linear_forward(p + "attn_q", h, params)           # (T, H*D)
-        k, c["k"] = self._linear_forward(p + "attn_k", h, params)           # (T, Hkv*D)
-        v, c["v"] = self._linear_forward(p + "attn_v", h, params)           # (T, Hkv*D)
+        cq_norm = ck_norm = None
+        q, cq = self._linear_forward(p + "attn_q", h, params)               # (T, H*D)
+        k, ck = self._linear_forward(p + "attn_k", h, params)               # (T, Hkv*D)
+        v, cv = self._linear_forward(p + "attn_v", h, params)               # (T, Hkv*D)
         if cfg.qk_norm == "full":
-            q, c["q_norm"] = rmsnorm_forward(q, params.weight(p + "attn_q_norm.weight"), eps)
-            k, c["k_norm"] = rmsnorm_forward(k, params.weight(p + "attn_k_norm.weight"), eps)
+            q, cq_norm = rmsnorm_forward(q, params.weight(p + "attn_q_norm.weight"), eps)
+            k, ck_norm = rmsnorm_forward(k, params.weight(p + "attn_k_norm.weight"), eps)
         q = q.reshape(t, cfg.n_head, hd)                                     # (T, H, D)
         k = k.reshape(t, cfg.n_head_kv, hd)                                  # (T, Hkv, D)
         v = v.reshape(t, cfg.n_head_kv, hd)                                  # (T, Hkv, D)
         if cfg.qk_norm == "head":
-            q, c["q_norm"] = rmsnorm_forward(q, params.weight(p + "attn_q_norm.weight"), eps)
-            k, c["k_norm"] = rmsnorm_forward(k, params.weight(p + "attn_k_norm.weight"), eps)
+            q, cq_norm = rmsnorm_forward(q, params.weight(p + "attn_q_norm.weight"), eps)
+            k, ck_norm = rmsnorm_forward(k, params.weight(p + "attn_k_norm.weight"), eps)
         swa = bool(cfg.swa_layers and cfg.swa_layers[il])
         cos, sin = ctx.rope(swa, q.dtype)
-        q, c["q_rope"] = rope_forward(q, cos, sin, cfg.rope_dim, cfg.rope_type)
-        k, c["k_rope"] = rope_forward(k, cos, sin, cfg.rope_dim, cfg.rope_type)
-        out, c["attn"] = ctx.attend(il, q, k, v, swa)
-        y, c["o"] = self._linear_forward(p + "attn_output", out.reshape(t, -1), params)
-        return y, c
+        q, cq_rope = rope_forward(q, cos, sin, cfg.rope_dim, cfg.rope_type)
+        k, ck_rope = rope_forward(k, cos, sin, cfg.rope_dim, cfg.rope_type)
+        out, c_attn = ctx.attend(il, q, k, v, swa)
+        y, co = self._linear_forward(p + "attn_output", out.reshape(t, -1), params)
+        return y, AttentionBlockCache(q=cq, k=ck, v=cv, q_norm=cq_norm, k_norm=ck_norm,
+                                      q_rope=cq_rope, k_rope=ck_rope, attn=c_attn, o=co)
 
-    def _attention_backward(self, il: int, dy, c: dict, params: Params, grads: Grads):
+    def _attention_backward(self, il: int, dy, c: AttentionBlockCache, params: Params,
+                            grads: Grads):
         cfg, p = self.config, f"blk.{il}."
-        dout = self._linear_backward(dy, c["o"], params, grads)              # (T, H*D)
+        dout = self._linear_backward(dy, c.o, params, grads)                 # (T, H*D)
         t = dout.shape[0]
-        dq, dk, dv = attention_backward(dout.reshape(t, cfg.n_head, -1), c["attn"])
-        dq, dk = rope_backward(dq, c["q_rope"]), rope_backward(dk, c["k_rope"])
+        dq, dk, dv = attention_backward(dout.reshape(t, cfg.n_head, -1), c.attn)
+        dq, dk = rope_backward(dq, c.q_rope), rope_backward(dk, c.k_rope)
         if cfg.qk_norm == "head":
-            dq = self._norm_backward(dq, c["q_norm"], p + "attn_q_norm.weight", params, grads)
-            dk = self._norm_backward(dk, c["k_norm"], p + "attn_k_norm.weight", params, grads)
+            dq = self._norm_backward(dq, c.q_norm, p + "attn_q_norm.weight", params, grads)
+            dk = self._norm_backward(dk, c.k_norm, p + "attn_k_norm.weight", params, grads)
         dq, dk, dv = dq.reshape(t, -1), dk.reshape(t, -1), dv.reshape(t, -1)
         if cfg.qk_norm == "full":
-            dq = self._norm_backward(dq, c["q_norm"], p + "attn_q_norm.weight", params, grads)
-            dk = self._norm_backward(dk, c["k_norm"], p + "attn_k_norm.weight", params, grads)
-        return (self._linear_backward(dq, c["q"], params, grads)
-                + self._linear_backward(dk, c["k"], params, grads)
-                + self._linear_backward(dv, c["v"], params, grads))
+            dq = self._norm_backward(dq, c.q_norm, p + "attn_q_norm.weight", params, grads)
+            dk = self._norm_backward(dk, c.k_norm, p + "attn_k_norm.weight", params, grads)
+        return (self._linear_backward(dq, c.q, params, grads)
+                + self._linear_backward(dk, c.k, params, grads)
+                + self._linear_backward(dv, c.v, params, grads))
 
     def _glu(self, g, u, params: Params):
         if self.config.act == "silu":
@@ -390,13 +470,13 @@ class Model:
         u, cu = self._linear_forward(pattern.format("up"), h, params)       # (T, F)
         act, ca = self._glu(g, u, params)                                    # (T, F)
         y, cd = self._linear_forward(pattern.format("down"), act, params)   # (T, C)
-        return y, (cg, cu, ca, cd)
+        return y, FfnCache(gate=cg, up=cu, act=ca, down=cd)
 
-    def _ffn_backward(self, dy, cache, params: Params, grads: Grads):
-        cg, cu, ca, cd = cache
-        dact = self._linear_backward(dy, cd, params, grads)
-        dg, du = glu_backward(self.config.act, dact, ca)
-        return self._linear_backward(dg, cg, params, grads) + self._linear_backward(du, cu, params, grads)
+    def _ffn_backward(self, dy, c: FfnCache, params: Params, grads: Grads):
+        dact = self._linear_backward(dy, c.down, params, grads)
+        dg, du = glu_backward(self.config.act, dact, c.act)
+        return (self._linear_backward(dg, c.gate, params, grads)
+                + self._linear_backward(du, c.up, params, grads))
 
     def _moe_forward(self, il: int, h, params: Params, ctx: ForwardContext):
         cfg, p = self.config, f"blk.{il}."
@@ -426,28 +506,28 @@ class Model:
                 out = out + shared * gate[:, None]
             else:
                 out = out + shared
-            c_shared = (c_ffn, shared, gate, h)
-        return out, (c_router_in, c_router, c_experts, c_combine, c_shared)
+            c_shared = SharedExpertCache(ffn=c_ffn, out=shared, gate=gate, h=h)
+        return out, MoeCache(router_in=c_router_in, router=c_router, experts=c_experts,
+                             combine=c_combine, shared=c_shared)
 
-    def _moe_backward(self, il: int, dy, cache, params: Params, grads: Grads):
-        c_router_in, c_router, c_experts, c_combine, c_shared = cache
+    def _moe_backward(self, il: int, dy, c: MoeCache, params: Params, grads: Grads):
         names = self._expert_names(il)
-        dys, dweights = combine_backward(dy, c_combine)
-        dh, dws, dloras = experts_backward(dys, c_experts, tuple(params.trains(n) for n in names))
+        dys, dweights = combine_backward(dy, c.combine)
+        dh, dws, dloras = experts_backward(dys, c.experts, tuple(params.trains(n) for n in names))
         for name, dw, dlora in zip(names, dws, dloras):
             _add_weight_grads(grads, name, dw, dlora)
-        dlogits = router_backward(dweights, c_router)
-        dh = dh + self._linear_backward(dlogits.astype(dy.dtype), c_router_in, params, grads)
-        if c_shared is not None:
-            c_ffn, shared, gate, h = c_shared
+        dlogits = router_backward(dweights, c.router)
+        dh = dh + self._linear_backward(dlogits.astype(dy.dtype), c.router_in, params, grads)
+        if c.shared is not None:
+            shared = c.shared
             dshared = dy
-            if gate is not None:
+            if shared.gate is not None:
                 gname = f"blk.{il}.ffn_gate_inp_shexp.weight"
-                dshared = dy * gate[:, None]
-                dz = sigmoid_backward((dy * shared).sum(-1), gate)                 # (T,)
+                dshared = dy * shared.gate[:, None]
+                dz = sigmoid_backward((dy * shared.out).sum(-1), shared.gate)      # (T,)
                 dh = dh + dz[:, None] * params.weight(gname)[None, :]
-                _add_full(grads, params, gname, h.T @ dz)
-            dh = dh + self._ffn_backward(dshared, c_ffn, params, grads)
+                _add_full(grads, params, gname, shared.h.T @ dz)
+            dh = dh + self._ffn_backward(dshared, shared.ffn, params, grads)
         return dh
 
     def _expert_names(self, il: int) -> list[str]:

@@ -57,7 +57,7 @@ def test_router_backward_clamp_uses_constant_sum():
     _, _, cache = router_forward(logits, 1, True, 1.0)
     dw = rng.standard_normal((2, 1))
     got = router_backward(dw, cache)
-    probs, sel = cache[0], cache[1]
+    probs, sel = cache.probs, cache.selected
     dp = np.zeros_like(probs)
     np.put_along_axis(dp, sel, dw / RENORM_MIN, axis=-1)
     np.testing.assert_allclose(got, probs * (dp - (dp * probs).sum(-1, keepdims=True)), rtol=1e-12)
