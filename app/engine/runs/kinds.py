@@ -37,7 +37,7 @@ KINDS = {k.name: k for k in (SFT, GRPO)}
 def kind_of(config: dict, where: str = "config.json") -> RunKind:
     """The kind a run config names (none: "sft"); an unknown kind is a ConfigError."""
     name = config.get("kind", sft.KIND)
-    if name not in KINDS:
+    if not isinstance(name, str) or name not in KINDS:        # a list is unhashable
         raise ConfigError(f"Unknown run kind {name!r} in {where}.",
                           f"Use one of {', '.join(KINDS)} (no kind: {sft.KIND}).")
     return KINDS[name]
