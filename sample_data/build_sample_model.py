@@ -34,11 +34,12 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from app.engine import load_model, load_tokenizer  # noqa: E402
-from app.engine.chat_template import DEFAULT_CHAT_TEMPLATE  # noqa: E402
-from app.engine.config import TrainConfig  # noqa: E402
-from app.engine.gguf_io import write_gguf  # noqa: E402
-from app.engine.new_model import NewModelSpec, create_model  # noqa: E402
-from app.engine.train import TrainSession, pack  # noqa: E402
+from app.engine.text.chat_template import DEFAULT_CHAT_TEMPLATE  # noqa: E402
+from app.engine.training.config import TrainConfig  # noqa: E402
+from app.engine.io.gguf import write_gguf  # noqa: E402
+from app.engine.model.new_model import NewModelSpec, create_model  # noqa: E402
+from app.engine.data.batches import pack  # noqa: E402
+from app.engine.training.session import TrainSession  # noqa: E402
 
 CORPUS_SEED, DATASET_SEED, TRAIN_SEED = 1234, 5678, 42
 CORPUS_BYTES = 1_000_000          # stop adding documents at about this size
@@ -51,7 +52,7 @@ SPEC = NewModelSpec(arch="llama", n_layer=4, n_embd=160, n_head=4, n_ff=224, n_e
                     name="tiny-moe (workbench sample)")
 TRAIN = dict(steps=1500, windows_per_step=8, lr=3e-3, min_lr=3e-4, warmup=60, val_docs=0.04)
 
-# The workbench's "qwen2" pre-tokenizer regex (llama.cpp's, see app/engine/tokenizer.py): letters
+# The workbench's "qwen2" pre-tokenizer regex (llama.cpp's, see app/engine/text/tokenizer.py): letters
 # with one leading non-letter, single digits, punctuation runs with trailing newlines, newlines.
 QWEN2_RE = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
             r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
