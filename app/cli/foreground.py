@@ -9,6 +9,8 @@ import threading
 import time
 from pathlib import Path
 
+from app.engine.training import events
+
 TARGET_ALIASES = {"attn": "attention"}
 
 
@@ -33,8 +35,8 @@ class Progress:
             self.stream.write(json.dumps(event, default=float) + "\n")
             self.stream.flush()
             return
-        kind = event.get("type")
-        if kind == "step":
+        kind = event.get(events.TYPE)
+        if kind == events.STEP:
             now = time.monotonic()
             final = event["step"] == event["total_steps"]
             if self.tty or final or now - self.last_print > 5.0:
@@ -42,13 +44,13 @@ class Progress:
                 self.stream.write(_progress_line(event) + end)
                 self.stream.flush()
                 self.last_print = now
-        elif kind == "eval":
+        elif kind == events.EVAL:
             self._line(f"eval   step {event['step']}: loss={event['loss']:.5f} "
                        f"acc={100 * event['accuracy']:.2f}% ppl={event['perplexity']:.2f}"
                        + ("  (best)" if event.get("best") else ""))
-        elif kind in ("log", "start", "done"):
+        elif kind in (events.LOG, events.START, events.DONE):
             text = event.get("message") or " ".join(
-                f"{k}={v}" for k, v in event.items() if k not in ("type", "time"))
+                f"{k}={v}" for k, v in event.items() if k not in (events.TYPE, events.TIME))
             self._line(f"{kind:<6} {text}")
 
     def _line(self, text: str) -> None:
@@ -75,38 +77,29 @@ def _progress_line(e: dict) -> str:
             f"ETA={clock(e['eta_s'])}")
 
 
-def run_in_foreground(run_dir, runner, printer, status_keys=("loss",)) -> int:
+def run_in_foreground(run_dir, runner, printer) -> int:
     """Run `runner(report, should_stop, checkpoints)` (a train or train_grpo closure) here,
-    recording every event in the run directory; Ctrl-C (or SIGTERM) pauses after the step."""
-    from app.engine.errors import EngineError
+    recording every event in the run directory as a queued job does (through a RunReporter)
+    and printing it; Ctrl-C (or SIGTERM) pauses after the step."""
+    from app.engine.runs.reporter import RunReporter, failure
     from app.engine.runs.worker import install_stop_signals, restore_signals
 
     stop = threading.Event()
-
-    def report(event: dict) -> None:
-        stored = run_dir.append_metrics(event)
-        if event.get("type") == "step":
-            run_dir.write_status(state="running", step=event["step"],
-                                 total_steps=event["total_steps"], epoch=event["epoch"],
-                                 eta_s=event["eta_s"], fsync=False,
-                                 **{k: event[k] for k in status_keys})
-        printer(stored)
-
-    run_dir.write_status(state="running")
+    reporter = RunReporter(run_dir)
+    reporter.started()
     previous = install_stop_signals(stop)
     try:
-        result = runner(report, lambda: "pause" if stop.is_set() else None,
-                        run_dir.checkpoints_dir)
+        result = runner(lambda event: printer(reporter.report(event)),
+                        lambda: "pause" if stop.is_set() else None, run_dir.checkpoints_dir)
     except KeyboardInterrupt:  # a second Ctrl-C: stop now, the last checkpoint stays usable
-        run_dir.write_status(state="paused")
+        reporter.finished("paused")
         return 130
     except BaseException as e:
-        info = e.to_dict() if isinstance(e, EngineError) else {"kind": "bug", "message": str(e)}
-        run_dir.write_status(state="failed", error=info)
+        reporter.finished("failed", failure(e))
         raise
     finally:
         restore_signals(previous)
-    run_dir.write_status(state=result)
+    reporter.finished(result)
     if result == "paused":
         print(f"paused: continue with  workbench resume {run_dir.path}", file=sys.stderr)
         return 130

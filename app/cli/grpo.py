@@ -17,6 +17,7 @@ from pathlib import Path
 from app.cli.foreground import (TARGET_ALIASES, Progress, add_compute_options, clock,
                                 run_in_foreground, start_run)
 from app.engine.errors import ConfigError
+from app.engine.training import events
 
 REWARD_HELP = ("reward function, repeatable, weight after the last colon (default 1): "
                "exact[:tag=T][:W], numeric[:tol=X][:tag=T][:W], regex:PATTERN[:W], "
@@ -125,8 +126,8 @@ class GrpoProgress(Progress):
     """Progress for GRPO events: a progress line per step with the reward, eval and sample lines."""
 
     def __call__(self, event: dict) -> None:
-        kind = event.get("type")
-        if kind == "start" and not self.as_json:
+        kind = event.get(events.TYPE)
+        if kind == events.START and not self.as_json:
             rewards = ", ".join(f"{r['name']} x{r['weight']:g}" for r in event["rewards"])
             return self._line(
                 f"start  grpo: {event['total_steps']} steps of {event['prompts_per_step']} prompts "
@@ -135,9 +136,9 @@ class GrpoProgress(Progress):
                 f"{rewards}; advantage {event['advantage']}, kl {event['kl']:g}; "
                 f"{event['trainable']:,} trainable parameters"
                 + (f"; resumed at step {event['resumed_at']}" if event["resumed_at"] else ""))
-        if self.as_json or kind not in ("step", "eval", "samples"):
+        if self.as_json or kind not in (events.STEP, events.EVAL, events.SAMPLES):
             return super().__call__(event)
-        if kind == "step":
+        if kind == events.STEP:
             now = time.monotonic()
             final = event["step"] == event["total_steps"]
             if self.tty or final or now - self.last_print > 5.0:
@@ -145,7 +146,7 @@ class GrpoProgress(Progress):
                 self.stream.write(grpo_progress_line(event) + end)
                 self.stream.flush()
                 self.last_print = now
-        elif kind == "eval":
+        elif kind == events.EVAL:
             parts = " ".join(f"{n}={v['mean']:.3f}" for n, v in event["rewards"].items())
             text = (f"eval   step {event['step']}: reward={event['reward_mean']:.3f} ({parts}) "
                     f"greedy on {event['prompts']} held-out prompts")
@@ -190,17 +191,17 @@ def execute_grpo(run_dir, as_json: bool, trust_reward_code: bool = False) -> int
     check_reward_trust(config.rewards, TRUST_HINT, trust_reward_code)
     runner = lambda report, should_stop, checkpoints: train_grpo(config, report, should_stop,
                                                                   checkpoints)
-    return run_in_foreground(run_dir, runner, GrpoProgress(as_json),
-                             status_keys=("loss", "reward_mean"))
+    return run_in_foreground(run_dir, runner, GrpoProgress(as_json))
 
 
 def cmd_grpo(args) -> int:
-    from app.engine.training.reward_functions import check_reward_trust
+    from app.engine.runs.kinds import GRPO, kind_of
     from app.engine.runs.rundir import RunDir
+    from app.engine.training.reward_functions import check_reward_trust
 
     if args.resume:
         run_dir = RunDir(args.resume)
-        if run_dir.config().get("kind") != "grpo":
+        if kind_of(run_dir.config(), str(run_dir.config_path)) is not GRPO:
             raise ConfigError(f"{run_dir.path} is not a GRPO run.",
                               "Resume training runs with: workbench resume RUN_DIR")
         return execute_grpo(run_dir, args.json, args.trust_reward_code)

@@ -13,6 +13,7 @@ from app.cli.resume import cmd_resume
 from app.cli.train import add_train_parsers, cmd_train
 from app.cli.grpo import add_grpo_parser, cmd_grpo
 from app.engine.errors import ConfigError, EngineError
+from app.engine.training import events
 
 
 def _model_options(p: argparse.ArgumentParser) -> None:
@@ -364,10 +365,10 @@ def cmd_runs(args) -> int:
         print(f"error    {st['error'].get('kind')}: {st['error'].get('message')}")
         if st["error"].get("hint"):
             print(f"hint     {st['error']['hint']}")
-    skip = {"type", "time"}
-    for label, events in (("final", summary["final"]), ("best", summary["best"])):
-        for kind, ev in events.items():
-            if kind in ("step", "eval"):
+    skip = {events.TYPE, events.TIME}
+    for label, by_kind in (("final", summary["final"]), ("best", summary["best"])):
+        for kind, ev in by_kind.items():
+            if kind in (events.STEP, events.EVAL):
                 values = ", ".join(f"{k}={v:.5g}" if isinstance(v, float) else f"{k}={v}"
                                    for k, v in ev.items()
                                    if k not in skip and isinstance(v, (int, float, str)))

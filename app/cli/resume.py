@@ -8,25 +8,12 @@ import sys
 from app.cli.grpo import execute_grpo
 from app.cli.train import execute_sft
 from app.engine.errors import ConfigError
+from app.engine.training.events import GRPO_RUN, SFT_RUN
 
 
-def cmd_resume(args) -> int:
-    from app.engine.runs.rundir import RunDir
+def resume_sft(run_dir, args) -> int:
     from app.engine.training.sft import RunConfig
 
-    run_dir = RunDir(args.run_dir)
-    kind = run_dir.config().get("kind")  # not a run directory: a clear error, nothing touched
-    if args.step is not None:
-        from app.engine.training.checkpoints import rewind
-
-        kept = rewind(run_dir.checkpoints_dir, args.step)
-        print(f"resuming from step-{args.step}" + (
-            f"; the newer checkpoints are set aside as {', '.join(p.name for p in kept)}"
-            if kept else ""), file=sys.stderr)
-    if kind == "grpo":
-        if args.extend_epochs:
-            raise ConfigError("--extend-epochs does not apply to GRPO runs (they count steps).")
-        return execute_grpo(run_dir, args.json, args.trust_reward_code)
     config = RunConfig.from_dict(run_dir.config())
     if args.extend_epochs:
         if not config.epochs:
@@ -35,3 +22,29 @@ def cmd_resume(args) -> int:
         config = dataclasses.replace(config, epochs=config.epochs + args.extend_epochs)
         run_dir.write_config(config.to_dict())
     return execute_sft(run_dir, args.json)
+
+
+def resume_grpo(run_dir, args) -> int:
+    if args.extend_epochs:
+        raise ConfigError("--extend-epochs does not apply to GRPO runs (they count steps).")
+    return execute_grpo(run_dir, args.json, args.trust_reward_code)
+
+
+RESUME = {SFT_RUN: resume_sft, GRPO_RUN: resume_grpo}   # by run kind (app.engine.runs.kinds)
+
+
+def cmd_resume(args) -> int:
+    from app.engine.runs.kinds import kind_of
+    from app.engine.runs.rundir import RunDir
+
+    run_dir = RunDir(args.run_dir)
+    # not a run directory, or an unknown kind: a clear error, nothing touched
+    kind = kind_of(run_dir.config(), str(run_dir.config_path))
+    if args.step is not None:
+        from app.engine.training.checkpoints import rewind
+
+        kept = rewind(run_dir.checkpoints_dir, args.step)
+        print(f"resuming from step-{args.step}" + (
+            f"; the newer checkpoints are set aside as {', '.join(p.name for p in kept)}"
+            if kept else ""), file=sys.stderr)
+    return RESUME[kind.name](run_dir, args)

@@ -46,12 +46,11 @@ from app.engine.io.gguf import (BLOCK_SIZES, GGUFFile, dequantize, quantize, rea
 from app.engine.model.lora import (LoraAdapter, LoraConfig, check_adapter_fits, load_adapter,
                                    tensor_kind)
 from app.engine.model.transformer import Model, load_model
+from app.engine.runs.kinds import kind_of
 from app.engine.runs.rundir import RunDir
 from app.engine.runtime.files import atomic_write_bytes
 from app.engine.text.chat_template import render_chat
 from app.engine.training.checkpoints import latest_checkpoint, load_checkpoint
-from app.engine.training.grpo import GrpoConfig
-from app.engine.training.sft import RunConfig
 
 FORMATS = ("gguf-lora", "merged", "peft", "ollama")
 ADAPTER_TYPES = {"f32": 0, "f16": 1, "bf16": 30, "q8_0": 8}
@@ -139,10 +138,8 @@ def source_from_run(run_dir: str | os.PathLike, step: int | None = None,
     """A run directory's newest checkpoint (or `step`), else its final adapter.gguf."""
     run = RunDir(run_dir)
     raw = run.config()
-    if raw.get("kind") == "grpo":  # same model/train/adapter fields as an SFT run
-        config = GrpoConfig.from_dict(raw)
-    else:
-        config = RunConfig.from_dict(raw)
+    # every kind's config has the model, train and adapter fields read here
+    config = kind_of(raw, str(run.config_path)).config_class.from_dict(raw)
     model_path = str(model_path or config.model)
     if step is not None:
         ckpt = run.checkpoints_dir / f"step-{step}"

@@ -5,7 +5,7 @@ RUN_DIR/
   config.json      the run as submitted (plus resolved defaults); written once, atomically
   status.json      state, step, total_steps, epoch, loss, eta_s, updated_at, writer, error...;
                    atomic
-  metrics.jsonl    one JSON object per line (step, eval, norms, routing, log events); appended
+  metrics.jsonl    one JSON object per line: the events of app.engine.training.events; appended
   log.txt          human-readable log lines; appended
   checkpoints/     step-N/ directories (written by app.engine.training.checkpoints)
   exports/         adapters and merged models
@@ -38,6 +38,7 @@ from app.engine.errors import ConfigError, EngineError
 from app.engine.runtime.files import (StorageError, append_line, atomic_write_json, read_json,
                                       storage_error, to_json)
 from app.engine.runtime.processes import pid_alive, process_started
+from app.engine.training.events import STEP, TIME, TYPE, event_type
 
 CONFIG = "config.json"
 STATUS = "status.json"
@@ -183,8 +184,8 @@ class RunDir:
         arrays) are converted; anything else unserialisable raises TypeError (a bug).
         """
         ev = dict(event)
-        ev.setdefault("type", "step")
-        ev.setdefault("time", time.time())
+        ev.setdefault(TYPE, STEP)
+        ev.setdefault(TIME, time.time())
         line = to_json(ev)
         append_line(self.metrics_path, line)
         return ev
@@ -277,7 +278,7 @@ def summarize_metrics(events: Iterable[dict]) -> tuple[dict, dict]:
     final: dict[str, dict] = {}
     best: dict[str, dict] = {}
     for ev in events:
-        kind = str(ev.get("type", "step"))
+        kind = event_type(ev)
         final[kind] = ev
         loss = ev.get("loss")
         if isinstance(loss, (int, float)) and not isinstance(loss, bool) and math.isfinite(loss):

@@ -21,9 +21,10 @@ The runner contract (the default runner is `app.engine.runs.kinds.run_job`)::
   forced: `JobInterrupted` is raised in the runner's thread wherever it is in Python code
   (rendering a template, tokenizing), and the job ends cancelled, paused (its last checkpoint
   as it was) or queued again. Only code stuck in one native call can delay that.
-- Send events with `control.report(event)`: appended to metrics.jsonl (with `type`, default
-  "step", and `time`); step events also update status.json (step, total_steps, epoch, loss,
-  eta_s, ...; throttled to one write a second). `control.log(line)` writes log.txt.
+- Send events with `control.report(event)` (app.engine.training.events): appended to
+  metrics.jsonl (with `type`, default "step", and `time`); step events also update status.json
+  (events.STATUS_FIELDS; throttled to one write a second), through the RunReporter a run in the
+  foreground uses too (app.engine.runs.reporter). `control.log(line)` writes log.txt.
 - Return "done" (or None) when finished. Raise an EngineError for bad input or bad state
   (stored as its kind/message/hint plus the traceback); raising `Cancelled` counts as
   cancelled; any other exception is stored as a bug (kind "bug"), MemoryError as
@@ -41,7 +42,6 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 import uuid
 from contextlib import suppress
 from pathlib import Path
@@ -52,6 +52,7 @@ from app.engine.runs.queue import (DEFAULT_MAX_ATTEMPTS, DEFAULT_STALE_S, Job, J
                                    JobQueue, QueueError)
 from app.engine.runtime.paths import default_queue_path
 from app.engine.runtime.processes import this_host
+from app.engine.runs.reporter import RunReporter, failure
 from app.engine.runs.rundir import RunDir
 from app.engine.runtime.files import storage_error
 
@@ -60,8 +61,6 @@ log = logging.getLogger("app.engine.runs.worker")
 Runner = Callable[[RunDir, "JobControl"], Optional[str]]
 
 RESULTS = {None: "done", "done": "done", "paused": "paused", "cancelled": "cancelled"}
-STATUS_KEYS = ("step", "total_steps", "epoch", "total_epochs", "loss", "accuracy", "lr",
-               "tokens_per_s", "elapsed_s", "eta_s", "reward_mean")  # the last: GRPO runs
 DEFAULT_HEARTBEAT_S = 5.0
 DEFAULT_GRACE_S = 5.0  # how long a runner may leave a cancel, pause or stop unhonoured
 
@@ -97,7 +96,8 @@ def make_worker_id() -> str:
 
 
 class JobControl:
-    """What a runner gets besides the run directory: stop requests, reporting, logging."""
+    """What a runner gets besides the run directory: stop requests, reporting (its
+    `reporter`), logging."""
 
     def __init__(self, queue: JobQueue, job: Job, worker_id: str, run_dir: RunDir, *,
                  heartbeat_s: float = DEFAULT_HEARTBEAT_S,
@@ -107,13 +107,11 @@ class JobControl:
         self.worker_id = worker_id
         self.run_dir = run_dir
         self.heartbeat_s = heartbeat_s
-        self.status_every_s = status_every_s
+        self.reporter = RunReporter(run_dir, status_every_s)
         self._stop_event = stop_event
         self._last_beat = time.monotonic()
         self._last_poll = time.monotonic()
         self.longest_poll_gap_s = 0.0       # the runner's longest time between should_stop calls
-        self._last_status = 0.0
-        self._pending_status: dict = {}
         self.requested: str | None = None   # the last action the queue asked for
         self.lost = False                   # the job was taken away from this worker
         self.worker_stopping = False        # should_stop said "pause" because the worker stops
@@ -173,26 +171,7 @@ class JobControl:
     # ---------------------------------------------------------------- reporting
     def report(self, event: dict) -> dict:
         """Append `event` to metrics.jsonl; step events also update status.json (throttled)."""
-        ev = self.run_dir.append_metrics(event)
-        if ev.get("type") == "step":
-            self._pending_status.update({k: ev[k] for k in STATUS_KEYS if k in ev})
-            now = time.monotonic()
-            last = ev.get("total_steps") is not None and ev.get("step") == ev.get("total_steps")
-            if last or now - self._last_status >= self.status_every_s:
-                self.flush_status()
-        return ev
-
-    def set_status(self, **fields) -> None:
-        """Write fields to status.json now (not `state`: the worker owns it)."""
-        fields.pop("state", None)
-        self._pending_status.update(fields)
-        self.flush_status()
-
-    def flush_status(self) -> None:
-        if self._pending_status:
-            fields, self._pending_status = self._pending_status, {}
-            self.run_dir.write_status(fsync=False, **fields)
-            self._last_status = time.monotonic()
+        return self.reporter.report(event)
 
     def log(self, line: str) -> None:
         self.run_dir.log(line)
@@ -280,26 +259,6 @@ def _interrupted_state(control: JobControl) -> str:
 # --------------------------------------------------------------------------- running one job
 
 
-def _error_dict(exc: BaseException, kind: str | None = None, message: str | None = None,
-                hint: str | None = None) -> dict:
-    detail = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    if isinstance(exc, EngineError) and kind is None:
-        return {"kind": exc.kind, "message": exc.message, "hint": exc.hint or None,
-                "detail": detail}
-    return {"kind": kind or "bug", "message": message or f"{type(exc).__name__}: {exc}",
-            "hint": hint, "detail": detail}
-
-
-def _bug_error(exc: BaseException) -> dict:
-    if isinstance(exc, MemoryError):
-        return _error_dict(exc, "out_of_memory", "The run ran out of memory.",
-                           "Lower the batch size, the context length or the LoRA rank, or "
-                           "enable gradient checkpointing; then retry the job.")
-    return _error_dict(exc, "bug", f"The run stopped on a bug: {type(exc).__name__}: {exc}",
-                       "This is a bug in the workbench; please report it with the detail "
-                       "(traceback). Retry resumes from the last checkpoint.")
-
-
 def run_job_once(queue: JobQueue, job: Job, runner: Runner, worker_id: str, *,
                  heartbeat_s: float = DEFAULT_HEARTBEAT_S, grace_s: float = DEFAULT_GRACE_S,
                  stop_event: threading.Event | None = None) -> str:
@@ -312,14 +271,12 @@ def run_job_once(queue: JobQueue, job: Job, runner: Runner, worker_id: str, *,
     beat = _Heartbeat(control, heartbeat_s, grace_s)
     beat.start()
     state, error = "failed", None
-    started = time.time()
     log.info("job %s: started %s (attempt %s)", job.id, job.run_dir, job.attempts + 1)
     try:
         try:
             run.config()  # a missing or broken run directory fails here, clearly
-            run.write_status(state="running", job_id=job.id, worker_id=worker_id,
-                             attempts=job.attempts, started_at=started, finished_at=None,
-                             error=None)
+            control.reporter.started(job_id=job.id, worker_id=worker_id,
+                                     attempts=job.attempts)
             run.log(f"job {job.id}: started by worker {worker_id}"
                     + (f" (resumed after {job.attempts} worker death(s))" if job.attempts else ""))
             result = beat.guarded(runner, run, control)
@@ -334,10 +291,8 @@ def run_job_once(queue: JobQueue, job: Job, runner: Runner, worker_id: str, *,
             state = _interrupted_state(control)
         except Cancelled:
             state = "cancelled"
-        except EngineError as e:
-            state, error = "failed", _error_dict(e)
         except Exception as e:  # noqa: BLE001 - a bug (or MemoryError) must not kill the worker
-            state, error = "failed", _bug_error(e)
+            state, error = "failed", failure(e)
     except BaseException:  # KeyboardInterrupt, SystemExit: put the job back, then stop
         beat.stop()
         _record(queue, job, worker_id, run, control, "queued", None)
@@ -357,14 +312,7 @@ def _record(queue: JobQueue, job: Job, worker_id: str, run: RunDir, control: Job
             state: str, error: dict | None) -> None:
     """Write the outcome to the run directory and the queue; failures are logged, not raised."""
     try:
-        control.flush_status()
-    except EngineError as e:
-        log.warning("job %s: could not write status: %s", job.id, e.message)
-    try:
-        public = None if error is None else {k: error[k] for k in ("kind", "message", "hint")}
-        run.write_status(state=state, job_id=job.id, error=public,
-                         finished_at=time.time() if state in ("done", "failed", "cancelled")
-                         else None)
+        control.reporter.finished(state, error, job_id=job.id)
         if error is not None:
             run.log(f"job {job.id}: failed: {error['kind']}: {error['message']}\n"
                     f"{error.get('detail') or ''}")

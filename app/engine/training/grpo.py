@@ -37,8 +37,9 @@ Sampling is seeded by (seed, step, prompt row, sample), the prompt order by (see
 run paused and resumed from a checkpoint samples, scores and trains exactly as an uninterrupted
 one.
 
-Events (`report`, appended to metrics.jsonl by the worker and the CLI; the GRPO-specific ones
-carry "kind": "grpo"; times in seconds, lengths in generated tokens with the end-of-turn token):
+Events (`report`, appended to metrics.jsonl by the worker and the CLI; built with the schemas of
+app.engine.training.events; the GRPO-specific ones carry "kind": "grpo"; times in seconds, lengths
+in generated tokens with the end-of-turn token):
 * start:   total_steps, epochs, trainable, prompt_rows, train_prompts, val_prompts,
            skipped_rows, group_size, prompts_per_step, advantage, kl,
            rewards [{name, kind, weight}], resumed_at
@@ -81,6 +82,7 @@ from app.engine.model.lora import load_adapter, save_adapter
 from app.engine.model.transformer import Model, load_model
 from app.engine.runtime.backend import peak_rss_mb
 from app.engine.text.chat_template import generation_prompt_ids
+from app.engine.training import events
 from app.engine.training.checkpoints import prune_checkpoints, save_checkpoint
 from app.engine.training.config import TrainConfig
 from app.engine.runtime.schema import AT_LEAST_0, AT_LEAST_1, FRACTION, POSITIVE, TEXT, Range, check
@@ -92,7 +94,7 @@ from app.engine.training.sft import RUN_LENGTHS, guarded_step, report_norms, res
 Report = Callable[[dict], None]
 ShouldStop = Callable[[], "str | None"]
 
-KIND = "grpo"
+KIND = events.GRPO_RUN
 ADVANTAGES = ("group-std", "no-std", "batch-std")
 STD_EPS = 1e-6
 
@@ -459,10 +461,10 @@ def train_grpo(config: GrpoConfig, report: Report, should_stop: ShouldStop,
                checkpoints: str | Path | None = None) -> str:
     """Run (or resume, from the newest checkpoint in `checkpoints`) a GRPO run.
 
-    Returns "done", "paused" or "cancelled". Events (dicts with "type"): "log", "start",
-    "eval", "step", "samples", "norms", "routing", "checkpoint", "done" (formats in the module
-    docstring). Raises EngineError subclasses for bad input (RewardError when a reward function
-    fails) and TrainingDiverged after `max_bad_steps` consecutive non-finite steps.
+    Returns "done", "paused" or "cancelled". Events: log, start, eval, step, samples, norms,
+    routing, checkpoint, done (formats in the module docstring). Raises EngineError subclasses
+    for bad input (RewardError when a reward function fails) and TrainingDiverged after
+    `max_bad_steps` consecutive non-finite steps.
     """
     config.validate()
     t_start = time.perf_counter()
@@ -476,7 +478,7 @@ def train_grpo(config: GrpoConfig, report: Report, should_stop: ShouldStop,
         rows, rejected, n_rows = load_prompts(config.prompts, tok, scorer, max_prompt,
                                               config.parse_special)
         for r in rejected[:5]:
-            report({"type": "log", "message": f"skipped line {r.line}: {r.reason}"})
+            report(events.LOG_EVENT(message=f"skipped line {r.line}: {r.reason}"))
         train_rows, val_rows = split_prompts(rows, config.val_split, seed)
         if not train_rows:
             raise DatasetError(f"{Path(config.prompts).name} has no usable prompt rows "
@@ -489,15 +491,14 @@ def train_grpo(config: GrpoConfig, report: Report, should_stop: ShouldStop,
         ckpt_dir = resume(session, checkpoints, state, report)
         names = list(scorer.names)
         per_epoch = len(train_rows) / config.prompts_per_step
-        report({"type": "start", "kind": KIND, "total_steps": total,
-                "trainable": session.n_trainable, "prompt_rows": n_rows,
-                "train_prompts": len(train_rows), "val_prompts": len(val_rows),
-                "skipped_rows": len(rejected), "group_size": config.group_size,
-                "prompts_per_step": config.prompts_per_step, "advantage": config.advantage,
-                "kl": config.kl, "epochs": math.ceil(total / per_epoch),
-                "rewards": [{"name": n, "kind": s.kind, "weight": s.weight}
-                            for n, s in zip(names, config.rewards)],
-                "resumed_at": session.step_count})
+        report(events.GRPO_START(
+            total_steps=total, trainable=session.n_trainable, prompt_rows=n_rows,
+            train_prompts=len(train_rows), val_prompts=len(val_rows), skipped_rows=len(rejected),
+            group_size=config.group_size, prompts_per_step=config.prompts_per_step,
+            advantage=config.advantage, kl=config.kl, epochs=math.ceil(total / per_epoch),
+            rewards=[{"name": n, "kind": s.kind, "weight": s.weight}
+                     for n, s in zip(names, config.rewards)],
+            resumed_at=session.step_count))
 
         def save(tag: str = "") -> None:
             if ckpt_dir is None:
@@ -505,7 +506,7 @@ def train_grpo(config: GrpoConfig, report: Report, should_stop: ShouldStop,
             save_checkpoint(ckpt_dir, session.step_count, session.state_dict(),
                             {"run": dict(state)})
             prune_checkpoints(ckpt_dir, config.keep_last)
-            report({"type": "checkpoint", "step": session.step_count, "tag": tag})
+            report(events.CHECKPOINT_EVENT(step=session.step_count, tag=tag))
 
         def evaluate() -> None:
             if not val_rows:
@@ -515,28 +516,26 @@ def train_grpo(config: GrpoConfig, report: Report, should_stop: ShouldStop,
             raw, total_r = _score(scorer, done, config.max_new_tokens)
             lengths = [len(c.ids) for c in done]
             state["last_eval_step"] = session.step_count
-            event = {"type": "eval", "kind": KIND, "step": session.step_count,
-                     "prompts": len(done), "reward_mean": float(total_r.mean()),
-                     "reward_std": float(total_r.std()),
-                     "rewards": {n: dict(zip(("mean", "std"), _stats(raw[:, k])))
-                                 for k, n in enumerate(names)},
-                     "completion_len_mean": float(np.mean(lengths)),
-                     "completion_clipped_fraction":
-                         float(np.mean([not c.finished for c in done])),
-                     "examples": _sample_items(done[:3], raw, total_r, None, names,
-                                               config.answer_field)}
+            sampled = {}
             if config.eval_samples:     # the same seeds at every evaluation: comparable
-                sampled = sample_groups(model, val_rows, config.eval_samples, session.adapter,
-                                        config, 0, seed)
-                s_raw, s_total = _score(scorer, sampled, config.max_new_tokens)
-                event["sampled"] = {"samples": config.eval_samples,
-                                    "temperature": config.temperature,
-                                    "reward_mean": float(s_total.mean()),
-                                    "reward_std": float(s_total.std()),
-                                    "rewards": {n: dict(zip(("mean", "std"), _stats(s_raw[:, k])))
-                                                for k, n in enumerate(names)}}
-            event["eval_s"] = time.perf_counter() - t0
-            report(event)
+                s_done = sample_groups(model, val_rows, config.eval_samples, session.adapter,
+                                       config, 0, seed)
+                s_raw, s_total = _score(scorer, s_done, config.max_new_tokens)
+                sampled["sampled"] = {"samples": config.eval_samples,
+                                      "temperature": config.temperature,
+                                      "reward_mean": float(s_total.mean()),
+                                      "reward_std": float(s_total.std()),
+                                      "rewards": {n: dict(zip(("mean", "std"), _stats(s_raw[:, k])))
+                                                  for k, n in enumerate(names)}}
+            report(events.GRPO_EVAL(
+                step=session.step_count, prompts=len(done), reward_mean=float(total_r.mean()),
+                reward_std=float(total_r.std()),
+                rewards={n: dict(zip(("mean", "std"), _stats(raw[:, k])))
+                         for k, n in enumerate(names)},
+                completion_len_mean=float(np.mean(lengths)),
+                completion_clipped_fraction=float(np.mean([not c.finished for c in done])),
+                examples=_sample_items(done[:3], raw, total_r, None, names, config.answer_field),
+                eval_s=time.perf_counter() - t0, **sampled))
 
         if session.step_count == 0:
             evaluate()
@@ -584,33 +583,29 @@ def train_grpo(config: GrpoConfig, report: Report, should_stop: ShouldStop,
             elapsed = time.perf_counter() - t_loop
             eta = elapsed / done_steps * (total - session.step_count) if done_steps else 0.0
             r_mean, r_std = _stats(total_r)
-            report({"type": "step", "kind": KIND, "step": session.step_count,
-                    "total_steps": total, "epoch": int(step * P // len(train_rows)) + 1,
-                    "epochs": math.ceil(total / per_epoch),
-                    "loss": metrics.loss, "accuracy": metrics.accuracy, "lr": metrics.lr,
-                    "grad_norm": metrics.grad_norm, "clipped_fraction": metrics.clipped_fraction,
-                    "tokens": metrics.tokens, "tokens_per_s": metrics.tokens_per_s,
-                    "skipped": bad, "reward_mean": r_mean, "reward_std": r_std,
-                    "rewards": {n: dict(zip(("mean", "std"), _stats(raw[:, k])))
-                                for k, n in enumerate(names)},
-                    "zero_spread_fraction": float(np.mean(spread == 0)),
-                    "completion_len_mean": float(lengths.mean()),
-                    "completion_len_min": int(lengths.min()),
-                    "completion_len_max": int(lengths.max()),
-                    "completion_clipped_fraction":
-                        float(np.mean([not c.finished for c in completions])),
-                    "advantage_mean": float(adv.mean()), "advantage_std": float(adv.std()),
-                    "advantage_abs_mean": float(np.abs(adv).mean()),
-                    "kl": kl_mean, "sample_s": t1 - t0, "reward_s": t2 - t1,
-                    "update_s": t4 - t3, "sample_tokens_per_s": n_gen / max(t1 - t0, 1e-9),
-                    "step_s": t4 - t0, "elapsed_s": time.perf_counter() - t_start,
-                    "eta_s": eta, "rss_mb": peak_rss_mb()})
+            report(events.GRPO_STEP(
+                step=session.step_count, total_steps=total,
+                epoch=int(step * P // len(train_rows)) + 1, epochs=math.ceil(total / per_epoch),
+                loss=metrics.loss, accuracy=metrics.accuracy, lr=metrics.lr,
+                grad_norm=metrics.grad_norm, clipped_fraction=metrics.clipped_fraction,
+                tokens=metrics.tokens, tokens_per_s=metrics.tokens_per_s, skipped=bad,
+                reward_mean=r_mean, reward_std=r_std,
+                rewards={n: dict(zip(("mean", "std"), _stats(raw[:, k])))
+                         for k, n in enumerate(names)},
+                zero_spread_fraction=float(np.mean(spread == 0)),
+                completion_len_mean=float(lengths.mean()),
+                completion_len_min=int(lengths.min()), completion_len_max=int(lengths.max()),
+                completion_clipped_fraction=float(np.mean([not c.finished for c in completions])),
+                advantage_mean=float(adv.mean()), advantage_std=float(adv.std()),
+                advantage_abs_mean=float(np.abs(adv).mean()), kl=kl_mean, sample_s=t1 - t0,
+                reward_s=t2 - t1, update_s=t4 - t3,
+                sample_tokens_per_s=n_gen / max(t1 - t0, 1e-9), step_s=t4 - t0,
+                elapsed_s=time.perf_counter() - t_start, eta_s=eta, rss_mb=peak_rss_mb()))
             done = session.step_count
             if config.samples_every and done % config.samples_every == 0:
                 shown = completions[:config.samples_prompts * G]
-                report({"type": "samples", "kind": KIND, "step": done,
-                        "items": _sample_items(shown, raw, total_r, adv, names,
-                                               config.answer_field)})
+                report(events.GRPO_SAMPLES(step=done, items=_sample_items(
+                    shown, raw, total_r, adv, names, config.answer_field)))
             if config.norms_every and done % config.norms_every == 0:
                 report_norms(report, session, routing_window, done)
                 routing_window = {}
@@ -629,9 +624,9 @@ def train_grpo(config: GrpoConfig, report: Report, should_stop: ShouldStop,
         save("final")
         if ckpt_dir is not None:
             save_adapter(session.adapter, ckpt_dir.parent / "adapter.gguf", model.config.arch)
-        report({"type": "done", "kind": KIND, "step": session.step_count, "reason": "finished",
-                "skipped_steps": state["skipped_steps"],
-                "elapsed_s": time.perf_counter() - t_start})
+        report(events.GRPO_DONE(step=session.step_count, reason="finished",
+                                skipped_steps=state["skipped_steps"],
+                                elapsed_s=time.perf_counter() - t_start))
         return "done"
 
 

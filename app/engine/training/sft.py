@@ -23,6 +23,7 @@ from app.engine.training.checkpoints import (DamagedCheckpoint, list_checkpoints
                                              set_aside)
 from app.engine.training.config import TrainConfig
 from app.engine.runtime.schema import AT_LEAST_0, AT_LEAST_1, TEXT, check
+from app.engine.training import events
 from app.engine.data.dataset import DataConfig, load_dataset
 from app.engine.errors import (CheckpointError, ConfigError, DatasetError, EngineError,
                                OutOfMemoryError)
@@ -39,7 +40,7 @@ class TrainingDiverged(EngineError):
     kind = "diverged"
 
 
-KIND = "sft"
+KIND = events.SFT_RUN
 
 # The schema rules of the settings every run kind has (RunConfig, GrpoConfig).
 RUN_LENGTHS = dict(eval_every=AT_LEAST_0, save_every=AT_LEAST_0, norms_every=AT_LEAST_0,
@@ -127,18 +128,19 @@ def train(config: RunConfig, report: Report, should_stop: ShouldStop,
           checkpoints: str | Path | None = None) -> str:
     """Run (or resume, from the newest checkpoint in `checkpoints`) a training run.
 
-    Returns "done", "paused" or "cancelled". Events: "start", "step", "eval", "norms",
-    "routing", "checkpoint", "log", "done". Raises EngineError subclasses for bad input and
-    TrainingDiverged after `max_bad_steps` consecutive non-finite steps.
+    Returns "done", "paused" or "cancelled". Events: start, step, eval, norms, routing,
+    checkpoint, log, done (their fields: app.engine.training.events). Raises EngineError
+    subclasses for bad input and TrainingDiverged after `max_bad_steps` consecutive non-finite
+    steps.
     """
     config.validate()
     t_start = time.perf_counter()
     model = load_model(config.model, config.train.cache_budget, config.train.device)
-    report({"type": "log", "message": f"tokenizing {Path(config.data).name}"})
+    report(events.LOG_EVENT(message=f"tokenizing {Path(config.data).name}"))
     dataset = load_dataset(config.data, model.tokenizer, config.data_config,
                            should_stop=lambda: bool(should_stop()))
     if dataset.rejections.total:
-        report({"type": "log", "message": dataset.rejections.summary()})
+        report(events.LOG_EVENT(message=dataset.rejections.summary()))
     tc = config.train
     steps_per_epoch = dataset.steps_per_epoch(tc.grad_accum)
     if steps_per_epoch == 0:
@@ -154,10 +156,10 @@ def train(config: RunConfig, report: Report, should_stop: ShouldStop,
              "evals_without_gain": 0, "bad_streak": 0, "skipped_steps": 0}
     ckpt_dir = resume(session, checkpoints, state, report)
     stats = dataset.stats
-    report({"type": "start", "total_steps": total, "epochs": n_epochs,
-            "steps_per_epoch": steps_per_epoch, "trainable": session.n_trainable,
-            "train_rows": stats.train_rows, "val_rows": stats.val_rows,
-            "skipped_rows": stats.rejected, "resumed_at": session.step_count})
+    report(events.SFT_START(total_steps=total, epochs=n_epochs, steps_per_epoch=steps_per_epoch,
+                            trainable=session.n_trainable, train_rows=stats.train_rows,
+                            val_rows=stats.val_rows, skipped_rows=stats.rejected,
+                            resumed_at=session.step_count))
     has_val = bool(dataset.val_batches())
 
     def save(tag: str = "") -> None:
@@ -165,7 +167,7 @@ def train(config: RunConfig, report: Report, should_stop: ShouldStop,
             return
         save_checkpoint(ckpt_dir, session.step_count, session.state_dict(), {"run": dict(state)})
         prune_checkpoints(ckpt_dir, config.keep_last, keep=(state["best_step"],))
-        report({"type": "checkpoint", "step": session.step_count, "tag": tag})
+        report(events.CHECKPOINT_EVENT(step=session.step_count, tag=tag))
 
     def evaluate() -> bool:
         """Evaluate; True when early stopping says stop."""
@@ -177,8 +179,8 @@ def train(config: RunConfig, report: Report, should_stop: ShouldStop,
             state.update(best_loss=loss, best_step=session.step_count, evals_without_gain=0)
         else:
             state["evals_without_gain"] += 1
-        report({"type": "eval", "step": session.step_count, "loss": loss, "accuracy": acc,
-                "perplexity": math.exp(min(loss, 700.0)), "best": improved})
+        report(events.SFT_EVAL(step=session.step_count, loss=loss, accuracy=acc,
+                               perplexity=math.exp(min(loss, 700.0)), best=improved))
         if improved and ckpt_dir is not None:
             save("best")
         return bool(config.patience and state["evals_without_gain"] >= config.patience)
@@ -205,13 +207,13 @@ def train(config: RunConfig, report: Report, should_stop: ShouldStop,
             done_steps = session.step_count - session_start_step
             elapsed = time.perf_counter() - t_loop
             eta = elapsed / done_steps * (total - session.step_count) if done_steps else 0.0
-            report({"type": "step", "step": session.step_count, "total_steps": total,
-                    "epoch": epoch + 1, "epochs": n_epochs, "loss": metrics.loss,
-                    "accuracy": metrics.accuracy, "lr": metrics.lr,
-                    "grad_norm": metrics.grad_norm, "clipped_fraction": metrics.clipped_fraction,
-                    "tokens": metrics.tokens, "tokens_per_s": metrics.tokens_per_s,
-                    "skipped": bad, "elapsed_s": time.perf_counter() - t_start, "eta_s": eta,
-                    "rss_mb": peak_rss_mb(), **running.summary()})
+            report(events.SFT_STEP(
+                step=session.step_count, total_steps=total, epoch=epoch + 1, epochs=n_epochs,
+                loss=metrics.loss, accuracy=metrics.accuracy, lr=metrics.lr,
+                grad_norm=metrics.grad_norm, clipped_fraction=metrics.clipped_fraction,
+                tokens=metrics.tokens, tokens_per_s=metrics.tokens_per_s, skipped=bad,
+                elapsed_s=time.perf_counter() - t_start, eta_s=eta, rss_mb=peak_rss_mb(),
+                **running.summary()))
             step = session.step_count
             if config.norms_every and step % config.norms_every == 0:
                 report_norms(report, session, routing_window, step)
@@ -240,10 +242,10 @@ def train(config: RunConfig, report: Report, should_stop: ShouldStop,
     save("final")
     if session.adapter is not None and ckpt_dir is not None:
         save_adapter(session.adapter, ckpt_dir.parent / "adapter.gguf", model.config.arch)
-    report({"type": "done", "step": session.step_count, "reason": stop_reason or "finished",
-            "best_step": state["best_step"],
-            "best_loss": state["best_loss"] if math.isfinite(state["best_loss"]) else None,
-            "skipped_steps": state["skipped_steps"], "elapsed_s": time.perf_counter() - t_start})
+    report(events.SFT_DONE(
+        step=session.step_count, reason=stop_reason or "finished", best_step=state["best_step"],
+        best_loss=state["best_loss"] if math.isfinite(state["best_loss"]) else None,
+        skipped_steps=state["skipped_steps"], elapsed_s=time.perf_counter() - t_start))
     return "done"
 
 
@@ -264,9 +266,9 @@ def resume(session: TrainSession, checkpoints, state: dict, report: Report) -> P
         state.update(ckpt.meta.get("run", {}))
         for bad, reason in damaged:
             kept = set_aside(bad, "damaged")
-            report({"type": "log", "message": f"checkpoint {bad.name} is damaged ({reason}); "
-                                              f"resuming from {path.name} (kept as {kept.name})"})
-        report({"type": "log", "message": f"resumed from step {session.step_count}"})
+            report(events.LOG_EVENT(message=f"checkpoint {bad.name} is damaged ({reason}); "
+                                            f"resuming from {path.name} (kept as {kept.name})"))
+        report(events.LOG_EVENT(message=f"resumed from step {session.step_count}"))
         return ckpt_dir
     if damaged:
         raise CheckpointError("No checkpoint of the run is intact: "
@@ -329,11 +331,11 @@ def non_finite_tensors(session: TrainSession) -> tuple[list[str], list[str]]:
 
 def report_norms(report: Report, session: TrainSession, routing: dict, step: int) -> None:
     if session.adapter is not None:
-        report({"type": "norms", "step": step, "tensors": adapter_norms(session.adapter)})
+        report(events.NORMS_EVENT(step=step, tensors=adapter_norms(session.adapter)))
     if routing:
-        report({"type": "routing", "step": step,
-                "layers": {str(layer): (counts / max(counts.sum(), 1)).tolist()
-                           for layer, counts in sorted(routing.items())}})
+        report(events.ROUTING_EVENT(step=step, layers={
+            str(layer): (counts / max(counts.sum(), 1)).tolist()
+            for layer, counts in sorted(routing.items())}))
 
 
 def run_sft_job(run_dir, control) -> str:

@@ -16,11 +16,14 @@ from app.engine.training.grpo import (GrpoConfig, compute_advantages, kl_weights
                                       policy_batches, prompt_ids, sample_groups, sample_seed,
                                       step_prompts, token_log_probs, train_grpo)
 from app.engine.runs import kinds
+from app.engine.export.exporter import source_from_run
 from app.engine.runs.queue import JobQueue
+from app.engine.runs.reporter import RunReporter
 from app.engine.model.lora import LoraAdapter, LoraConfig, init_adapter, load_adapter
 from app.engine.training.reward_functions import RewardScorer, RewardSpec, trust_reward_files
 from app.engine.runs.rundir import RunDir
 from app.engine.text.tokenizer import Tokenizer
+from app.engine.training import events as schema
 from app.engine.training.session import TrainSession
 from app.engine.runs.worker import run_worker
 from tests.conftest import GOLDEN, SAMPLE_DATA
@@ -323,6 +326,26 @@ def test_pause_and_resume_is_exact(tmp_path, pause_after):
     for key in ("reward_mean", "loss", "kl", "completion_len_mean", "grad_norm"):
         assert _steps(first, key) + _steps(resumed, key) == _steps(straight, key), key
     assert _steps(first, "step") + _steps(resumed, "step") == [1, 2, 3, 4]
+
+
+def test_every_recorded_event_fits_the_schema(tmp_path):
+    """A GRPO run paused and resumed, recorded as the worker and the CLI record it: every event
+    of metrics.jsonl is one of the schema's for GRPO runs, with exactly its fields."""
+    config = _config(eval_samples=2)
+    run = RunDir.create(tmp_path / "run", config.to_dict())
+    calls = iter([None, "pause"])
+    assert train_grpo(config, RunReporter(run).report, lambda: next(calls, None),
+                      run.checkpoints_dir) == "paused"
+    assert train_grpo(config, RunReporter(run).report, lambda: None,
+                      run.checkpoints_dir) == "done"
+    recorded = run.metrics()
+    assert {e["type"] for e in recorded} == set(schema.SCHEMAS[schema.GRPO_RUN])
+    assert [schema.problems(e, schema.GRPO_RUN) for e in recorded] == [[]] * len(recorded)
+    assert schema.problems(recorded[0]) == [                  # not an event of an SFT run
+        "a start event of sft runs carries kind 'grpo', not None"]
+    assert set(schema.STATUS_FIELDS) <= set(run.status())
+    # the exporter reads the run's config by its kind
+    assert source_from_run(run.path).model_path == config.model
 
 
 def test_config_round_trip_and_validation():

@@ -18,9 +18,11 @@ from app.engine.data.dataset import DataConfig
 from app.engine.errors import CheckpointError, OutOfMemoryError
 from app.engine.io.gguf import read_gguf, write_gguf
 from app.engine.runs.queue import JobQueue
+from app.engine.runs.reporter import RunReporter
 from app.engine.model.lora import load_adapter
 from app.engine.training.sft import RunConfig, TrainingDiverged, train
 from app.engine.runs.rundir import RunDir
+from app.engine.training import events as schema
 from app.engine.training.session import TrainSession
 from app.engine.runs.worker import run_worker
 from tests.conftest import GOLDEN, REPO
@@ -156,6 +158,29 @@ def test_kill_9_mid_run_then_resume_gives_the_uninterrupted_losses(tmp_path, dat
     assert job.state == "done" and job.attempts == 1
     by_step = {e["step"]: e["loss"] for e in run_dir.metrics() if e["type"] == "step"}
     assert [by_step[i + 1] for i in range(len(by_step))] == _steps(straight)
+
+
+def test_every_recorded_event_fits_the_schema(tmp_path, data_file):
+    """A run paused and resumed, recorded as the worker and the CLI record it: every event of
+    metrics.jsonl is one of the schema's, with exactly its fields."""
+    run = RunDir.create(tmp_path / "run", _config(data_file).to_dict())
+    assert train(_config(data_file), RunReporter(run).report, _pause_after(5),
+                 run.checkpoints_dir) == "paused"
+    assert train(_config(data_file), RunReporter(run).report, lambda: None,
+                 run.checkpoints_dir) == "done"
+    recorded = run.metrics()
+    assert {e["type"] for e in recorded} == set(schema.SCHEMAS[schema.SFT_RUN])
+    assert [schema.problems(e) for e in recorded] == [[]] * len(recorded)
+    assert set(schema.STATUS_FIELDS) - set(run.status()) == {"reward_mean"}   # a GRPO field
+
+
+def test_an_event_with_a_missing_or_unknown_field_is_refused():
+    with pytest.raises(ValueError, match="a step event: missing .*unknown lost"):
+        schema.SFT_STEP(step=1, lost=2)
+    assert schema.LOG_EVENT(message="hi") == {"type": "log", "message": "hi"}
+    assert schema.problems({"type": "samples", "step": 1, "items": []}) == [
+        "'samples' is not an event of sft runs"]
+    assert schema.problems({"type": "checkpoint", "step": 2, "tag": "", "time": 1.0}) == []
 
 
 # ---------------------------------------------------------------------------- damaged checkpoints
