@@ -1,6 +1,6 @@
 """Screenshots of every screen of the real app, for the docs.
 
-    QT_QPA_PLATFORM=offscreen python -m app.views.screenshots docs/screenshots
+    QT_QPA_PLATFORM=offscreen python -m tools.screenshots docs/screenshots
 
 Opens the window on a private queue, runs folder and settings (nothing of the user's is
 touched), with the bundled sample model and dataset; shoots the New run tabs; starts a short

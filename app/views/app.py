@@ -63,7 +63,7 @@ def prepare_app(argv: list[str] | None = None) -> QApplication:
 
 def make_queue(path: str | os.PathLike | None = None):
     """The job queue: `path`, else $WORKBENCH_QUEUE, else the default in the user data dir."""
-    from app.engine.runs.queue import JobQueue
+    from app.engine.api import JobQueue
 
     return JobQueue(path or os.environ.get("WORKBENCH_QUEUE") or None)
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from PySide6.QtCore import QObject, QRunnable, QSettings, QThreadPool, Signal
 
 if TYPE_CHECKING:  # pragma: no cover
-    from app.engine.runs.queue import JobQueue
+    from app.engine.api import JobQueue
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SAMPLE_DATA = REPO_ROOT / "sample_data"
@@ -100,15 +100,14 @@ class AppContext(QObject):
     # ---------------------------------------------------------------- engine process
     def ensure_worker(self) -> int | None:
         """Start the engine worker process for `queue` unless one runs; its pid (or None)."""
-        from app.engine.runs.worker import ensure_worker
+        from app.engine.api import ensure_worker
 
         return ensure_worker(self.queue.path)
 
     def queue_new_run(self, path: str | os.PathLike, config: dict, first: bool) -> int | None:
         """Write the run directory `path` with `config`, queue it (ahead of the waiting jobs
         when `first`) and make sure a worker runs (its pid). Call it off the GUI thread."""
-        from app.engine.runs.queue import PENDING
-        from app.engine.runs.rundir import RunDir
+        from app.engine.api import PENDING, RunDir
 
         run = RunDir.create(path, config)
         priority = 0
@@ -121,17 +120,17 @@ class AppContext(QObject):
     def stop_worker(self, timeout: float = 20.0) -> bool:
         """Stop the queue's worker (its running job is checkpointed and requeued) and wait
         for it; True when none runs any more."""
-        from app.engine.runs.worker import stop_worker
+        from app.engine.api import stop_worker
 
         return stop_worker(self.queue.path, timeout)
 
     def worker_running(self) -> bool:
-        from app.engine.runs.worker import worker_running
+        from app.engine.api import worker_running
 
         return worker_running(self.queue.path)
 
     def worker_pid(self) -> int | None:
-        from app.engine.runs.worker import worker_pid
+        from app.engine.api import worker_pid
 
         return worker_pid(self.queue.path)
 
@@ -144,7 +143,7 @@ class AppContext(QObject):
         env = os.environ.get("WORKBENCH_RUNS")
         if env:
             return Path(env).expanduser()
-        from app.engine.runs.rundir import default_runs_dir
+        from app.engine.api import default_runs_dir
 
         return default_runs_dir()
 

@@ -19,8 +19,7 @@ from PySide6.QtWidgets import (QAbstractItemView, QFileDialog, QHBoxLayout, QHea
                                QLineEdit, QProgressBar, QPushButton, QSplitter, QTableWidget,
                                QTableWidgetItem, QTextEdit, QVBoxLayout, QWidget)
 
-from app.engine.data.dataset import DataConfig
-from app.engine.data.lint import LintReport, lint_file
+from app.engine.api import DataConfig, LintReport, lint_file
 from app.views.context import Background
 from app.views.error_panel import ErrorPanel
 
@@ -86,28 +85,21 @@ class DatasetPanel(QWidget):
         self._inputs: tuple[str, str, DataConfig] | None = None
         self._bg = Background(self)
         self._debounce = QTimer(self, singleShot=True, interval=250)
-        self._debounce.timeout.connect(self._start_lint)
+        self._build()
+        self._layout()
+        self._connect()
+        self._show_report(None)
 
+    def _build(self) -> None:
         self.path_field = QLineEdit(placeholderText="Path to a .jsonl dataset",
                                     clearButtonEnabled=True)
-        self.path_field.editingFinished.connect(self._path_edited)
-        browse = QPushButton("Choose dataset\u2026")
-        browse.clicked.connect(self.choose)
-        top = QHBoxLayout()
-        top.addWidget(QLabel("Dataset", objectName="formLabel"))
-        top.addWidget(self.path_field, 1)
-        top.addWidget(browse)
-
+        self.browse_button = QPushButton("Choose dataset\u2026")
         self.format_label = QLabel(objectName="badge")
         self.summary_label = QLabel(objectName="lintSummary", wordWrap=True,
                                     textFormat=Qt.PlainText)
         self.busy = QProgressBar(textVisible=False, maximumWidth=120, maximumHeight=6)
         self.busy.setRange(0, 0)
         self.busy.hide()
-        summary = QHBoxLayout()
-        summary.addWidget(self.format_label)
-        summary.addWidget(self.summary_label, 1)
-        summary.addWidget(self.busy)
         self.error_panel = ErrorPanel(margins=0)
         self.error_panel.hide()
 
@@ -133,9 +125,18 @@ class DatasetPanel(QWidget):
         self.example_title = QLabel("Example", objectName="sectionHeader")
         self.example_view = QTextEdit(readOnly=True, objectName="exampleView")
         self.example_view.setFont(QFont("monospace", 9))
+
+    def _layout(self) -> None:
+        top = QHBoxLayout()
+        top.addWidget(QLabel("Dataset", objectName="formLabel"))
+        top.addWidget(self.path_field, 1)
+        top.addWidget(self.browse_button)
+        summary = QHBoxLayout()
+        summary.addWidget(self.format_label)
+        summary.addWidget(self.summary_label, 1)
+        summary.addWidget(self.busy)
         legend = QLabel("Highlighted: the tokens the model is trained to produce.",
                         objectName="hint")
-
         left = QSplitter(Qt.Vertical)
         left.addWidget(titled("First rows", self.preview_table))
         self._bad_box = titled(self.bad_rows_title, self.bad_rows_table)
@@ -167,7 +168,11 @@ class DatasetPanel(QWidget):
         layout.addLayout(summary)
         layout.addWidget(self.error_panel)
         layout.addWidget(body, 1)
-        self._show_report(None)
+
+    def _connect(self) -> None:
+        self._debounce.timeout.connect(self._start_lint)
+        self.path_field.editingFinished.connect(self._path_edited)
+        self.browse_button.clicked.connect(self.choose)
 
     # ---------------------------------------------------------------- inputs
     def data_path(self) -> str:

@@ -13,7 +13,7 @@ from PySide6.QtGui import QFontDatabase
 from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QPlainTextEdit, QSizePolicy, QStyle,
                                QToolButton, QVBoxLayout, QWidget)
 
-from app.engine.errors import EngineError
+from app.engine.api import EngineError
 
 BUG_HINT = ("This is a bug in the workbench, not a problem with your file. "
             "Please report it with the details below.")

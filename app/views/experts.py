@@ -25,7 +25,7 @@ from PySide6.QtCore import QSize, Qt
 from PySide6.QtWidgets import (QCheckBox, QComboBox, QHBoxLayout, QLabel, QListWidget,
                                QListWidgetItem, QSlider, QStyle, QVBoxLayout, QWidget)
 
-from app.engine.runs.rundir import RunDir
+from app.engine.api import RunDir
 from app.views.run_tail import PacedRedraw, RunTail
 
 PROJECTIONS = {"gate": "ffn_gate_exps", "up": "ffn_up_exps", "down": "ffn_down_exps"}
@@ -178,11 +178,15 @@ class ExpertsView(QWidget):
         self._routing_warnings: list[str] = []
         self.columns: list[str] = []          # column labels of the norm heatmap
         self.kinds: list[str] = []            # their tensor kinds (or expert numbers)
-        self.tail = RunTail(self, read_log=False)
-        self.tail.reset.connect(self._on_reset)
-        self.tail.norms.connect(self._on_norms)
-        self.tail.routing.connect(self._on_routing)
+        self._build()
+        self._layout()
+        self._connect()
+        self._redraw()
+        if getattr(ctx, "current_run", None):
+            self.set_run(ctx.current_run)
 
+    def _build(self) -> None:
+        self.tail = RunTail(self, read_log=False)
         self.title = QLabel("Experts", objectName="pageTitle")
         self.subtitle = QLabel("No run selected.", objectName="pageSubtitle")
         self.view_combo = QComboBox()
@@ -195,11 +199,6 @@ class ExpertsView(QWidget):
         self.step_label = QLabel("no norms yet")
         self.follow = QCheckBox("Follow latest", checked=True)
         self.redraw = PacedRedraw(self)          # one heatmap per pass of the event loop
-        self.redraw.add("norms", self._draw_norms)
-        self.redraw.add("routing", self._draw_routing)
-        for combo in (self.view_combo, self.projection, self.window_combo):
-            combo.currentTextChanged.connect(self._redraw)
-        self.slider.valueChanged.connect(self._on_slider)
         self.norm_plot = Heatmap("LoRA update norm \u2016s\u00b7B\u00b7A\u2016", "viridis")
         self.routing_plot = Heatmap("Router load (share of tokens)", "inferno")
         self.norm_image = self.norm_plot.image_item
@@ -207,13 +206,15 @@ class ExpertsView(QWidget):
         self.hover = QLabel(" ", objectName="pageSubtitle")
         self.warning_list = QListWidget(maximumHeight=110)
         self.warning_list.setIconSize(QSize(16, 16))
-        for plot in (self.norm_plot, self.routing_plot):
-            plot.scene().sigMouseMoved.connect(lambda pos, p=plot: self._on_hover(p, pos))
+        self.moe_controls = QWidget()             # hidden for dense models
+        self.dense_note = QLabel("Dense model (no experts, no router): update norms per layer "
+                                 "and module.", objectName="pageSubtitle")
+        self.dense_note.hide()
 
+    def _layout(self) -> None:
         head = QVBoxLayout()
         head.addWidget(self.title)
         head.addWidget(self.subtitle)
-        self.moe_controls = QWidget()             # hidden for dense models
         controls = QHBoxLayout(self.moe_controls)
         controls.setContentsMargins(0, 0, 0, 0)
         for label, widget in (("Show", self.view_combo), ("Projection", self.projection),
@@ -222,9 +223,6 @@ class ExpertsView(QWidget):
             controls.addWidget(widget)
             controls.addSpacing(10)
         controls.addStretch(1)
-        self.dense_note = QLabel("Dense model (no experts, no router): update norms per layer "
-                                 "and module.", objectName="pageSubtitle")
-        self.dense_note.hide()
         replay = QHBoxLayout()
         replay.addWidget(QLabel("Step"))
         replay.addWidget(self.slider, 1)
@@ -243,10 +241,19 @@ class ExpertsView(QWidget):
         layout.addWidget(self.hover)
         layout.addWidget(QLabel("Warnings", objectName="sectionHeader"))
         layout.addWidget(self.warning_list)
-        ctx.run_selected.connect(self.set_run)
-        self._redraw()
-        if getattr(ctx, "current_run", None):
-            self.set_run(ctx.current_run)
+
+    def _connect(self) -> None:
+        self.tail.reset.connect(self._on_reset)
+        self.tail.norms.connect(self._on_norms)
+        self.tail.routing.connect(self._on_routing)
+        self.redraw.add("norms", self._draw_norms)
+        self.redraw.add("routing", self._draw_routing)
+        for combo in (self.view_combo, self.projection, self.window_combo):
+            combo.currentTextChanged.connect(self._redraw)
+        self.slider.valueChanged.connect(self._on_slider)
+        for plot in (self.norm_plot, self.routing_plot):
+            plot.scene().sigMouseMoved.connect(lambda pos, p=plot: self._on_hover(p, pos))
+        self.ctx.run_selected.connect(self.set_run)
 
     # ---------------------------------------------------------------- data
     def set_run(self, path: str) -> None:

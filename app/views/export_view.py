@@ -22,6 +22,8 @@ from PySide6.QtWidgets import (QAbstractItemView, QCheckBox, QComboBox, QDoubleS
                                QLineEdit, QMessageBox, QPlainTextEdit, QProgressBar,
                                QPushButton, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
 
+from app.engine.api import (ConfigError, ExportTargetExists, RunDir, export, source_from_adapter,
+                            source_from_run)
 from app.views.context import AppContext, Background
 from app.views.error_panel import ErrorPanel
 
@@ -47,13 +49,9 @@ def run_checkpoints(run_dir: str) -> list[int]:
 
 def do_export(spec: dict):
     """Build the export source from `spec` and export it (runs in a worker thread)."""
-    from app.engine.export.exporter import export, source_from_adapter, source_from_run
-
     if spec["source"] == "run":
         run, which = spec["run_dir"], spec["checkpoint"]
         if which == FINAL:
-            from app.engine.runs.rundir import RunDir
-
             model = RunDir(run).config().get("model", "")
             source = source_from_adapter(os.path.join(run, "adapter.gguf"), model)
             source.run_dir = run
@@ -91,63 +89,41 @@ class ExportView(QWidget):
         self.report = None
         self.run_dir = ""
         self._bg = Background(self, max_threads=1)
+        self._build()
+        self._layout()
+        self._connect()
+        self.follow_run(ctx.current_run or "")
+        self._update_fields()
+
+    def _build(self) -> None:
         self.error_panel = ErrorPanel(margins=0, closable=True)
         self.error_panel.hide()
-
         self.source_box = QComboBox()
         self.source_box.addItem("The selected run", "run")
         self.source_box.addItem("An adapter file and its base model", "file")
-        self.source_box.currentIndexChanged.connect(self._update_fields)
         self.run_label = QLabel(textFormat=Qt.PlainText, wordWrap=True)
         self.checkpoint_box = QComboBox()
         self.adapter_field = QLineEdit(placeholderText="adapter .gguf or PEFT folder")
         self.model_field = QLineEdit(placeholderText="base model .gguf")
-        adapter_browse, model_browse = QPushButton("Browse\u2026"), QPushButton("Browse\u2026")
-        adapter_browse.clicked.connect(lambda: self._browse(self.adapter_field, "LoRA adapter"))
-        model_browse.clicked.connect(lambda: self._browse(self.model_field, "Base model"))
+        self._adapter_browse = QPushButton("Browse\u2026")
+        self._model_browse = QPushButton("Browse\u2026")
         self.format_box = QComboBox()
         for key, label in FORMAT_LABELS.items():
             self.format_box.addItem(label, key)
-        self.format_box.currentIndexChanged.connect(self._update_fields)
         self.type_box = QComboBox()
-        self.type_box.currentIndexChanged.connect(self._update_placeholder)
         self.fallback_box = QComboBox()
         for t in ("q8_0", "f16", "bf16"):
             self.fallback_box.addItem(t, t)
         self.scale = QDoubleSpinBox(minimum=0.01, maximum=10, value=1.0, decimals=2,
                                     singleStep=0.1)
         self.out_field = QLineEdit()
-        out_browse = QPushButton("Browse\u2026")
-        out_browse.clicked.connect(self._browse_out)
+        self._out_browse = QPushButton("Browse\u2026")
         self.llamacpp_box = QCheckBox("Also compare with llama.cpp when llama-cpp-python is "
                                       "installed", checked=True)
         self.export_button = QPushButton("Export", objectName="primaryButton")
-        self.export_button.clicked.connect(self.start_export)
         self.busy = QProgressBar(textVisible=False, maximumWidth=160, maximumHeight=6)
         self.busy.setRange(0, 0)
         self.busy.hide()
-
-        g = QGridLayout()
-        g.setHorizontalSpacing(10)
-        rows = [("Source", [self.source_box]), ("Run", [self.run_label]),
-                ("Checkpoint", [self.checkpoint_box]),
-                ("Adapter", [self.adapter_field, adapter_browse]),
-                ("Base model", [self.model_field, model_browse]),
-                ("Format", [self.format_box]), ("Tensor type", [self.type_box]),
-                ("Fallback type", [self.fallback_box]), ("Scale", [self.scale]),
-                ("Destination", [self.out_field, out_browse]), ("", [self.llamacpp_box])]
-        self._rows: dict[str, list[QWidget]] = {}
-        for r, (label, widgets) in enumerate(rows):
-            name = QLabel(label, objectName="formLabel")
-            g.addWidget(name, r, 0)
-            for c, w in enumerate(widgets):
-                g.addWidget(w, r, 1 + c, 1, 1 if len(widgets) > 1 or c else 2)
-            self._rows[label] = [name, *widgets]
-        g.setColumnStretch(1, 1)
-        actions = QHBoxLayout()
-        actions.addWidget(self.export_button)
-        actions.addWidget(self.busy)
-        actions.addStretch(1)
 
         self.badge = QLabel(objectName="reportBadge")
         self.badge.hide()
@@ -163,8 +139,30 @@ class ExportView(QWidget):
         self.report_text = QPlainTextEdit(readOnly=True, objectName="reportText")
         self.report_text.setMaximumHeight(130)
         self.open_folder = QPushButton("Open folder")
-        self.open_folder.clicked.connect(self._open_folder)
         self.open_folder.setEnabled(False)
+
+    def _layout(self) -> None:
+        g = QGridLayout()
+        g.setHorizontalSpacing(10)
+        rows = [("Source", [self.source_box]), ("Run", [self.run_label]),
+                ("Checkpoint", [self.checkpoint_box]),
+                ("Adapter", [self.adapter_field, self._adapter_browse]),
+                ("Base model", [self.model_field, self._model_browse]),
+                ("Format", [self.format_box]), ("Tensor type", [self.type_box]),
+                ("Fallback type", [self.fallback_box]), ("Scale", [self.scale]),
+                ("Destination", [self.out_field, self._out_browse]), ("", [self.llamacpp_box])]
+        self._rows: dict[str, list[QWidget]] = {}
+        for r, (label, widgets) in enumerate(rows):
+            name = QLabel(label, objectName="formLabel")
+            g.addWidget(name, r, 0)
+            for c, w in enumerate(widgets):
+                g.addWidget(w, r, 1 + c, 1, 1 if len(widgets) > 1 or c else 2)
+            self._rows[label] = [name, *widgets]
+        g.setColumnStretch(1, 1)
+        actions = QHBoxLayout()
+        actions.addWidget(self.export_button)
+        actions.addWidget(self.busy)
+        actions.addStretch(1)
         head = QHBoxLayout()
         head.addWidget(self.badge)
         head.addWidget(self.report_title, 1)
@@ -183,10 +181,19 @@ class ExportView(QWidget):
         layout.addWidget(self.checks_table, 1)
         layout.addWidget(self.report_text)
 
-        ctx.run_selected.connect(self.follow_run)
-        ctx.model_selected.connect(lambda p: self.model_field.text() or self.model_field.setText(p))
-        self.follow_run(ctx.current_run or "")
-        self._update_fields()
+    def _connect(self) -> None:
+        self.source_box.currentIndexChanged.connect(self._update_fields)
+        self._adapter_browse.clicked.connect(
+            lambda: self._browse(self.adapter_field, "LoRA adapter"))
+        self._model_browse.clicked.connect(lambda: self._browse(self.model_field, "Base model"))
+        self.format_box.currentIndexChanged.connect(self._update_fields)
+        self.type_box.currentIndexChanged.connect(self._update_placeholder)
+        self._out_browse.clicked.connect(self._browse_out)
+        self.export_button.clicked.connect(self.start_export)
+        self.open_folder.clicked.connect(self._open_folder)
+        self.ctx.run_selected.connect(self.follow_run)
+        self.ctx.model_selected.connect(
+            lambda p: self.model_field.text() or self.model_field.setText(p))
 
     # ---------------------------------------------------------------- inputs
     def follow_run(self, run_dir: str) -> None:
@@ -265,8 +272,6 @@ class ExportView(QWidget):
         return self._bg.busy("export")
 
     def start_export(self) -> None:
-        from app.engine.errors import ConfigError
-
         spec = self.spec()
         self.error_panel.hide()
         problem = None
@@ -289,8 +294,6 @@ class ExportView(QWidget):
                      on_error=lambda error: self._on_error(error, spec))
 
     def _on_error(self, error: BaseException, spec: dict) -> None:
-        from app.engine.export.exporter import ExportTargetExists
-
         kept = isinstance(error, ExportTargetExists)    # the engine checked before writing
         if kept and self._confirm_replace(error.path):
             self._run_export(dict(spec, overwrite=True))

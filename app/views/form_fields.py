@@ -99,9 +99,9 @@ class FormBase(QWidget):
         self.fields[key] = widget
         self.error_labels[key] = err
         widget.setProperty("formLabel", name)
-        self._connect(widget, key)
+        self._watch(widget, key)
 
-    def _connect(self, widget: QWidget, key: str) -> None:
+    def _watch(self, widget: QWidget, key: str) -> None:
         if isinstance(widget, QComboBox):
             widget.currentIndexChanged.connect(lambda *_: self._changed(key))
         elif isinstance(widget, (QSpinBox, QDoubleSpinBox)):

@@ -21,9 +21,7 @@ from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (QFileDialog, QFrame, QHBoxLayout, QLabel, QLineEdit, QPushButton,
                                QScrollArea, QSplitter, QVBoxLayout, QWidget)
 
-from app.engine.training.config import TrainConfig
-from app.engine.training.grpo import GrpoConfig
-from app.engine.training.reward_functions import RewardSpec
+from app.engine.api import GrpoConfig, RewardSpec, TrainConfig
 from app.views.context import Background, sample_dataset_path, sample_model_path
 from app.views.dataset_panel import fill_preview, make_table, read_preview, titled
 from app.views.form_fields import FormBase, combo, dspin, field_value, set_field, spin

@@ -22,7 +22,7 @@ from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QListWidget, QListWi
                                QMainWindow, QMessageBox, QPushButton, QStackedWidget,
                                QVBoxLayout, QWidget)
 
-from app.engine.model.card import ModelCard, describe_model
+from app.engine.api import JobQueue, ModelCard, describe_model
 from app.views.context import SCREENS, AppContext
 from app.views.error_panel import ErrorPanel
 from app.views.run_tail import BackgroundPoll
@@ -45,8 +45,6 @@ MESSAGE_MS = 10_000
 
 def default_context(settings: QSettings | None = None) -> AppContext:
     """A context on the default queue ($WORKBENCH_QUEUE or the user data directory)."""
-    from app.engine.runs.queue import JobQueue
-
     return AppContext(JobQueue(os.environ.get("WORKBENCH_QUEUE") or None), settings)
 
 

@@ -21,7 +21,7 @@ from PySide6.QtWidgets import (QFileDialog, QFrame, QGridLayout, QHBoxLayout, QL
                                QListWidget, QListWidgetItem, QProgressBar, QPushButton,
                                QScrollArea, QStackedWidget, QVBoxLayout, QWidget)
 
-from app.engine.model.card import ModelCard, describe_model, human_bytes
+from app.engine.api import ModelCard, describe_model, human_bytes
 
 LABEL_WIDTH = 190                       # long labels wrap rather than push the values right
 

@@ -9,8 +9,8 @@ axis shows the whole run (step 0 to the total) until the user zooms (`ranges`, a
 A supervised run shows its loss page alone. A GRPO run (config.json "kind": "grpo") gets three
 pages: Rewards (`grpo`, a `GrpoCurves`), Completions (`completions`, a `CompletionsView`) and
 the same loss page. Test-visible state: `loss_curve` (raw training loss), `smooth_curve` (its
-EMA), `val_curve`, `lr_curve`, `grad_curve`, `clipped_curve`, `tps_curve`, `pages`, `kind`,
-`grpo`, `completions`, `compare`, `progress`, `stats_label`, `log_view`.
+EMA), `val_curve`, `lr_curve`, `grad_curve`, `clipped_curve`, `tps_curve`, `pages`, `kind` (the
+run's RunKind), `grpo`, `completions`, `compare`, `progress`, `stats_label`, `log_view`.
 """
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ from PySide6.QtWidgets import (QCheckBox, QGridLayout, QHBoxLayout, QLabel, QMes
                                QPlainTextEdit, QProgressBar, QPushButton, QSizePolicy, QSlider,
                                QSplitter, QTabWidget, QVBoxLayout, QWidget)
 
-from app.engine.errors import EngineError
-from app.engine.runs.rundir import RunDir
+from app.engine.api import GRPO, SFT, EngineError, RunDir, RunKind, kind_of
 from app.views.completions import CompletionsView
 from app.views.grpo_curves import KEYS as GRPO_KEYS
 from app.views.grpo_curves import GrpoCurves
@@ -37,12 +36,12 @@ ACTIVE = ("running", "queued", "paused")
 SFT_KEYS = ("loss", "lr", "grad", "clipped", "tps")
 
 
-def run_kind(path: str | None) -> str:
-    """"grpo" or "sft", from the run's config.json (a missing or unreadable one: "sft")."""
+def run_kind(path: str | None) -> RunKind:
+    """The run's kind, from its config.json (a missing, unreadable or unknown one: SFT)."""
     try:
-        return str(RunDir(path).config().get("kind", "sft")) if path else "sft"
+        return kind_of(RunDir(path).config()) if path else SFT
     except EngineError:
-        return "sft"
+        return SFT
 
 
 class MonitorView(QWidget):
@@ -52,27 +51,29 @@ class MonitorView(QWidget):
         super().__init__(parent)
         self.ctx = ctx
         self.run_path: str | None = None
-        self.kind = "sft"
+        self.kind = SFT
         self.status: dict = {}
         self.last_step: dict = {}
         self.confirm = self._confirm_discard       # replaced in tests
         self._steps = Series(6)                    # step, loss, lr, grad_norm, clipped, tok/s
         self._evals = Series(2)
+        self._build()
+        self._layout()
+        self._connect()
+        self._set_kind(SFT)
+        self._update_buttons()
+        self.reveal.hide(self)
+        if getattr(ctx, "current_run", None):
+            self.set_run(ctx.current_run)
 
+    def _build(self) -> None:
         self.tail = RunTail(self)
-        self.tail.reset.connect(self._on_reset)
-        self.tail.steps.connect(self._on_steps)
-        self.tail.evals.connect(self._on_evals)
-        self.tail.events.connect(self._on_events)
-        self.tail.logs.connect(self._on_logs)
-        self.tail.status_changed.connect(self._on_status)
-
         self.title = QLabel("No run selected", objectName="pageTitle")
         self.subtitle = QLabel("Pick a run on the Runs screen.", objectName="pageSubtitle")
-        self.stop_save_button = QPushButton("Stop and save", clicked=self.stop_and_save)
+        self.stop_save_button = QPushButton("Stop and save")
         self.stop_save_button.setToolTip("Pause: the worker saves a checkpoint after the current "
                                          "step; resume it later from the Runs screen.")
-        self.stop_discard_button = QPushButton("Stop and discard", clicked=self.stop_and_discard)
+        self.stop_discard_button = QPushButton("Stop and discard")
         self.stop_discard_button.setToolTip("Cancel the job after the current step; it is marked "
                                             "cancelled (its files stay on disk).")
         self.progress = QProgressBar(textVisible=True, maximumHeight=20)
@@ -84,9 +85,7 @@ class MonitorView(QWidget):
         self.redraw = PacedRedraw(self)            # one plot per event-loop pass
         self.reveal = PacedReveal(self)            # and when the screen appears
         self.ranges = RunRanges(self._x_max)
-        self.compare = ComparePanel(ctx)
-        self.compare.changed.connect(lambda: self.redraw.mark(
-            "reward" if self.kind == "grpo" else "loss"))
+        self.compare = ComparePanel(self.ctx)
         self.loss_plot = small_plot("Loss", grid=True)
         self.loss_plot.setMinimumHeight(240)
         self.loss_plot.addLegend(offset=(-10, 10), labelTextColor="#1f2328")
@@ -105,23 +104,20 @@ class MonitorView(QWidget):
         self.plots = dict(zip(SFT_KEYS, [self.loss_plot] + plots))
         for key, plot in self.plots.items():
             self.ranges.watch(plot, y=(0, 1) if key == "clipped" else None)
-        self.redraw.add("loss", self._draw_loss)
-        for i, key in enumerate(SFT_KEYS[1:], start=2):
-            self.redraw.add(key, lambda i=i, key=key: self._draw_small(key, i))
 
-        self.log_scale = QCheckBox("Log scale", toggled=self._on_log_scale)
+        self.log_scale = QCheckBox("Log scale")
         self.smoothing = QSlider(Qt.Horizontal, minimum=0, maximum=99, value=60,
                                  maximumWidth=160)
-        self.smoothing.valueChanged.connect(self._on_smoothing)
         self.smoothing_label = QLabel("0.60")
-        reset_zoom = QPushButton("Reset zoom", clicked=self.reset_zoom)
+        self.reset_zoom_button = QPushButton("Reset zoom")
         self.log_view = QPlainTextEdit(readOnly=True, maximumBlockCount=300)
         self.grpo = GrpoCurves(self.redraw, self.ranges, lambda: self.smoothing.value() / 100,
                                self.compare.draw)
         self.completions = CompletionsView()
 
+    def _layout(self) -> None:
         grid = QGridLayout()
-        for i, p in enumerate(plots):
+        for i, p in enumerate((self.lr_plot, self.grad_plot, self.clipped_plot, self.tps_plot)):
             grid.addWidget(p, i // 2, i % 2)
         self.pages = QTabWidget(documentMode=True)
         self.pages.addTab(self.grpo, "Rewards")
@@ -131,7 +127,7 @@ class MonitorView(QWidget):
         split = QSplitter(Qt.Horizontal)
         split.addWidget(box(QVBoxLayout, box(QHBoxLayout, self.log_scale, 16,
                                              QLabel("Smoothing"), self.smoothing,
-                                             self.smoothing_label, None, reset_zoom),
+                                             self.smoothing_label, None, self.reset_zoom_button),
                             (self.pages, 1), widget=True))
         split.addWidget(box(QVBoxLayout, self.compare,
                             QLabel("Recent log", objectName="sectionHeader"),
@@ -144,12 +140,23 @@ class MonitorView(QWidget):
         layout.setContentsMargins(20, 16, 20, 16)
         self.setLayout(layout)
 
-        ctx.run_selected.connect(self.set_run)
-        self._set_kind("sft")
-        self._update_buttons()
-        self.reveal.hide(self)
-        if getattr(ctx, "current_run", None):
-            self.set_run(ctx.current_run)
+    def _connect(self) -> None:
+        self.tail.reset.connect(self._on_reset)
+        self.tail.steps.connect(self._on_steps)
+        self.tail.evals.connect(self._on_evals)
+        self.tail.events.connect(self._on_events)
+        self.tail.logs.connect(self._on_logs)
+        self.tail.status_changed.connect(self._on_status)
+        self.stop_save_button.clicked.connect(self.stop_and_save)
+        self.stop_discard_button.clicked.connect(self.stop_and_discard)
+        self.compare.changed.connect(lambda: self.redraw.mark(self._headline_plot()))
+        self.redraw.add("loss", self._draw_loss)
+        for i, key in enumerate(SFT_KEYS[1:], start=2):
+            self.redraw.add(key, lambda i=i, key=key: self._draw_small(key, i))
+        self.log_scale.toggled.connect(self._on_log_scale)
+        self.smoothing.valueChanged.connect(self._on_smoothing)
+        self.reset_zoom_button.clicked.connect(self.reset_zoom)
+        self.ctx.run_selected.connect(self.set_run)
 
     # ---------------------------------------------------------------- following a run
     def set_run(self, path: str) -> None:
@@ -163,16 +170,19 @@ class MonitorView(QWidget):
         self.compare.set_run(path)
         self.tail.set_run(path)
 
-    def _set_kind(self, kind: str) -> None:
-        """Show the pages of a "grpo" or a supervised run."""
+    def _set_kind(self, kind: RunKind) -> None:
+        """Show the pages of a GRPO or a supervised run."""
         self.kind = kind
-        grpo = kind == "grpo"
+        grpo = kind is GRPO
         for i in (0, 1):
             self.pages.setTabVisible(i, grpo)
         self.pages.tabBar().setVisible(grpo)
         self.pages.setCurrentIndex(0 if grpo else 2)
-        self.compare.set_target(*((self.grpo.reward_plot, "reward_mean") if grpo
-                                  else (self.loss_plot, "loss")))
+        self.compare.set_target(self.grpo.reward_plot if grpo else self.loss_plot, kind.metric)
+
+    def _headline_plot(self) -> str:
+        """The redraw key of the plot with the run's headline metric (and the runs compared)."""
+        return "reward" if self.kind is GRPO else "loss"
 
     def showEvent(self, event) -> None:
         super().showEvent(event)
@@ -187,7 +197,7 @@ class MonitorView(QWidget):
             self.reveal.hide(self)               # laid out and painted when shown again
 
     def _redraw_keys(self) -> tuple[str, ...]:
-        return SFT_KEYS + (GRPO_KEYS if self.kind == "grpo" else ())
+        return SFT_KEYS + (GRPO_KEYS if self.kind is GRPO else ())
 
     def _on_reset(self, _path: str) -> None:
         self._steps.clear()
@@ -206,14 +216,14 @@ class MonitorView(QWidget):
         self._steps.extend([(e.get("step", 0), num(e, "loss"), num(e, "lr"),
                              num(e, "grad_norm"), num(e, "clipped_fraction"),
                              num(e, "tokens_per_s")) for e in events])
-        if self.kind == "grpo":
+        if self.kind is GRPO:
             self.grpo.add_steps(events)
         self.last_step = events[-1]
         self.redraw.mark(*self._redraw_keys())
         self._update_progress()
 
     def _on_evals(self, events: list) -> None:
-        if self.kind == "grpo":                  # held-out rewards, no validation loss
+        if self.kind is GRPO:                  # held-out rewards, no validation loss
             self.grpo.add_evals(events)
             self.redraw.mark("reward")
         else:
@@ -222,7 +232,7 @@ class MonitorView(QWidget):
         self._update_progress()
 
     def _on_events(self, events: list) -> None:
-        if self.kind == "grpo":
+        if self.kind is GRPO:
             self.completions.add_events(events)
 
     def _on_logs(self, lines: list) -> None:
@@ -235,7 +245,7 @@ class MonitorView(QWidget):
 
     def _on_smoothing(self, value: int) -> None:
         self.smoothing_label.setText(f"{value / 100:.2f}")
-        self.redraw.mark("reward" if self.kind == "grpo" else "loss")
+        self.redraw.mark(self._headline_plot())
         self.redraw.flush()
 
     def _draw_loss(self) -> None:
@@ -276,7 +286,7 @@ class MonitorView(QWidget):
             text += f" \u00b7 ETA {clock(eta)}"
         self.progress.setFormat(text)
         parts = []
-        if ev and self.kind == "grpo":
+        if ev and self.kind is GRPO:
             parts = self.grpo.stats(ev)
         elif ev:
             parts.append(f"loss {num(ev, 'loss'):.4f}")

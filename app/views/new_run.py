@@ -28,19 +28,16 @@ from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtWidgets import (QFileDialog, QHBoxLayout, QLabel, QLineEdit, QMessageBox,
                                QPushButton, QStackedWidget, QTabWidget, QVBoxLayout, QWidget)
 
-from app.engine.data.dataset import DataConfig
-from app.engine.errors import ConfigError, EngineError
-from app.engine.training.grpo import GrpoConfig, build_grpo_config
-from app.engine.data.lint import LintReport, lint_file
-from app.engine.model.card import ModelCard, describe_model, human_bytes
-from app.engine.training.reward_functions import trust_reward_files, untrusted_reward_files
-from app.engine.runs.rundir import RUN_NAME_MAX, default_run_name
+from app.engine.api import (GRPO, KINDS, RUN_NAME_MAX, SFT, ConfigError, DataConfig, EngineError,
+                            GrpoConfig, LintReport, ModelCard, RunConfig, build_grpo_config,
+                            default_run_name, describe_model, estimate_memory, human_bytes,
+                            lint_file, trust_reward_files, untrusted_reward_files)
 from app.views.context import AppContext, Background, sample_dataset_path, sample_model_path
 from app.views.dataset_panel import DatasetPanel
 from app.views.error_panel import ErrorPanel
 from app.views.form_fields import combo, set_combo
 from app.views.grpo_panel import GrpoPanel
-from app.views.memory_estimate import estimate_memory
+from app.views.memory_estimate import memory_sentence
 from app.views.model_card import ModelCardView, ModelPicker, discover_models
 from app.views.plots import box
 from app.views.settings_file import read_settings, write_settings
@@ -49,8 +46,8 @@ from app.views.settings_form import DATA_KEYS, SettingsForm
 ESTIMATE_ROW = "LoRA run estimate"
 DATA_KEY, PROMPTS_KEY = "recent/dataset", "recent/prompts"
 TABS = ("model", "dataset", "training")
-RUN_TYPES = (("sft", "Supervised (SFT)"), ("grpo", "GRPO (reward-driven)"))
-DATA_TABS = {"sft": "2  Dataset", "grpo": "2  Prompts and rewards"}
+RUN_TYPES = tuple((k.name, k.title) for k in KINDS.values())
+DATA_TABS = {SFT.name: "2  Dataset", GRPO.name: "2  Prompts and rewards"}
 GRPO_BATCH_TOKENS = GrpoConfig(model="", prompts="").micro_batch_tokens
 _NAME_OK = re.compile(r"^[\w.\-+ ]+$")
 
@@ -72,65 +69,64 @@ class NewRunView(QWidget):
         self._loaded: tuple[str, dict] = ("", {})   # run type and dict of the last settings loaded
         self._read_model = read_model
         self._bg = Background(self, max_threads=1)
+        self._build(read_model, lint, discover or discover_models)
+        self._layout()
+        self._connect()
+        model, data, prompts = self._initial_files()
+        if data:
+            self.dataset.set_data_path(data)
+        if prompts:
+            self.grpo_panel.set_prompts_path(prompts)
+        if model:
+            self.open_model(model)
+        self._update_summary()
 
-        self.picker = ModelPicker(ctx.settings, discover=discover or discover_models)
-        self.picker.model_chosen.connect(self.open_model)
+    def _build(self, read_model, lint, discover) -> None:
+        self.picker = ModelPicker(self.ctx.settings, discover=discover)
         self.card_view = ModelCardView(read_model)
-        self.card_view.card_loaded.connect(self._on_card)
-        self.card_view.load_failed.connect(self._on_card_failed)
         self.model_error = ErrorPanel()
-        self._card_stack = QStackedWidget(objectName="content")
-        self._card_stack.addWidget(self.card_view)
-        self._card_stack.addWidget(self.model_error)
-        model_tab = box(QHBoxLayout, self.picker, (self._card_stack, 1), widget=True)
-        model_tab.layout().setSpacing(0)
-
         self.dataset = DatasetPanel(lint=lint)
-        self.dataset.data_changed.connect(self._on_data_changed)
-        self.dataset.report_ready.connect(lambda _r: self._update_summary())
         self.grpo_panel = GrpoPanel()
-        self.grpo_panel.changed.connect(self._update_summary)
-        self.grpo_panel.prompts_changed.connect(self._on_prompts_changed)
-        self.grpo_panel.preset_requested.connect(self.apply_settings)
-        self._data_stack = QStackedWidget()
-        self._data_stack.addWidget(self.dataset)
-        self._data_stack.addWidget(self.grpo_panel)
         self.form = SettingsForm()
-        self.form.changed.connect(self._on_form_changed)
         self.memory_label = QLabel(objectName="memoryEstimate", wordWrap=True,
                                    textFormat=Qt.PlainText)
-        training_tab = box(QVBoxLayout, self.memory_label, (self.form, 1), widget=True)
-        training_tab.layout().setContentsMargins(16, 10, 16, 0)
-
-        self.tabs = QTabWidget(documentMode=True)
-        self.tabs.addTab(model_tab, "1  Model")
-        self.tabs.addTab(self._data_stack, DATA_TABS["sft"])
-        self.tabs.addTab(training_tab, "3  Training")
         self.kind_box = combo(RUN_TYPES)
-        self.kind_box.currentIndexChanged.connect(lambda _i: self.set_run_type(self.kind()))
-        corner = box(QHBoxLayout, QLabel("Run type", objectName="formLabel"), self.kind_box,
-                     widget=True)
-        corner.layout().setContentsMargins(0, 2, 12, 2)
-        self.tabs.setCornerWidget(corner, Qt.TopRightCorner)
-
         self.name_field = QLineEdit(placeholderText="run name (default: date-time-dataset)")
         self.name_field.setMaximumWidth(280)
-        self.name_field.textChanged.connect(lambda _t: self._update_summary())
         self.summary_label = QLabel(objectName="runSummary", wordWrap=True,
                                     textFormat=Qt.PlainText)
         self.problems_label = QLabel(objectName="fieldError", wordWrap=True,
                                      textFormat=Qt.PlainText)
         self.save_button = QPushButton("Save settings\u2026")
-        self.save_button.clicked.connect(self._save_dialog)
         self.load_button = QPushButton("Load settings\u2026")
-        self.load_button.clicked.connect(self._load_dialog)
         self.queue_button = QPushButton("Queue run")
         self.queue_button.setToolTip("Add the run to the end of the queue")
-        self.queue_button.clicked.connect(lambda: self.create_run(start=False))
         self.start_button = QPushButton("Start now", objectName="primaryButton")
         self.start_button.setToolTip("Put the run first in the queue, start the worker and "
                                      "watch it in Monitor")
-        self.start_button.clicked.connect(lambda: self.create_run(start=True))
+        self._estimate_timer = QTimer(self, singleShot=True, interval=200)
+
+    def _layout(self) -> None:
+        self._card_stack = QStackedWidget(objectName="content")
+        self._card_stack.addWidget(self.card_view)
+        self._card_stack.addWidget(self.model_error)
+        model_tab = box(QHBoxLayout, self.picker, (self._card_stack, 1), widget=True)
+        model_tab.layout().setSpacing(0)
+        self._data_stack = QStackedWidget()
+        self._data_stack.addWidget(self.dataset)
+        self._data_stack.addWidget(self.grpo_panel)
+        training_tab = box(QVBoxLayout, self.memory_label, (self.form, 1), widget=True)
+        training_tab.layout().setContentsMargins(16, 10, 16, 0)
+
+        self.tabs = QTabWidget(documentMode=True)
+        self.tabs.addTab(model_tab, "1  Model")
+        self.tabs.addTab(self._data_stack, DATA_TABS[SFT.name])
+        self.tabs.addTab(training_tab, "3  Training")
+        corner = box(QHBoxLayout, QLabel("Run type", objectName="formLabel"), self.kind_box,
+                     widget=True)
+        corner.layout().setContentsMargins(0, 2, 12, 2)
+        self.tabs.setCornerWidget(corner, Qt.TopRightCorner)
+
         bar = QWidget(objectName="actionBar")
         bl = QVBoxLayout(bar)
         bl.setContentsMargins(16, 8, 16, 10)
@@ -152,16 +148,23 @@ class NewRunView(QWidget):
         layout.addWidget(self.tabs, 1)
         layout.addWidget(bar)
 
-        self._estimate_timer = QTimer(self, singleShot=True, interval=200)
+    def _connect(self) -> None:
+        self.picker.model_chosen.connect(self.open_model)
+        self.card_view.card_loaded.connect(self._on_card)
+        self.card_view.load_failed.connect(self._on_card_failed)
+        self.dataset.data_changed.connect(self._on_data_changed)
+        self.dataset.report_ready.connect(lambda _r: self._update_summary())
+        self.grpo_panel.changed.connect(self._update_summary)
+        self.grpo_panel.prompts_changed.connect(self._on_prompts_changed)
+        self.grpo_panel.preset_requested.connect(self.apply_settings)
+        self.form.changed.connect(self._on_form_changed)
+        self.kind_box.currentIndexChanged.connect(lambda _i: self.set_run_type(self.kind()))
+        self.name_field.textChanged.connect(lambda _t: self._update_summary())
+        self.save_button.clicked.connect(self._save_dialog)
+        self.load_button.clicked.connect(self._load_dialog)
+        self.queue_button.clicked.connect(lambda: self.create_run(start=False))
+        self.start_button.clicked.connect(lambda: self.create_run(start=True))
         self._estimate_timer.timeout.connect(self._start_estimate)
-        model, data, prompts = self._initial_files()
-        if data:
-            self.dataset.set_data_path(data)
-        if prompts:
-            self.grpo_panel.set_prompts_path(prompts)
-        if model:
-            self.open_model(model)
-        self._update_summary()
 
     def _initial_files(self) -> tuple[str | None, str | None, str | None]:
         """The last model, dataset and prompt file used, else the bundled sample model,
@@ -176,7 +179,7 @@ class NewRunView(QWidget):
 
     # ---------------------------------------------------------------- run type
     def kind(self) -> str:
-        """"sft" or "grpo"."""
+        """The run type: a name of KINDS ("sft" or "grpo")."""
         return self.kind_box.currentData()
 
     def set_run_type(self, kind: str) -> None:
@@ -184,7 +187,7 @@ class NewRunView(QWidget):
         if kind != self.kind():
             set_combo(self.kind_box, kind)              # comes back here through the signal
             return
-        self._data_stack.setCurrentIndex(kind == "grpo")
+        self._data_stack.setCurrentIndex(kind == GRPO.name)
         self.tabs.setTabText(1, DATA_TABS[kind])
         self.form.set_kind(kind)
         self._relint()
@@ -233,7 +236,7 @@ class NewRunView(QWidget):
         if self.card is None:
             return
         rank = self.form["rank"].value()
-        ctx = GRPO_BATCH_TOKENS if self.kind() == "grpo" else self.form["context"].value()
+        ctx = GRPO_BATCH_TOKENS if self.kind() == GRPO.name else self.form["context"].value()
         self._bg.run("estimate", describe_model, self.card.path, rank, ctx,
                      on_done=self._show_estimate, on_error=lambda e: self._show_estimate(None))
 
@@ -241,13 +244,15 @@ class NewRunView(QWidget):
         card = sized or self.card
         if card is None or self.card is None:
             return
-        tokens = f"{card.context:,} tokens" if self.kind() == "grpo" else f"context {card.context}"
+        grpo = self.kind() == GRPO.name
+        tokens = f"{card.context:,} tokens" if grpo else f"context {card.context}"
         train = self.config_dict().get("train", {})
-        self.memory_estimate, text = estimate_memory(
-            card, self.form.trainable_params(), tokens, full=self.form.mode() == "full",
-            device=self.form["device"].currentData(),
-            checkpoint=self.form["checkpoint_interval"].value(),
-            weight_cache_mb=train.get("weight_cache_mb"))
+        full, device = self.form.mode() == "full", self.form["device"].currentData()
+        checkpoint = self.form["checkpoint_interval"].value()
+        est = estimate_memory(card, self.form.trainable_params(), full, device, checkpoint,
+                              train.get("weight_cache_mb"))
+        self.memory_estimate = est.total
+        text = memory_sentence(est, tokens, full, checkpoint, device)
         self.memory_label.setText(text)
         self.card_view.set_row(ESTIMATE_ROW, "Estimated memory (current settings)",
                                text.split(": ", 1)[-1])
@@ -278,7 +283,7 @@ class NewRunView(QWidget):
             self.ctx.settings.setValue(PROMPTS_KEY, path)
 
     def _relint(self) -> None:
-        cfg = None if self.kind() == "grpo" else self.data_config()
+        cfg = None if self.kind() == GRPO.name else self.data_config()
         if cfg is None:
             return
         self.dataset.set_inputs(self.data_path(), self.model_path(), replace(cfg))
@@ -295,7 +300,7 @@ class NewRunView(QWidget):
         """The RunConfig dict the screen would start (model and data included), or of a GRPO
         run the GrpoConfig dict (model, prompts and rewards included)."""
         d = self.form.values()
-        if self.kind() == "grpo":
+        if self.kind() == GRPO.name:
             d = {**d, **self.grpo_panel.values(), "model": self.model_path()}
         else:
             d["model"], d["data"] = self.model_path(), self.data_path()
@@ -305,12 +310,10 @@ class NewRunView(QWidget):
     def build_config(self):
         """The RunConfig (or GrpoConfig) to start; raises ConfigError when something is
         missing or invalid."""
-        from app.engine.training.sft import RunConfig
-
         d = self.config_dict()
         if not d["model"]:
             raise ConfigError("Pick a model first.", "Open a GGUF file on the Model tab.")
-        if self.kind() == "grpo":
+        if self.kind() == GRPO.name:
             return build_grpo_config(d)
         if not d["data"]:
             raise ConfigError("Pick a dataset first.", "Choose a JSONL file on the Dataset tab.")
@@ -323,7 +326,7 @@ class NewRunView(QWidget):
         out: list[tuple[str, str]] = []
         if self.card is None:
             out.append(("model", "Pick a model that opens (Model tab)."))
-        if self.kind() == "grpo":
+        if self.kind() == GRPO.name:
             out += [("dataset", m) for m in self.grpo_panel.problems()]
         elif not self.data_path():
             out.append(("dataset", "Pick a dataset (Dataset tab)."))
@@ -345,7 +348,7 @@ class NewRunView(QWidget):
         return out
 
     def run_dir_for(self, name: str = "") -> Path:
-        stem = (f"grpo-{Path(self.grpo_panel.prompts_path()).stem}" if self.kind() == "grpo"
+        stem = (f"grpo-{Path(self.grpo_panel.prompts_path()).stem}" if self.kind() == GRPO.name
                 else Path(self.data_path()).stem)
         name = name.strip() or default_run_name(stem)
         root = self.ctx.runs_root()
@@ -419,7 +422,7 @@ class NewRunView(QWidget):
         if self.card is not None:
             parts.append(os.path.basename(self.card.path))
         r = self.dataset.report
-        if self.kind() == "grpo":
+        if self.kind() == GRPO.name:
             parts.append("GRPO: " + self.grpo_panel.summary())
         elif self.data_path():
             name = os.path.basename(self.data_path())
@@ -457,10 +460,10 @@ class NewRunView(QWidget):
     def apply_settings(self, d: dict) -> None:
         """Show the settings of a RunConfig or GrpoConfig dict (its run type, its model and
         dataset or prompts when they exist)."""
-        self.set_run_type(d.get("kind", "sft"))
+        self.set_run_type(d.get("kind", SFT.name))
         self._loaded = (self.kind(), d)     # what the form does not show is kept (config_dict)
         self.form.set_values(d)
-        if self.kind() == "grpo":
+        if self.kind() == GRPO.name:
             self.grpo_panel.set_values(d)
         elif d.get("data") and os.path.isfile(d["data"]):
             self.dataset.set_data_path(d["data"])

@@ -19,7 +19,8 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog
                                QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit, QPushButton,
                                QSlider, QSpinBox, QSplitter, QVBoxLayout, QWidget)
 
-from app.engine.text.chat_template import chat_prompt_ids, generation_prompt_ids
+from app.engine.api import (ConfigError, RunDir, chat_prompt_ids, generation_prompt_ids,
+                            load_adapter, load_model, source_from_run)
 from app.views.context import AppContext, sample_model_path
 from app.views.error_panel import ErrorPanel
 
@@ -28,8 +29,6 @@ FROM_RUN, FROM_FILE, NO_ADAPTER = "run", "file", "none"
 
 def run_adapter_source(run_dir: str) -> tuple[str, str | None]:
     """(model path, adapter file or None) of a run: its config's model and its final adapter."""
-    from app.engine.runs.rundir import RunDir
-
     run = RunDir(run_dir)
     model = str(run.config().get("model", ""))
     final = run.path / "adapter.gguf"
@@ -44,8 +43,6 @@ class _Cache:
         self.adapters: dict[tuple, object] = {}
 
     def model(self, path: str):
-        from app.engine import load_model
-
         if path not in self.models:
             self.models.clear()                 # one model in memory at a time
             self.adapters.clear()
@@ -56,16 +53,10 @@ class _Cache:
         """key: ("file", path, mtime) or ("run", run_dir, newest checkpoint marker)."""
         if key not in self.adapters:
             if key[0] == "file":
-                from app.engine import load_adapter
-
                 adapter = load_adapter(key[1])
             else:
-                from app.engine.export.exporter import source_from_run
-
                 adapter = source_from_run(key[1], model_path=model.path).adapter
                 if adapter is None:
-                    from app.engine.errors import ConfigError
-
                     raise ConfigError("The run trained the model in full: it has no adapter.",
                                       "Export it as a merged model and open that instead.")
             self.adapters = {key: adapter}
@@ -139,29 +130,32 @@ class PlaygroundView(QWidget):
         self.ctx = ctx
         self._cache = _Cache()
         self._thread: Generation | None = None
+        self._build()
+        self._layout()
+        self._connect()
+        if ctx.current_run:
+            self.follow_run(ctx.current_run)
+        elif ctx.current_model or sample_model_path():
+            self.model_field.setText(ctx.current_model or sample_model_path())
+        self._update_adapter_label()
+
+    def _build(self) -> None:
         self.error_panel = ErrorPanel(margins=0, closable=True)
         self.error_panel.hide()
-
         self.model_field = QLineEdit(placeholderText="base model .gguf")
-        model_browse = QPushButton("Browse\u2026")
-        model_browse.clicked.connect(self._browse_model)
+        self._model_browse = QPushButton("Browse\u2026")
         self.source_box = QComboBox()
         self.source_box.addItem("Adapter of the selected run", FROM_RUN)
         self.source_box.addItem("Adapter file", FROM_FILE)
         self.source_box.addItem("No adapter (base only)", NO_ADAPTER)
-        self.source_box.currentIndexChanged.connect(self._update_adapter_label)
         self.adapter_field = QLineEdit(placeholderText="adapter .gguf")
-        self.adapter_field.textChanged.connect(self._update_adapter_label)
-        adapter_browse = QPushButton("Browse\u2026")
-        adapter_browse.clicked.connect(self._browse_adapter)
+        self._adapter_browse = QPushButton("Browse\u2026")
         self.adapter_label = QLabel(objectName="hint", wordWrap=True, textFormat=Qt.PlainText)
 
         self.scale_slider = QSlider(Qt.Horizontal, minimum=0, maximum=200, value=100)
         self.scale_slider.setMinimumWidth(140)
         self.scale_slider.setToolTip("0 = base model, 1 = as trained, 2 = twice the update")
         self.scale_value = QLabel("1.00", minimumWidth=36)
-        self.scale_slider.valueChanged.connect(
-            lambda v: self.scale_value.setText(f"{v / 100:.2f}"))
         self.temperature = QDoubleSpinBox(minimum=0, maximum=5, value=0, decimals=2,
                                           singleStep=0.1)
         self.temperature.setSpecialValueText("0 (greedy)")
@@ -170,15 +164,28 @@ class PlaygroundView(QWidget):
         self.seed = QSpinBox(minimum=0, maximum=2**31 - 1, value=0)
         self.chat_box = QCheckBox("Apply the model's chat template", checked=True)
 
+        self.prompt = QPlainTextEdit(placeholderText="Type a prompt, then Generate "
+                                                     "(Ctrl+Enter)")
+        self.prompt.setPlainText("Tell me a story about Ben.")
+        self.prompt.setMaximumHeight(90)
+        self.generate_button = QPushButton("Generate", objectName="primaryButton")
+        self.stop_button = QPushButton("Stop", enabled=False)
+        self.base_title = QLabel("Base model", objectName="sectionHeader")
+        self.adapter_title = QLabel("With the adapter", objectName="sectionHeader")
+        self.base_output = QPlainTextEdit(readOnly=True, objectName="outputView")
+        self.adapter_output = QPlainTextEdit(readOnly=True, objectName="outputView")
+        self.status_label = QLabel(objectName="hint", textFormat=Qt.PlainText)
+
+    def _layout(self) -> None:
         grid = QGridLayout()
         grid.setHorizontalSpacing(10)
         grid.addWidget(QLabel("Model", objectName="formLabel"), 0, 0)
         grid.addWidget(self.model_field, 0, 1, 1, 4)
-        grid.addWidget(model_browse, 0, 5)
+        grid.addWidget(self._model_browse, 0, 5)
         grid.addWidget(QLabel("Adapter", objectName="formLabel"), 1, 0)
         grid.addWidget(self.source_box, 1, 1)
         grid.addWidget(self.adapter_field, 1, 2, 1, 3)
-        grid.addWidget(adapter_browse, 1, 5)
+        grid.addWidget(self._adapter_browse, 1, 5)
         grid.addWidget(self.adapter_label, 2, 1, 1, 5)
         knobs = QHBoxLayout()
         for label, w in (("Adapter scale", self.scale_slider), ("", self.scale_value),
@@ -190,15 +197,6 @@ class PlaygroundView(QWidget):
         knobs.addWidget(self.chat_box)
         knobs.addStretch(1)
 
-        self.prompt = QPlainTextEdit(placeholderText="Type a prompt, then Generate "
-                                                     "(Ctrl+Enter)")
-        self.prompt.setPlainText("Tell me a story about Ben.")
-        self.prompt.setMaximumHeight(90)
-        self.generate_button = QPushButton("Generate", objectName="primaryButton")
-        self.generate_button.clicked.connect(self.generate)
-        self.stop_button = QPushButton("Stop", enabled=False)
-        self.stop_button.clicked.connect(self.stop)
-        QShortcut(QKeySequence("Ctrl+Return"), self, activated=self.generate)
         prompt_row = QHBoxLayout()
         prompt_row.addWidget(self.prompt, 1)
         buttons = QVBoxLayout()
@@ -206,11 +204,6 @@ class PlaygroundView(QWidget):
         buttons.addWidget(self.stop_button)
         buttons.addStretch(1)
         prompt_row.addLayout(buttons)
-
-        self.base_title = QLabel("Base model", objectName="sectionHeader")
-        self.adapter_title = QLabel("With the adapter", objectName="sectionHeader")
-        self.base_output = QPlainTextEdit(readOnly=True, objectName="outputView")
-        self.adapter_output = QPlainTextEdit(readOnly=True, objectName="outputView")
         outputs = QSplitter(Qt.Horizontal)
         for title, view in ((self.base_title, self.base_output),
                             (self.adapter_title, self.adapter_output)):
@@ -220,7 +213,6 @@ class PlaygroundView(QWidget):
             bl.addWidget(title)
             bl.addWidget(view, 1)
             outputs.addWidget(box)
-        self.status_label = QLabel(objectName="hint", textFormat=Qt.PlainText)
 
         layout = QVBoxLayout(self)
         layout.setContentsMargins(16, 12, 16, 12)
@@ -231,13 +223,18 @@ class PlaygroundView(QWidget):
         layout.addWidget(outputs, 1)
         layout.addWidget(self.status_label)
 
-        ctx.run_selected.connect(self.follow_run)
-        ctx.model_selected.connect(self._follow_model)
-        if ctx.current_run:
-            self.follow_run(ctx.current_run)
-        elif ctx.current_model or sample_model_path():
-            self.model_field.setText(ctx.current_model or sample_model_path())
-        self._update_adapter_label()
+    def _connect(self) -> None:
+        self._model_browse.clicked.connect(self._browse_model)
+        self.source_box.currentIndexChanged.connect(self._update_adapter_label)
+        self.adapter_field.textChanged.connect(self._update_adapter_label)
+        self._adapter_browse.clicked.connect(self._browse_adapter)
+        self.scale_slider.valueChanged.connect(
+            lambda v: self.scale_value.setText(f"{v / 100:.2f}"))
+        self.generate_button.clicked.connect(self.generate)
+        self.stop_button.clicked.connect(self.stop)
+        QShortcut(QKeySequence("Ctrl+Return"), self, activated=self.generate)
+        self.ctx.run_selected.connect(self.follow_run)
+        self.ctx.model_selected.connect(self._follow_model)
 
     # ---------------------------------------------------------------- inputs
     def follow_run(self, run_dir: str) -> None:
@@ -265,8 +262,6 @@ class PlaygroundView(QWidget):
     def adapter_key(self) -> tuple | None:
         """What the generation loads as the adapter: ("file", path, mtime) or ("run", run_dir,
         what it has now) or None. Raises ConfigError when the choice cannot be used."""
-        from app.engine.errors import ConfigError
-
         source = self.adapter_source()
         if source == NO_ADAPTER:
             return None
@@ -325,8 +320,6 @@ class PlaygroundView(QWidget):
     def generate(self) -> None:
         if self._thread is not None:
             return
-        from app.engine.errors import ConfigError
-
         self.error_panel.hide()
         try:
             model = os.path.expanduser(self.model_field.text().strip())

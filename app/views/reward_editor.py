@@ -18,8 +18,7 @@ from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (QFileDialog, QGridLayout, QHBoxLayout, QLabel, QLineEdit,
                                QPushButton, QToolButton, QVBoxLayout, QWidget)
 
-from app.engine.errors import ConfigError
-from app.engine.training.reward_functions import RewardSpec
+from app.engine.api import ConfigError, RewardSpec
 from app.views.form_fields import combo, dspin, set_combo
 
 KINDS = (("exact", "exact match"), ("numeric", "numeric"), ("regex", "regex"),

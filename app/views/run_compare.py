@@ -21,8 +21,7 @@ from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (QLabel, QListWidget, QListWidgetItem, QTableWidget,
                                QTableWidgetItem, QVBoxLayout, QWidget)
 
-from app.engine.errors import EngineError
-from app.engine.runs.rundir import RunDir, list_runs
+from app.engine.api import EngineError, RunDir, list_runs
 from app.views.plots import PALETTE, num
 from app.views.run_tail import BackgroundPoll, RunTail, Series
 

@@ -11,9 +11,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from app.engine.errors import EngineError
-from app.engine.runs.queue import Job
-from app.engine.runs.rundir import RunDir, list_runs
+from app.engine.api import GRPO, SFT, EngineError, Job, RunDir, list_runs
 
 REQUESTED = {"pause": "pausing\u2026", "cancel": "cancelling\u2026"}
 STALE_S = 300            # a terminal run whose status has not changed for this long: stalled?
@@ -30,7 +28,7 @@ class RunRow:
     eta_s: float | None = None
     loss: float | None = None
     reward: float | None = None
-    kind: str = "sft"
+    kind: str = SFT.name     # a name of app.engine.api.KINDS (or an unknown one, as written)
     model: str = ""
     epochs: int = 0
     has_checkpoint: bool = False
@@ -57,7 +55,7 @@ def _config_summary(run: RunDir) -> tuple[str, int, str]:
     try:
         mtime = run.config_path.stat().st_mtime
     except OSError:
-        return "", 0, "sft"
+        return "", 0, SFT.name
     cached = _configs.get(str(run.path))
     if cached is None or cached[0] != mtime:
         try:
@@ -65,7 +63,7 @@ def _config_summary(run: RunDir) -> tuple[str, int, str]:
         except EngineError:
             cfg = {}
         cached = (mtime, Path(str(cfg.get("model", ""))).name, int(cfg.get("epochs") or 0),
-                  str(cfg.get("kind", "sft")))
+                  str(cfg.get("kind", SFT.name)))
         _configs[str(run.path)] = cached
     return cached[1:]
 
@@ -89,7 +87,7 @@ def _read_row(path: str, job: Job | None) -> RunRow:
         path=str(run.path), name=run.name, state=state, job=job,
         step=int(status.get("step") or 0), total=total,
         eta_s=status.get("eta_s") if state == "running" else None, loss=status.get("loss"),
-        reward=status.get("reward_mean") if kind == "grpo" else None, kind=kind,
+        reward=status.get(GRPO.metric) if kind == GRPO.name else None, kind=kind,
         model=model, epochs=epochs,
         has_checkpoint=has_ckpt, error=error if isinstance(error, dict) else None,
         updated_at=updated, status=status,

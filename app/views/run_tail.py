@@ -33,8 +33,7 @@ from pathlib import Path
 import numpy as np
 from PySide6.QtCore import QCoreApplication, QObject, QTimer, Signal
 
-from app.engine.errors import EngineError
-from app.engine.runs.rundir import RunDir
+from app.engine.api import GRPO, EngineError, RunDir
 
 DEFAULT_INTERVAL_MS = 150
 MAX_LOG_BYTES = 64 * 1024          # a first look at a long log.txt reads only its tail
@@ -95,7 +94,7 @@ def describe_event(ev: dict) -> str | None:
     stamp = time.strftime("%H:%M:%S", time.localtime(ev["time"])) if "time" in ev else ""
     if kind == "log":
         text = str(ev.get("message", ""))
-    elif kind == "start" and ev.get("kind") == "grpo":
+    elif kind == "start" and ev.get("kind") == GRPO.name:
         text = (f"start: {ev.get('total_steps')} steps of {ev.get('prompts_per_step')} prompts "
                 f"x {ev.get('group_size')} completions, {ev.get('trainable', 0):,} trainable "
                 f"parameters, {ev.get('train_prompts')} training / {ev.get('val_prompts')} "

@@ -21,16 +21,13 @@ from PySide6.QtWidgets import (QAbstractItemView, QHBoxLayout, QHeaderView, QLab
                                QPushButton, QSpinBox, QTableWidget, QTableWidgetItem, QVBoxLayout,
                                QWidget)
 
-from app.engine.errors import ConfigError, EngineError
-from app.engine.runs.queue import JobStateError
-from app.engine.runs.rundir import RunDir
+from app.engine.api import KINDS, ConfigError, EngineError, JobStateError, RunDir
 from app.views.error_panel import BUG_HINT, ErrorPanel
 from app.views.run_rows import RunRow, collect_runs
 from app.views.run_tail import BackgroundPoll, clock
 
 COLUMNS = ("Run", "Type", "State", "Progress", "ETA", "Loss", "Reward", "Model", "Job")
 COL = {name: i for i, name in enumerate(COLUMNS)}
-KINDS = {"sft": "SFT", "grpo": "GRPO"}
 STATE_COLORS = {"running": "#2f6fde", "done": "#2e7d4f", "failed": "#c0392b",
                 "cancelled": "#6a737d", "paused": "#a15c07", "queued": "#4d545c"}
 
@@ -158,7 +155,8 @@ class RunsView(QWidget):
         for i, row in enumerate(rows):
             job = row.job
             number = lambda v: f"{v:.4f}" if isinstance(v, (int, float)) else ""
-            texts = (row.name, KINDS.get(row.kind, row.kind), row.label, "",
+            kind = KINDS[row.kind].label if row.kind in KINDS else row.kind
+            texts = (row.name, kind, row.label, "",
                      clock(row.eta_s) if row.eta_s is not None else "", number(row.loss),
                      number(row.reward), row.model, str(job.id) if job else "terminal")
             for c, text in enumerate(texts):

@@ -1,7 +1,7 @@
 """Settings files: a New run screen's settings saved as JSON, or a run's config.json.
 
 `read_settings(path)` reads one and checks it against the engine's config schema
-(app.engine.runtime.schema: a RunConfig, or with "kind": "grpo" a GrpoConfig; the model and
+(its run kind's config class: a RunConfig, or with "kind": "grpo" a GrpoConfig; the model and
 dataset may be missing) before anything is shown: a file that does not parse, is not an object
 or has unknown keys, values of the wrong type or out of range raises one ConfigError listing
 them all. `write_settings(path, d)` writes one.
@@ -12,18 +12,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from app.engine.runtime.schema import check, read_config_file
+from app.engine.api import GRPO, check, kind_of, read_config_file
 
 
 def read_settings(path: str) -> dict:
-    from app.engine.training.grpo import GrpoConfig
-    from app.engine.training.sft import RunConfig
-
     d = read_config_file(path)
-    if d.get("kind") == "grpo":
-        check({"model": "", "prompts": "", **d}, GrpoConfig, path)
-    else:
-        check({"model": "", "data": "", **d}, RunConfig, path)
+    kind = kind_of(d, path)
+    inputs = {"prompts": ""} if kind is GRPO else {"data": ""}    # may be missing here
+    check({"model": "", **inputs, **d}, kind.config_class, path)
     return d
 
 

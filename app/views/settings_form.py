@@ -19,10 +19,8 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import (QCheckBox, QFileDialog, QFrame, QGridLayout, QHBoxLayout, QLabel,
                                QLineEdit, QPushButton, QScrollArea, QVBoxLayout, QWidget)
 
-from app.engine.runtime.backend import gpu_available
-from app.engine.training.config import TrainConfig
-from app.engine.model.lora import TARGET_GROUPS
-from app.engine.model.card import ModelCard, human_count, lora_param_count
+from app.engine.api import (GRPO, SFT, TARGET_GROUPS, ModelCard, TrainConfig, gpu_available,
+                            human_count, lora_param_count)
 from app.views.form_fields import FormBase, combo, dspin, set_combo, set_field, spin
 
 GROUP_LABELS = {"attention": "Attention (q, k, v, out)", "ffn": "Dense FFN",
@@ -84,10 +82,16 @@ class SettingsForm(FormBase):
         self.target_boxes: dict[str, QCheckBox] = {}
         self.full_boxes: dict[str, QCheckBox] = {}
         self.card: ModelCard | None = None
-        self.kind = "sft"
+        self.kind = SFT.name                       # the run type: a name of KINDS
         self._kind_steps: dict[str, int] = {}      # run type -> its max_steps when left
-        t = TrainConfig()
+        self._layout(self._build())
+        self._connect()
+        self.set_values({})
+        self._update_visibility()
 
+    def _build(self) -> tuple[tuple[QGridLayout, ...], ...]:
+        """The groups of fields, in two columns."""
+        t = TrainConfig()
         train = self._group("What to train")
         self._row(train, "mode", "Mode", combo([("lora", "LoRA adapters"),
                                                   ("full", "Full fine-tuning"),
@@ -103,7 +107,6 @@ class SettingsForm(FormBase):
         self.target_counts: dict[str, QLabel] = {}
         for i, group in enumerate(TARGET_GROUPS):
             box = QCheckBox(GROUP_LABELS.get(group, group))
-            box.toggled.connect(lambda _=False, k="targets": self._changed(k))
             count = QLabel("", objectName="paramCount")
             count.setAlignment(Qt.AlignRight | Qt.AlignVCenter)
             grid.addWidget(box, i, 0)
@@ -117,7 +120,6 @@ class SettingsForm(FormBase):
         row.setContentsMargins(0, 0, 0, 0)
         for name in FULL_TARGETS:
             box = QCheckBox(name)
-            box.toggled.connect(lambda _=False, k="full_targets": self._changed(k))
             row.addWidget(box)
             self.full_boxes[name] = box
         row.addStretch(1)
@@ -169,10 +171,9 @@ class SettingsForm(FormBase):
         prow = QHBoxLayout(path)
         prow.setContentsMargins(0, 0, 0, 0)
         self.weights_path = QLineEdit(placeholderText="weights .jsonl/.csv/.txt")
-        browse = QPushButton("Browse\u2026")
-        browse.clicked.connect(self._browse_weights)
+        self._weights_browse = QPushButton("Browse\u2026")
         prow.addWidget(self.weights_path, 1)
-        prow.addWidget(browse)
+        prow.addWidget(self._weights_browse)
         self.fields["weights_path_edit"] = self.weights_path
         self._row(rw, "weights_path", "File", path)
         self._row(rw, "normalize", "Normalisation", combo(["none", "mean-std", "min-max", "clip"]))
@@ -186,15 +187,15 @@ class SettingsForm(FormBase):
         self._row(rw, "clip", "Clip range", clip)
         self._row(rw, "allow_negative", "", QCheckBox("Allow negative weights (unlikelihood)"))
 
-        for w in (self.weights_path, self.clip_lo, self.clip_hi):
-            self._connect(w, "weights_path" if w is self.weights_path else "clip")
         self._sft_boxes = (data.parentWidget(), rw.parentWidget())
+        return (train, ev, data), (opt, length, rw)
 
+    def _layout(self, columns: tuple[tuple[QGridLayout, ...], ...]) -> None:
         body = QWidget(objectName="formBody")
         cols = QHBoxLayout(body)
         cols.setContentsMargins(16, 12, 16, 12)
         cols.setSpacing(16)
-        for groups in ((train, ev, data), (opt, length, rw)):
+        for groups in columns:
             col = QVBoxLayout()
             col.setSpacing(12)
             for g in groups:
@@ -206,8 +207,14 @@ class SettingsForm(FormBase):
         outer = QVBoxLayout(self)
         outer.setContentsMargins(0, 0, 0, 0)
         outer.addWidget(scroll)
-        self.set_values({})
-        self._update_visibility()
+
+    def _connect(self) -> None:
+        for key, boxes in (("targets", self.target_boxes), ("full_targets", self.full_boxes)):
+            for box in boxes.values():
+                box.toggled.connect(lambda _=False, k=key: self._changed(k))
+        self._weights_browse.clicked.connect(self._browse_weights)
+        for w in (self.weights_path, self.clip_lo, self.clip_hi):
+            self._watch(w, "weights_path" if w is self.weights_path else "clip")
 
     # ---------------------------------------------------------------- model-dependent parts
     def set_card(self, card: ModelCard | None) -> None:
@@ -275,10 +282,11 @@ class SettingsForm(FormBase):
     def values(self) -> dict:
         """The RunConfig dict without model and data; of a GRPO run, its GrpoConfig keys."""
         v = self._run_values()
-        if self.kind != "grpo":
+        if self.kind != GRPO.name:
             return v
         skip = ("mode", "full_targets", "grad_accum")
-        return {"kind": "grpo", "train": {k: x for k, x in v["train"].items() if k not in skip},
+        return {"kind": GRPO.name,
+                "train": {k: x for k, x in v["train"].items() if k not in skip},
                 "val_split": v["data_config"]["val_fraction"],
                 **{k: v[k] for k in ("max_steps", "eval_every", "save_every", "norms_every")}}
 
@@ -318,7 +326,7 @@ class SettingsForm(FormBase):
         """Load a RunConfig or GrpoConfig dict (missing keys: the form's defaults for a first
         run; the run type stays as it is: see `set_kind`)."""
         t, dc = dict(d.get("train") or {}), dict(d.get("data_config") or {})
-        if d.get("kind") == "grpo":
+        if d.get("kind") == GRPO.name:
             dc["val_fraction"] = d.get("val_split", 0.0)
         f = self.fields
         self._loading = True
@@ -353,7 +361,7 @@ class SettingsForm(FormBase):
         steps = self.fields["max_steps"]
         self._kind_steps[self.kind] = steps.value()
         self.kind = kind
-        grpo = kind == "grpo"
+        grpo = kind == GRPO.name
         self._loading = True
         if grpo:
             set_combo(self.fields["mode"], "lora")
@@ -394,9 +402,9 @@ class SettingsForm(FormBase):
         if f["device"].currentData() == "cuda" and not gpu_available():
             errors["device"] = ("This machine has no usable CUDA GPU (CuPy with a device): "
                                 "compute on the CPU, or queue the run on a GPU machine.")
-        if self.kind == "grpo" and not f["max_steps"].value():
+        if self.kind == GRPO.name and not f["max_steps"].value():
             errors["max_steps"] = "A GRPO run counts steps: set how many."
-        if self.kind == "grpo" and f["optimizer"].currentData() == "lbfgs":
+        if self.kind == GRPO.name and f["optimizer"].currentData() == "lbfgs":
             errors["optimizer"] = "GRPO runs use AdamW or SGD: L-BFGS needs the same batch " \
                                   "at every step."
         if self.card is not None and f["context"].value() > self.card.config.context_length:
@@ -433,7 +441,7 @@ class SettingsForm(FormBase):
             self._show(key, lora or key == "trainable")
         self._show("full_targets", mode == "hybrid")
         for key in SFT_ONLY:
-            self._show(key, self.kind != "grpo")
+            self._show(key, self.kind != GRPO.name)
         source = self.fields["weights_source"].currentData()
         self._show("weight_field", source == "row")
         self._show("weights_path", source == "file")

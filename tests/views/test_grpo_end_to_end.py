@@ -60,7 +60,7 @@ def test_a_tiny_grpo_run_from_new_run_to_monitor(qtbot, ctx, tmp_path):
     monitor.set_smoothing(0)
     ctx.select_run(path)
     g = monitor.grpo
-    assert monitor.kind == "grpo"
+    assert monitor.kind.name == "grpo"
     qtbot.waitUntil(lambda: g.reward_curve.xData is not None and len(g.reward_curve.xData) == 2)
     monitor.redraw.flush()
     np.testing.assert_allclose(g.reward_curve.getData()[1], [e["reward_mean"] for e in steps])

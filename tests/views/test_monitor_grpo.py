@@ -30,7 +30,7 @@ def test_reward_curves_fill_from_grpo_events(qtbot, ctx, monitor):
     fake.step(10)
     fake.eval(0.6)
     ctx.select_run(fake.path)
-    assert monitor.kind == "grpo"
+    assert monitor.kind.name == "grpo"
     tabs = monitor.pages
     assert [tabs.tabText(i) for i in range(3) if tabs.isTabVisible(i)] == [
         "Rewards", "Completions", "Loss and optimiser"]
@@ -81,7 +81,7 @@ def test_switching_to_a_supervised_run_hides_the_grpo_pages(qtbot, ctx, monitor)
     ctx.select_run(grpo.path)
     qtbot.waitUntil(lambda: n_points(monitor.grpo.reward_curve) == 3)
     ctx.select_run(sft.path)
-    assert monitor.kind == "sft" and not monitor.pages.tabBar().isVisible()
+    assert monitor.kind.name == "sft" and not monitor.pages.tabBar().isVisible()
     assert not monitor.pages.isTabVisible(0) and not monitor.pages.isTabVisible(1)
     assert n_points(monitor.grpo.reward_curve) == 0
     qtbot.waitUntil(lambda: n_points(monitor.loss_curve) == 4)

@@ -1,0 +1,52 @@
+"""The engine's door for the views: every engine name the window uses, in one place.
+
+`app.views` imports the engine only from here (an import-linter contract in pyproject.toml
+forbids it the engine's packages), so what the window depends on is this list and the packages
+behind it can move freely. The command line may use it too. Importing it loads the engine
+(model, training loops, export), not Qt.
+"""
+
+from __future__ import annotations
+
+from app.engine.data.dataset import DataConfig
+from app.engine.data.lint import LintReport, lint_file
+from app.engine.errors import ConfigError, EngineError
+from app.engine.export.exporter import (ExportTargetExists, export, source_from_adapter,
+                                        source_from_run)
+from app.engine.model.card import (ModelCard, describe_model, human_bytes, human_count,
+                                   lora_param_count)
+from app.engine.model.lora import TARGET_GROUPS, load_adapter
+from app.engine.model.transformer import load_model
+from app.engine.runs.kinds import GRPO, KINDS, SFT, RunKind, kind_of
+from app.engine.runs.queue import PENDING, Job, JobQueue, JobStateError
+from app.engine.runs.rundir import (RUN_NAME_MAX, RunDir, default_run_name, default_runs_dir,
+                                    list_runs)
+from app.engine.runs.worker import ensure_worker, stop_worker, worker_pid, worker_running
+from app.engine.runtime.backend import gpu_available
+from app.engine.runtime.schema import check, read_config_file
+from app.engine.text.chat_template import chat_prompt_ids, generation_prompt_ids
+from app.engine.training.config import TrainConfig
+from app.engine.training.grpo import GrpoConfig, build_grpo_config
+from app.engine.training.memory import TrainingMemory, estimate_memory
+from app.engine.training.reward_functions import (RewardSpec, trust_reward_files,
+                                                  untrusted_reward_files)
+from app.engine.training.sft import RunConfig
+
+__all__ = [
+    # errors
+    "ConfigError", "EngineError",
+    # runs: the run directory, the queue, the worker process, the run kinds
+    "RUN_NAME_MAX", "RunDir", "default_run_name", "default_runs_dir", "list_runs",
+    "PENDING", "Job", "JobQueue", "JobStateError",
+    "ensure_worker", "stop_worker", "worker_pid", "worker_running",
+    "GRPO", "KINDS", "SFT", "RunKind", "kind_of",
+    # models: the card, LoRA targets, loading for the Playground
+    "ModelCard", "describe_model", "human_bytes", "human_count", "lora_param_count",
+    "TARGET_GROUPS", "load_adapter", "load_model", "chat_prompt_ids", "generation_prompt_ids",
+    # configs, the settings-file schema, datasets, memory
+    "DataConfig", "GrpoConfig", "RewardSpec", "RunConfig", "TrainConfig", "build_grpo_config",
+    "trust_reward_files", "untrusted_reward_files", "check", "read_config_file",
+    "LintReport", "lint_file", "TrainingMemory", "estimate_memory", "gpu_available",
+    # export
+    "ExportTargetExists", "export", "source_from_adapter", "source_from_run",
+]

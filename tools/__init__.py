@@ -1,0 +1,1 @@
+"""Developer tools, run as ``python -m tools.<name>`` from the repository root."""
