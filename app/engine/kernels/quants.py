@@ -11,7 +11,10 @@ with ``gguf.quants.dequantize`` (gguf 0.19.0), and so with llama.cpp's C referen
 - float32 operations run in the same order as gguf's, one rounding per operation. Each
   operation is its own ufunc call, so nothing fuses into an FMA.
 
-The kernels are vectorised over blocks; no Python loop runs over blocks. Raw bytes are
+On the CPU, Q4_0, Q8_0, Q4_K, Q5_K and Q6_K run compiled kernels (`dequant_compiled`, Numba,
+bit-exact with the NumPy kernels here, which stay the reference and run with
+WORKBENCH_KERNELS=numpy). The NumPy kernels are vectorised over blocks; no Python loop runs
+over blocks. Raw bytes are
 reshaped to (n_blocks, block_bytes). Bit fields are unpacked on uint8 into planes, one plane
 per field (``_planes``). The float32 output is filled with the broadcast scale and then
 multiplied in place by the quant values. This module must not import ``gguf``: the type ids
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from app.engine.kernels import dequant_compiled
 from app.engine.runtime.backend import get_array_module
 
 # GGML type ids (ggml.h / gguf constants.py), only those this module dequantizes.
@@ -101,7 +105,10 @@ def dequantize(raw, ggml_type: int, out=None):
     n = raw.size // block_bytes
     if n:
         blocks = xp.ascontiguousarray(raw).reshape(n, block_bytes)     # (n, block_bytes)
-        _KERNELS[int(ggml_type)](xp, blocks, target.reshape(n, block_elems))
+        if xp is np and dequant_compiled.available(ggml_type):
+            dequant_compiled.dequantize_blocks(ggml_type, blocks, target.reshape(n, block_elems))
+        else:
+            _KERNELS[int(ggml_type)](xp, blocks, target.reshape(n, block_elems))
     if target is not out:
         out[...] = target
     return out

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
 
-from app.engine.kernels import quants
+from app.engine.kernels import dequant_compiled, jit, quants
 
 TYPES = sorted(quants.BLOCK_SIZES)
 IDS = [quants.TYPE_NAMES[t] for t in TYPES]
@@ -98,6 +98,53 @@ def test_fully_random_bytes_match_including_nan_and_inf(t):
     raw = random_raw(t, (5, 8), rng, finite=False)
     with np.errstate(all="ignore"):                                      # inf * 0 and the like, in both
         np.testing.assert_array_equal(quants.dequantize(raw, t), oracle(raw, t))
+
+
+# ------------------------------------------------------------------------------- compiled kernels
+
+COMPILED = list(dequant_compiled.TYPES)
+needs_numba = pytest.mark.skipif(not jit.compiled(), reason="compiled kernels are switched off")
+
+
+def numpy_twin(raw, t):
+    """The NumPy kernel of `quants` (the oracle of the compiled ones) on raw rows."""
+    block_elems, block_bytes = quants.BLOCK_SIZES[t]
+    n = raw.size // block_bytes
+    out = np.empty((n, block_elems), np.float32)
+    quants._KERNELS[t](np, np.ascontiguousarray(raw).reshape(n, block_bytes), out)
+    return out.reshape(*raw.shape[:-1], -1)
+
+
+@needs_numba
+@pytest.mark.parametrize("finite", [True, False])
+@pytest.mark.parametrize("t", COMPILED, ids=[quants.TYPE_NAMES[t] for t in COMPILED])
+def test_compiled_kernels_bit_exact_with_numpy_twins(t, finite):
+    """Every byte value in every position (and NaN/Inf/subnormal scales when not finite)."""
+    rng = np.random.default_rng(300 + t)
+    raw = random_raw(t, (64, 4096 // quants.BLOCK_SIZES[t][0]), rng, finite=finite)
+    block_elems, block_bytes = quants.BLOCK_SIZES[t]
+    got = np.empty((raw.size // block_bytes, block_elems), np.float32)
+    with np.errstate(all="ignore"):
+        dequant_compiled.dequantize_blocks(t, raw.reshape(-1, block_bytes), got)
+        np.testing.assert_array_equal(got.reshape(64, -1).view(np.uint32),
+                                      numpy_twin(raw, t).view(np.uint32))
+
+
+@needs_numba
+def test_compiled_kernels_split_over_threads_match_one_call(monkeypatch):
+    """Many blocks go to the engine's threads in row ranges: the same bits as one call."""
+    monkeypatch.setenv("WORKBENCH_THREADS", "2")
+    rng = np.random.default_rng(9)
+    raw = random_raw(quants.Q4_K, (8, 4 * dequant_compiled.MIN_BLOCKS_PER_PIECE), rng)
+    assert_bits_equal(quants.dequantize(raw, quants.Q4_K), numpy_twin(raw, quants.Q4_K))
+
+
+def test_numpy_switch_runs_the_numpy_kernels(monkeypatch):
+    monkeypatch.setenv(jit.ENV_VAR, "numpy")
+    assert not dequant_compiled.available(quants.Q4_K)
+    rng = np.random.default_rng(10)
+    raw = random_raw(quants.Q6_K, (2, 3), rng)
+    assert_bits_equal(quants.dequantize(raw, quants.Q6_K), oracle(raw, quants.Q6_K))
 
 
 QUANTIZABLE = [quants.F32, quants.F16, quants.BF16, quants.Q4_0, quants.Q4_1, quants.Q5_0,
@@ -251,7 +298,8 @@ def test_imports_only_numpy_and_backend():
             imported |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
             imported.add(node.module)
-    assert imported <= {"__future__", "numpy", "app.engine.runtime.backend"}, imported
+    assert imported <= {"__future__", "numpy", "app.engine.runtime.backend",
+                        "app.engine.kernels"}, imported            # the compiled twins
 
 
 # ------------------------------------------------------------------------------- CuPy
