@@ -11,6 +11,7 @@ import math
 import numpy as np
 import pytest
 
+from app.engine.kernels import compiled_adamw, jit
 from app.engine.training import optimizers as optim
 from app.engine.errors import CheckpointError, ConfigError
 from app.engine.training.optimizers import (LBFGS, SGD, AdamW, GradAccumulator, StepStats,
@@ -19,8 +20,10 @@ from app.engine.training.optimizers import (LBFGS, SGD, AdamW, GradAccumulator, 
 
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch):
-    """1024-element chunks, so the parameters below exercise the chunked loop and its tail."""
+    """1024-element chunks, so the parameters below exercise the chunked loop and its tail
+    (the compiled kernels' pieces too)."""
     monkeypatch.setattr(optim, "_CHUNK_BYTES", 1024)
+    monkeypatch.setattr(optim, "_COMPILED_CHUNK", 1000)
 
 
 def make_params(dtype=np.float64, seed=0):
@@ -581,3 +584,70 @@ def test_no_decay_names_skip_weight_decay():
     opt.step({"matrix": np.zeros((2, 2), np.float32), "norm": np.zeros(2, np.float32)})
     np.testing.assert_allclose(w["matrix"], 0.95)
     np.testing.assert_array_equal(w["norm"], 1.0)
+
+
+# ---- the compiled one-pass AdamW (app.engine.kernels.compiled_adamw) against its NumPy twin -----
+
+needs_numba = pytest.mark.skipif(not jit.compiled(), reason="compiled kernels are off")
+
+
+def _adamw_run(monkeypatch, kernels: str, dtype, steps=4, **kw):
+    """Params, optimizer and stats after `steps` AdamW steps with kernels "numpy" or compiled."""
+    if kernels == "numpy":
+        monkeypatch.setenv(jit.ENV_VAR, "numpy")
+    else:
+        monkeypatch.delenv(jit.ENV_VAR, raising=False)
+    params = make_params(dtype)
+    opt = AdamW(params, lr=0.05, no_decay=("small",), **kw)
+    stats = [opt.step(make_grads(params, s, scale=0.3)) for s in range(steps)]
+    return params, opt, stats
+
+
+def _bits(a):
+    return np.ascontiguousarray(a).view(np.uint8)
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("kw", [{}, {"weight_decay": 0.1, "gclip": 0.2}])
+def test_compiled_adamw_is_bit_identical_to_the_numpy_twin(monkeypatch, dtype, kw):
+    """Same float operations in the same order, element by element: the same bits, clamp
+    counts included (gclip 0.2 clamps about half of these gradients)."""
+    want = _adamw_run(monkeypatch, "numpy", dtype, **kw)
+    got = _adamw_run(monkeypatch, "compiled", dtype, **kw)
+    for k in want[0]:
+        np.testing.assert_array_equal(_bits(got[0][k]), _bits(want[0][k]), err_msg=k)
+        for key in ("m", "v"):
+            np.testing.assert_array_equal(_bits(got[1].state[key][k]),
+                                          _bits(want[1].state[key][k]), err_msg=f"{key} {k}")
+    for a, b in zip(got[2], want[2]):
+        assert a.clipped_fraction == b.clipped_fraction
+        assert (a.clipped_fraction > 0) == bool(kw)
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_compiled_global_norm_within_the_float32_bound(monkeypatch, dtype):
+    """The compiled partial sums (float64, eight lanes) and the twin's (float32 BLAS dots summed
+    in float64) both hold the norm to the bound of a float32 dot of n terms; the steps that
+    follow differ only through the clipping scale."""
+    want = _adamw_run(monkeypatch, "numpy", dtype, max_grad_norm=1.0)
+    got = _adamw_run(monkeypatch, "compiled", dtype, max_grad_norm=1.0)
+    n = want[2][0].n_params
+    for a, b in zip(got[2], want[2]):
+        assert a.grad_norm == pytest.approx(b.grad_norm, rel=2 * n * 2.0 ** -24)
+    for k in want[0]:
+        np.testing.assert_allclose(got[0][k], want[0][k], rtol=1e-5, atol=1e-6)
+
+
+@needs_numba
+def test_compiled_sumsq_matches_float64():
+    g = np.random.default_rng(3).standard_normal(10_007).astype(np.float32)
+    exact = float(np.dot(g.astype(np.float64), g.astype(np.float64)))
+    assert compiled_adamw.sumsq_chunk(g) == pytest.approx(exact, rel=1e-13)
+    assert math.isnan(compiled_adamw.sumsq_chunk(np.array([1.0, np.nan], np.float32)))
+
+
+def test_numpy_switch_runs_the_numpy_twin(monkeypatch):
+    monkeypatch.setenv(jit.ENV_VAR, "numpy")
+    assert not compiled_adamw.runs_on(np.zeros(4, np.float32))
