@@ -8,6 +8,12 @@ reuses the same order: the expert-weight gradient is the scattered outer product
 OUT_PROD_ID, dW[e] = dYs[seg_e]^T @ Xs[seg_e], written per segment into an (E, out, in) array,
 and dX un-permutes with the inverse order and a reshape-sum over the K slots (never np.add.at).
 
+Every pass over the T*K slots (the gather of the sorted inputs, the combine, the un-permute and
+their backward) runs on the engine's threads in blocks of rows: each block writes its own rows,
+so the results do not depend on the thread count. Frozen quantized experts are read through the
+views' `tile(e, slot)` when they have one: the cache's array, or this thread's reused buffer
+(app.engine.model.weights), one slot per projection.
+
 Training path (forward with cache, then backward)::
 
     selected, weights, rcache = router_forward(logits, k, renorm, scale)
@@ -27,7 +33,7 @@ from typing import Any, NamedTuple
 from app.engine.runtime.backend import get_array_module
 from app.engine.kernels.activations import gelu_tanh, gelu_tanh_grad, glu_forward, sigmoid
 from app.engine.kernels.linear import linear_forward
-from app.engine.runtime.parallel import parallel_map
+from app.engine.runtime.parallel import parallel_map, row_blocks
 
 RENORM_MIN = 6.1035e-5  # llama.cpp clamps the top-k weight sum from below (build_moe_ffn)
 
@@ -47,7 +53,8 @@ class ExpertsCache(NamedTuple):
     """What experts_backward needs: the input's shape (T, C), order (T*K,), offsets (E+1,) host
     ints, the sorted inputs xs (T*K, C), pre-activations g, u (T*K, F), the weights (gate, up
     (E, F, C), down (E, C, F)), act, per projection the LoRA or None and its rank activations
-    (T*K, R) or None. Not h = act(g) * u: backward recomputes it."""
+    (T*K, R) or None, inverse (T*K,) the sorted position of each slot. Not h = act(g) * u:
+    backward recomputes it."""
 
     x_shape: tuple[int, int]
     order: Any
@@ -59,6 +66,7 @@ class ExpertsCache(NamedTuple):
     act: str
     loras: tuple[Any, Any, Any]
     lora_acts: tuple[Any, Any, Any]
+    inverse: Any
 
 
 class CombineCache(NamedTuple):
@@ -133,7 +141,33 @@ def dispatch_order(selected, n_expert: int):
     return order, offsets, order // k
 
 
+def inverse_order(order):
+    """order (T*K,) sorted position -> slot; returns (T*K,) slot -> sorted position."""
+    xp = get_array_module(order)
+    inverse = xp.empty_like(order)
+    inverse[order] = xp.arange(len(order), dtype=order.dtype)
+    return inverse
+
+
+def gather_rows(src, index, out=None):
+    """out[i] = src[index[i]]: (N, C) rows of src (M, C), in row blocks on the engine's threads."""
+    xp = get_array_module(src)
+    if out is None:
+        out = xp.empty((len(index), src.shape[1]), src.dtype)
+    parallel_map(lambda r: xp.take(src, index[r], axis=0, out=out[r]), row_blocks(len(index)), xp)
+    return out
+
+
+def _token_blocks(n_tokens: int, k: int) -> list[tuple[slice, slice]]:
+    """(token rows, their K slots each) blocks for work split by token."""
+    return [(r, slice(r.start * k, r.stop * k)) for r in row_blocks(n_tokens)]
+
+
 # ---- experts -----------------------------------------------------------------------------------
+
+def _expert(w, e: int, slot: int):
+    """Expert e of w (E, out, in): through the view's reused buffer `slot` when it has one."""
+    return w.tile(e, slot) if hasattr(w, "tile") else w[e]
 
 def busiest_first(offsets) -> list[int]:
     """Experts that received tokens, most slots first (offsets: host list (E+1,)): the order
@@ -154,7 +188,7 @@ def experts_forward(x, order, offsets, token_of, w_gate, w_up, w_down, act: str,
     they are), or None.
     """
     xp = get_array_module(x)
-    xs = x[token_of]                                                    # (T*K, C)
+    xs = gather_rows(x, token_of)                                       # (T*K, C)
     ys = xp.zeros_like(xs)                                              # (T*K, C)
     host_offsets = [int(o) for o in offsets]
     fg, fu, fd = base_inputs
@@ -163,10 +197,10 @@ def experts_forward(x, order, offsets, token_of, w_gate, w_up, w_down, act: str,
     def run(e: int) -> None:
         lo, hi = host_offsets[e], host_offsets[e + 1]
         lg, lu, ld = (None if l is None else (l[0][e], l[1][e], l[2]) for l in loras)
-        g, _ = linear_forward(xs[lo:hi], w_gate[e], lora=lg, x_base=xg[lo:hi])  # (n_e, F)
-        u, _ = linear_forward(xs[lo:hi], w_up[e], lora=lu, x_base=xu[lo:hi])    # (n_e, F)
+        g, _ = linear_forward(xs[lo:hi], _expert(w_gate, e, 0), lora=lg, x_base=xg[lo:hi])
+        u, _ = linear_forward(xs[lo:hi], _expert(w_up, e, 1), lora=lu, x_base=xu[lo:hi])
         h, _ = glu_forward(act, g, u)                                   # (n_e, F)
-        ys[lo:hi], _ = linear_forward(h, w_down[e], lora=ld,
+        ys[lo:hi], _ = linear_forward(h, _expert(w_down, e, 2), lora=ld,
                                       x_base=None if fd is None else fd(h))     # (n_e, C)
     parallel_map(run, busiest_first(host_offsets), xp)
     return ys
@@ -207,7 +241,7 @@ def experts_forward_train(x, order, offsets, token_of, w_gate, w_up, w_down, act
     n_slots, c = token_of.shape[0], x.shape[1]
     f = w_gate.shape[1]
     dtype = x.dtype
-    xs = x[token_of]                                                    # (T*K, C)
+    xs = gather_rows(x, token_of)                                       # (T*K, C)
     g_all = xp.empty((n_slots, f), dtype)                               # (T*K, F)
     u_all = xp.empty((n_slots, f), dtype)                               # (T*K, F)
     ys = xp.empty((n_slots, c), dtype)                                  # (T*K, C)
@@ -219,21 +253,21 @@ def experts_forward_train(x, order, offsets, token_of, w_gate, w_up, w_down, act
         lo, hi = host_offsets[e], host_offsets[e + 1]
         xe = xs[lo:hi]                                                  # (n, C)
         ge, ue = g_all[lo:hi], u_all[lo:hi]
-        xp.matmul(xe, w_gate[e].T, out=ge)                              # (n, F)
-        xp.matmul(xe, w_up[e].T, out=ue)                                # (n, F)
+        xp.matmul(xe, _expert(w_gate, e, 0).T, out=ge)                  # (n, F)
+        xp.matmul(xe, _expert(w_up, e, 1).T, out=ue)                    # (n, F)
         for (lora, acts, out) in ((loras[0], lora_acts[0], ge), (loras[1], lora_acts[1], ue)):
             if lora is not None:
                 xa = xp.matmul(xe, lora[0][e].T, out=acts[lo:hi])       # (n, R)
                 out += (lora[2] * xa) @ lora[1][e].T                    # (n, F)
         a = _glu_act(act, ge)                                           # (n, F)
         a *= ue                                                         # h (n, F)
-        ye = xp.matmul(a, w_down[e].T, out=ys[lo:hi])                   # (n, C)
+        ye = xp.matmul(a, _expert(w_down, e, 2).T, out=ys[lo:hi])       # (n, C)
         if loras[2] is not None:
             ha = xp.matmul(a, loras[2][0][e].T, out=lora_acts[2][lo:hi])  # (n, R)
             ye += (loras[2][2] * ha) @ loras[2][1][e].T                 # (n, C)
     parallel_map(run, busiest_first(host_offsets), xp)
     cache = ExpertsCache(x.shape, order, host_offsets, xs, g_all, u_all, (w_gate, w_up, w_down),
-                         act, tuple(loras), lora_acts)
+                         act, tuple(loras), lora_acts, inverse_order(order))
     return ys, cache
 
 
@@ -281,7 +315,7 @@ def experts_backward(dys, cache, need_dw=(False, False, False), dw_out=None):
         lo, hi = offs[e], offs[e + 1]
         dy, xe = dys[lo:hi], xs[lo:hi]                                  # (n, C)
         # down projection: y = h Wd^T + s (h Ad^T) Bd^T
-        wd = w_down[e]                                                  # (C, F)
+        wd = _expert(w_down, e, 2)                                      # (C, F)
         dh = dy @ wd                                                    # (n, F)
         if loras[2] is not None:
             a_d, b_d, s_d = loras[2][0][e], loras[2][1][e], loras[2][2]
@@ -296,8 +330,8 @@ def experts_backward(dys, cache, need_dw=(False, False, False), dw_out=None):
             xp.matmul(dy.T, lora_acts[2][lo:hi], out=dloras[2][1][e])   # (C, R)
             dloras[2][1][e] *= s_d
         # gate and up projections: dx = dg Wg + du Wu (+ LoRA terms)
-        dxe = xp.matmul(dg, w_gate[e], out=dxs[lo:hi])                  # (n, C)
-        dxe += du @ w_up[e]                                             # (n, C)
+        dxe = xp.matmul(dg, _expert(w_gate, e, 0), out=dxs[lo:hi])      # (n, C)
+        dxe += du @ _expert(w_up, e, 1)                                 # (n, C)
         for i, dz in ((0, dg), (1, du)):
             if dws[i] is not None:
                 xp.matmul(dz.T, xe, out=dws[i][e])                      # (F, C)
@@ -311,9 +345,12 @@ def experts_backward(dys, cache, need_dw=(False, False, False), dw_out=None):
                 dloras[i][1][e] *= s_i
     parallel_map(run, busiest_first(offs), xp)
     # un-permute to slot order (t * K + k) and sum the K slots of each token
-    dslots = xp.empty_like(dxs)                                         # (T*K, C)
-    dslots[order] = dxs
-    dx = dslots.reshape(t, len(dxs) // max(t, 1), c).sum(1)             # (T, C)
+    k = len(dxs) // max(t, 1)
+    dx = xp.empty((t, c), dtype)                                        # (T, C)
+
+    def unpermute(rows: slice, slots: slice) -> None:
+        dx[rows] = xp.take(dxs, cache.inverse[slots], axis=0).reshape(-1, k, c).sum(1)
+    parallel_map(lambda b: unpermute(*b), _token_blocks(t, k), xp)
     return dx, dws, dloras
 
 
@@ -323,9 +360,15 @@ def combine_forward(ys, order, weights):
     """ys: (T*K, C) in sorted order, weights (T, K) -> ((T, C) = sum_k w_k * y_k, CombineCache)."""
     xp = get_array_module(ys)
     t, k = weights.shape
-    unsorted = xp.empty_like(ys)
-    unsorted[order] = ys                                                # (T*K, C) slot order
-    out = (unsorted.reshape(t, k, -1) * weights[:, :, None]).sum(1)     # (T, C)
+    c = ys.shape[1]
+    inverse = inverse_order(order)
+    unsorted = xp.empty_like(ys)                                        # (T*K, C) slot order
+    out = xp.empty((t, c), xp.result_type(ys.dtype, weights.dtype))     # (T, C)
+
+    def run(rows: slice, slots: slice) -> None:
+        u = xp.take(ys, inverse[slots], axis=0, out=unsorted[slots])    # (n*K, C)
+        out[rows] = (u.reshape(-1, k, c) * weights[rows, :, None]).sum(1)
+    parallel_map(lambda b: run(*b), _token_blocks(t, k), xp)
     return out, CombineCache(unsorted, order, weights)
 
 
@@ -337,8 +380,15 @@ def combine(ys, order, weights):
 def combine_backward(dout, cache):
     """dout: (T, C) -> (dys (T*K, C) in sorted order, dweights (T, K))."""
     unsorted, order, weights = cache.unsorted, cache.order, cache.weights
+    xp = get_array_module(dout)
     t, k = weights.shape
-    y3 = unsorted.reshape(t, k, -1)                                     # (T, K, C)
-    dweights = (y3 @ dout[:, :, None])[:, :, 0]                         # (T, K)
-    dslots = (dout[:, None, :] * weights[:, :, None]).reshape(t * k, -1)  # (T*K, C)
-    return dslots[order], dweights                                      # sorted (T*K, C)
+    c = dout.shape[1]
+    dweights = xp.empty((t, k), xp.result_type(unsorted.dtype, dout.dtype))     # (T, K)
+    dslots = xp.empty((t * k, c), xp.result_type(dout.dtype, weights.dtype))    # (T*K, C)
+
+    def run(rows: slice, slots: slice) -> None:
+        y3 = unsorted[slots].reshape(-1, k, c)                          # (n, K, C)
+        dweights[rows] = (y3 @ dout[rows, :, None])[:, :, 0]            # (n, K)
+        dslots[slots].reshape(-1, k, c)[...] = dout[rows, None, :] * weights[rows, :, None]
+    parallel_map(lambda b: run(*b), _token_blocks(t, k), xp)
+    return gather_rows(dslots, order), dweights                        # sorted (T*K, C)

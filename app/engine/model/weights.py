@@ -3,7 +3,8 @@
 F32 tensors are zero-copy views of the file. Quantized tensors are dequantized on demand into
 float32 and kept in a bounded LRU cache, so a model larger than the budget still runs (it just
 dequantizes again). Experts are cached one expert at a time, and embedding lookups dequantize
-only the rows they read.
+only the rows they read. An expert the cache cannot keep is dequantized into a buffer that each
+engine thread reuses (`expert_tile`), so a step without the cache allocates no float32 expert.
 
 On a GPU (`xp` = cupy) the quantized bytes are copied to the device and dequantized there, and
 the cache (F32 tensors too) lives in device memory, budgeted against the GPU's memory.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from math import prod
 
 import numpy as np
 
@@ -38,10 +40,11 @@ class WeightStore:
         self._cached_bytes = 0
         self.dequant_seconds = 0.0  # time spent dequantizing, for the benchmarks' phase split
         self._lock = threading.Lock()  # the engine's threads read experts concurrently
+        self._tiles = threading.local()  # per thread: {(slot, shape): reused float32 buffer}
 
-    def _dequantize(self, raw, ggml_type: int) -> np.ndarray:
+    def _dequantize(self, raw, ggml_type: int, out=None) -> np.ndarray:
         t0 = time.perf_counter()
-        out = dequantize(raw if self.xp is np else self.xp.asarray(raw), ggml_type)
+        out = dequantize(raw if self.xp is np else self.xp.asarray(raw), ggml_type, out=out)
         with self._lock:
             self.dequant_seconds += time.perf_counter() - t0
         return out
@@ -111,6 +114,24 @@ class WeightStore:
         return self._cached((name, e), lambda: self._dequantize(self.gguf.raw(name)[e],
                                                                 info.ggml_type))
 
+    def expert_tile(self, name: str, e: int, slot: int) -> np.ndarray:
+        """Expert e as `expert` gives it when it is (or may be) cached; otherwise dequantized
+        into this thread's reused buffer number `slot` (out, in), which stays valid until the
+        same thread asks for the same slot again. Callers use one slot per operand they hold."""
+        info = self.gguf.tensors[name]
+        shape = tuple(info.shape[1:])
+        if info.ggml_type == 0 or name in self._cache or 4 * prod(shape) <= self.budget:
+            return self.expert(name, e)
+        with self._lock:
+            hit = self._cache.get((name, e))
+        if hit is not None:
+            return hit
+        tiles = self._tiles.__dict__.setdefault("buffers", {})
+        buffer = tiles.get((slot, shape))
+        if buffer is None:
+            buffer = tiles[(slot, shape)] = self.xp.empty(shape, self.xp.float32)
+        return self._dequantize(self.gguf.raw(name)[e], info.ggml_type, out=buffer)
+
 
 class ExpertView:
     """Indexable by expert like an (E, out, in) array, dequantizing one expert at a time."""
@@ -124,6 +145,10 @@ class ExpertView:
 
     def __getitem__(self, e: int) -> np.ndarray:
         return self.store.expert(self.name, int(e))
+
+    def tile(self, e: int, slot: int) -> np.ndarray:
+        """Expert e, possibly in this thread's reused buffer `slot` (WeightStore.expert_tile)."""
+        return self.store.expert_tile(self.name, int(e), slot)
 
 
 class RowView:

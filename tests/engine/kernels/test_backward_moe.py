@@ -313,3 +313,33 @@ def test_gradcheck_detects_a_wrong_gradient():
         grads[0][3] = 0.0                                                # one token's dx lost
         return grads
     assert check_backward(fwd, dropped, inputs) > 1e-4
+
+
+def test_quantized_experts_through_reused_tiles_match_the_cached_store(tmp_path):
+    """A store without cache dequantizes each expert into the thread's reused buffer: the
+    same forward and backward, bit for bit, as with every expert cached."""
+    from app.engine.io.gguf import quantize, read_gguf, write_gguf
+    from app.engine.kernels.quants import Q8_0
+    from app.engine.model.weights import WeightStore
+
+    e, f, c, t, k = 4, 32, 64, 24, 2
+    rng = np.random.default_rng(3)
+    shapes = {"gate": (e, f, c), "up": (e, f, c), "down": (e, c, f)}
+    path = tmp_path / "experts.gguf"
+    write_gguf(path, {"general.architecture": "llama"},
+               {f"blk.0.ffn_{p}_exps.weight": (quantize(rng.standard_normal(s), Q8_0), Q8_0)
+                for p, s in shapes.items()})
+    x = rng.standard_normal((t, c), dtype=np.float32)
+    order, offsets, token_of = dispatch_order(rng.integers(0, e, (t, k)), e)
+    dys = rng.standard_normal((t * k, c), dtype=np.float32)
+    results = []
+    for budget in (1 << 30, 0):
+        store = WeightStore(read_gguf(path), budget)
+        views = [store.experts(f"blk.0.ffn_{p}_exps.weight") for p in shapes]
+        ys, cache = experts_forward_train(x, order, offsets, token_of, *views, "silu")
+        results.append((ys, experts_backward(dys, cache)[0]))
+    for cached, tiled in zip(*results):
+        np.testing.assert_array_equal(cached, tiled)
+    first = views[0].tile(0, 0)
+    assert views[0].tile(1, 0) is first                                 # one buffer, reused
+    np.testing.assert_array_equal(views[0].tile(1, 0), views[0][1])
