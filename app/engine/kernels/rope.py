@@ -3,11 +3,20 @@
 NORM rotates adjacent pairs (2i, 2i+1) (llama, deepseek); NEOX rotates (i, i + n_rot/2) (qwen,
 olmoe, gemma). theta_i = pos * freq_scale * base^(-2i/n_rot). Only the first n_rot dimensions of
 each head rotate; the rest pass through.
+
+On NumPy with compiled kernels on (app.engine.kernels.jit), both directions run one compiled pass
+per block of positions (app.engine.kernels.compiled_layers), bit-identical to the NumPy code
+here, their twin.
 """
 
 from __future__ import annotations
 
 from typing import Any, NamedTuple
+
+import numpy as np
+
+from app.engine.kernels import compiled_layers
+from app.engine.runtime.parallel import parallel_map, row_blocks
 
 NORM, NEOX = "norm", "neox"
 
@@ -45,6 +54,8 @@ def _merge(out, a, b, n_rot: int, mode: str):
 
 def rope_forward(x, cos, sin, n_rot: int, mode: str):
     """x: (T, H, D); cos, sin: (T, n_rot/2). Returns the rotated copy and the cache."""
+    if compiled_layers.runs_on(x, cos, sin):
+        return _rope_compiled(x, cos, sin, n_rot, mode, 1), RopeCache(cos, sin, n_rot, mode)
     x0, x1 = _split(x, n_rot, mode)                      # (T, H, n_rot/2)
     c, s = cos[:, None, :], sin[:, None, :]              # (T, 1, n_rot/2)
     out = x.copy()
@@ -56,7 +67,20 @@ def rope_backward(dout, cache):
     """dout: (T, H, D) -> dx (T, H, D): the inverse rotation (the transpose of an orthogonal map,
     i.e. rotation by -theta); dimensions past n_rot pass the gradient straight through."""
     n_rot, mode = cache.n_rot, cache.mode
+    if compiled_layers.runs_on(dout, cache.cos, cache.sin):
+        return _rope_compiled(dout, cache.cos, cache.sin, n_rot, mode, -1)
     d0, d1 = _split(dout, n_rot, mode)                   # (T, H, n_rot/2)
     c, s = cache.cos[:, None, :], cache.sin[:, None, :]  # (T, 1, n_rot/2)
     dx = dout.copy()                                     # (T, H, D)
     return _merge(dx, d0 * c + d1 * s, d1 * c - d0 * s, n_rot, mode)
+
+
+def _rope_compiled(x, cos, sin, n_rot: int, mode: str, sign: int):
+    """x: (T, H, D) rotated by +theta (sign 1) or -theta (-1), blocks of positions on the
+    engine's threads."""
+    out = np.empty_like(x)                               # (T, H, D)
+    x, cos, sin = (np.ascontiguousarray(a) for a in (x, cos, sin))
+    kernel = compiled_layers.kernels().rope
+    parallel_map(lambda r: kernel(x[r], cos[r], sin[r], n_rot, mode == NEOX, sign, out[r]),
+                 row_blocks(len(x)))
+    return out

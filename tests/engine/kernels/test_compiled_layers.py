@@ -1,0 +1,102 @@
+"""Compiled layer kernels (app.engine.kernels.compiled_layers) against their NumPy twins.
+
+Where the compiled kernel does the twin's float32 operations in the twin's order (RoPE, the
+gated activations' products) the bits must match; where it sums in another order (RMSNorm's
+row sums and weight gradient) or calls another exp (the activations, softmax), both paths are
+held to the float32 bound of the operation against float64 (tests/float32_bounds.py). The
+float64 gradient checks of test_backward_dense run on whichever path is on: the suite runs
+with the default (compiled) and with WORKBENCH_KERNELS=numpy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from app.engine.kernels import compiled_layers, jit
+from app.engine.kernels.norm import rmsnorm_backward, rmsnorm_forward
+from app.engine.kernels.rope import NEOX, NORM, rope_angles, rope_backward, rope_forward
+from tests.float32_bounds import as64, assert_within_gamma
+
+pytestmark = pytest.mark.skipif(not jit.compiled(), reason="compiled kernels are off")
+
+
+def both(monkeypatch, fn):
+    """(fn() on the NumPy twins, fn() compiled)."""
+    monkeypatch.setenv(jit.ENV_VAR, "numpy")
+    twin = fn()
+    monkeypatch.delenv(jit.ENV_VAR)
+    return twin, fn()
+
+
+def bits(a):
+    return np.ascontiguousarray(a).view(np.uint8)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("mode", [NORM, NEOX])
+@pytest.mark.parametrize("n_rot", [16, 8])   # 8 < head dim: the tail is copied
+def test_rope_bit_identical_both_ways(monkeypatch, dtype, mode, n_rot):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((37, 3, 16)).astype(dtype)
+    cos, sin = rope_angles(np, np.arange(5, 42), n_rot, 10000.0, 1.0, dtype)
+
+    def run():
+        out, cache = rope_forward(x, cos, sin, n_rot, mode)
+        return out, rope_backward(x, cache)
+    twin, got = both(monkeypatch, run)
+    for a, b in zip(got, twin):
+        np.testing.assert_array_equal(bits(a), bits(b))
+
+
+def _norm_inputs(shape, w_len, seed=2):
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(shape) * 3).astype(np.float32)
+    return x, rng.standard_normal(w_len).astype(np.float32), rng.standard_normal(shape).astype(np.float32)
+
+
+@pytest.mark.parametrize("shape,w_len", [((300, 96), 96), ((70, 4, 20), 20)])  # per-head norm
+def test_rmsnorm_forward_within_the_float32_bound(monkeypatch, shape, w_len):
+    """rstd is float64 math rounded once to float32 (the row sums differ only in float64's
+    last bits); out = (x r) w adds two roundings."""
+    x, w, _ = _norm_inputs(shape, w_len)
+    x64, w64 = as64(x, w)
+    r64 = 1.0 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-5)
+    for out, cache in both(monkeypatch, lambda: rmsnorm_forward(x, w, 1e-5)):
+        assert_within_gamma(cache.rstd, r64, r64, 1, "rstd")
+        assert_within_gamma(out, x64 * r64 * w64, np.abs(x64 * r64 * w64), 3, "out")
+
+
+@pytest.mark.parametrize("shape,w_len", [((300, 96), 96), ((70, 4, 20), 20)])
+def test_rmsnorm_backward_within_the_float32_bound(monkeypatch, shape, w_len):
+    """With the forward's rstd r fixed: dw = sum over rows of dout x r (n rows, float32 sums in
+    another order), dx = r (g - x r mean(g x r)) (C-term mean, then three roundings)."""
+    x, w, dout = _norm_inputs(shape, w_len)
+    _, cache = rmsnorm_forward(x, w, 1e-5)
+    x64, w64, d64, r64 = as64(x, w, dout, cache.rstd)
+    xn, g = x64 * r64, d64 * w64
+    c, rows = x.shape[-1], x.size // x.shape[-1]
+    gx, gx_abs = (g * xn).mean(-1, keepdims=True), np.abs(g * xn).mean(-1, keepdims=True)
+    dx_exact, dx_mag = r64 * (g - xn * gx), np.abs(r64) * (np.abs(g) + np.abs(xn) * gx_abs)
+    dw_exact = (d64 * xn).reshape(-1, c).sum(0)
+    dw_mag = np.abs(d64 * xn).reshape(-1, c).sum(0)
+    for dx, dw in both(monkeypatch, lambda: rmsnorm_backward(dout, cache)):
+        assert_within_gamma(dx, dx_exact, dx_mag, c + 6, "dx")
+        assert_within_gamma(dw, dw_exact, dw_mag, rows + 2, "dw")
+
+
+def test_rmsnorm_backward_same_bits_on_one_and_two_threads(monkeypatch):
+    """dw is summed over blocks of a fixed size, whatever the thread count."""
+    x, w, dout = _norm_inputs((700, 64), 64)
+    _, cache = rmsnorm_forward(x, w, 1e-5)
+    runs = []
+    for threads in ("1", "2"):
+        monkeypatch.setenv("WORKBENCH_THREADS", threads)
+        runs.append(rmsnorm_backward(dout, cache))
+    for a, b in zip(*runs):
+        np.testing.assert_array_equal(bits(a), bits(b))
+
+
+def test_numpy_switch_runs_the_twins(monkeypatch):
+    monkeypatch.setenv(jit.ENV_VAR, "numpy")
+    assert not compiled_layers.runs_on(np.zeros(3, np.float32))
