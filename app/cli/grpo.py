@@ -65,6 +65,8 @@ def add_grpo_parser(sub) -> None:
                    help="plain prompts: special-token texts become their tokens")
     g = p.add_argument_group("training")
     g.add_argument("--rank", type=int)
+    g.add_argument("--expert-rank", type=int, help="rank of the expert adapters (default: the "
+                   "rank, at most 8 on models with more than 32 experts)")
     g.add_argument("--alpha", type=float)
     g.add_argument("--targets", help="comma list: attn, ffn, experts, shared, router, output")
     g.add_argument("--dropout", type=float, help="LoRA dropout (default 0)")
@@ -111,7 +113,8 @@ def grpo_config_from_args(args):
     if args.reward:
         base["rewards"] = [RewardSpec.parse(text).to_dict() for text in args.reward]
     targets = lambda s: [TARGET_ALIASES.get(t.strip(), t.strip()) for t in s.split(",") if t]
-    train_options = {"lora_rank": args.rank, "lora_alpha": args.alpha,
+    train_options = {"lora_rank": args.rank, "expert_rank": args.expert_rank,
+                     "lora_alpha": args.alpha,
                      "lora_dropout": args.dropout, "optimizer": args.optimizer, "lr": args.lr,
                      "schedule": args.schedule, "warmup_steps": args.warmup, "gclip": args.gclip,
                      "max_grad_norm": args.max_grad_norm, "weight_decay": args.weight_decay,

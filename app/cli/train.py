@@ -27,6 +27,8 @@ def add_train_parsers(sub) -> None:
     g = p.add_argument_group("what to train")
     g.add_argument("--mode", choices=("lora", "full", "hybrid"))
     g.add_argument("--rank", type=int)
+    g.add_argument("--expert-rank", type=int, help="rank of the expert adapters (default: the "
+                   "rank, at most 8 on models with more than 32 experts)")
     g.add_argument("--alpha", type=float)
     g.add_argument("--targets", help="comma list: attn, ffn, experts, shared, router, output")
     g.add_argument("--full-targets", help="hybrid runs: norms, router, embeddings, output")
@@ -96,7 +98,8 @@ def run_config_from_args(args):
         if value is not None:
             base[key] = str(Path(value).resolve()) if key in ("model", "data", "adapter") else value
     targets = lambda s: [TARGET_ALIASES.get(t.strip(), t.strip()) for t in s.split(",") if t]
-    options = {"mode": args.mode, "lora_rank": args.rank, "lora_alpha": args.alpha,
+    options = {"mode": args.mode, "lora_rank": args.rank, "expert_rank": args.expert_rank,
+               "lora_alpha": args.alpha,
                "lora_dropout": args.dropout, "optimizer": args.optimizer, "lr": args.lr,
                "schedule": args.schedule, "warmup_steps": args.warmup, "gclip": args.gclip,
                "weight_decay": args.weight_decay, "checkpoint_interval": args.checkpoint_interval,

@@ -46,6 +46,8 @@ QTabBar::tab { padding: 7px 16px; }
 QPushButton:disabled { color: #a0a7ae; background: #f6f7f9; border-color: #e1e4e8; }
 QPushButton#primaryButton:disabled { background: #a9c1ee; border-color: #a9c1ee; color: #f4f7fd; }
 #statusMessage { color: #4d545c; padding-left: 12px; }
+QProgressBar { color: #1f2328; text-align: center; }
+QProgressBar::chunk { background: #a9c4f2; }
 QTabBar::tab:selected { font-weight: 600; }
 """
 

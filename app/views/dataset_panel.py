@@ -22,6 +22,7 @@ from PySide6.QtWidgets import (QAbstractItemView, QFileDialog, QHBoxLayout, QHea
 from app.engine.api import DataConfig, LintReport, lint_file
 from app.views.context import Background
 from app.views.error_panel import ErrorPanel
+from app.views.tooltips import NEW_RUN_TIPS
 
 PREVIEW_ROWS = 30
 CELL_CHARS = 160
@@ -92,6 +93,7 @@ class DatasetPanel(QWidget):
 
     def _build(self) -> None:
         self.path_field = QLineEdit(placeholderText="Path to a .jsonl dataset",
+                                    toolTip=NEW_RUN_TIPS["data_path"],
                                     clearButtonEnabled=True)
         self.browse_button = QPushButton("Choose dataset\u2026")
         self.format_label = QLabel(objectName="badge")
@@ -310,9 +312,12 @@ class DatasetPanel(QWidget):
             self.plot.setXRange(0, max(xs[-1] + ws[-1], fits * 1.05), padding=0.02)
             self.plot.setYRange(0, max(hs + [1]) * 1.15, padding=0)
         if "max" in h:
+            context = h.get("context", fits - 1)
             self.hist_stats.setText(
-                f"min {h['min']}, median {h['median']:g}, mean {h['mean']:g}, p95 {h['p95']:g}, "
-                f"max {h['max']} tokens; rows of up to {fits} tokens fit (red: longer)")
+                f"min {h['min']}, median {h['median']:.0f}, mean {h['mean']:.1f}, "
+                f"p95 {round(h['p95'])}, max {h['max']} tokens. Context {context}: a row of up "
+                f"to {fits} tokens trains whole ({context} predicted tokens, each from the ones "
+                "before it); red rows are longer")
         else:
             self.hist_stats.setText("no accepted rows")
 

@@ -1,7 +1,7 @@
 """Export: turn a run (or an adapter file) into what llama.cpp, Ollama or PEFT load, verified.
 
-Source: the selected run (its newest checkpoint, a given step, or its final adapter.gguf) or an
-adapter file with its base model. Format (GGUF LoRA, merged GGUF, PEFT, Ollama), tensor type,
+Source: the selected run (its best checkpoint by default, any kept step, or its final
+adapter.gguf) or an adapter file with its base model. Format (GGUF LoRA, merged GGUF, PEFT, Ollama), tensor type,
 scale, destination. The export runs off the GUI thread (`app.engine.export.exporter.export`); its
 verification report is shown check by check, flagged in red when a check failed, with the
 command that loads the result. An export that would replace an existing output asks first;
@@ -11,7 +11,6 @@ one whose output is one of its inputs is refused (the engine's rule, in the erro
 from __future__ import annotations
 
 import os
-import re
 import shlex
 from pathlib import Path
 
@@ -26,6 +25,8 @@ from app.engine.api import (ConfigError, ExportTargetExists, RunDir, export, sou
                             source_from_run)
 from app.views.context import AppContext, Background
 from app.views.error_panel import ErrorPanel
+from app.views.run_best import FINAL, checkpoint_choices, choice_step
+from app.views.tooltips import EXPORT_TIPS
 
 FORMAT_LABELS = {"gguf-lora": "GGUF LoRA adapter (llama.cpp --lora)",
                  "merged": "Merged GGUF model (base + adapter)",
@@ -33,18 +34,8 @@ FORMAT_LABELS = {"gguf-lora": "GGUF LoRA adapter (llama.cpp --lora)",
                  "ollama": "Ollama (Modelfile + adapter)"}
 TYPES = {"gguf-lora": ("f32", "f16", "bf16", "q8_0"), "peft": ("f32", "f16"),
          "ollama": ("f32", "f16", "bf16", "q8_0"), "merged": ()}
-NEWEST, FINAL = "newest", "final"
+NEWEST = "newest"                  # no choice listed (no checkpoint yet): the newest one
 MARKS = {True: "\u2713 ok", False: "\u2717 FAILED", None: "\u2013 skipped"}
-
-
-def run_checkpoints(run_dir: str) -> list[int]:
-    """Steps of the run's checkpoints, newest first."""
-    steps = []
-    for p in Path(run_dir, "checkpoints").glob("step-*"):
-        m = re.fullmatch(r"step-(\d+)", p.name)
-        if m and p.is_dir():
-            steps.append(int(m.group(1)))
-    return sorted(steps, reverse=True)
 
 
 def do_export(spec: dict):
@@ -56,7 +47,8 @@ def do_export(spec: dict):
             source = source_from_adapter(os.path.join(run, "adapter.gguf"), model)
             source.run_dir = run
         else:
-            source = source_from_run(run, step=None if which == NEWEST else int(which))
+            source = source_from_run(run, step=None if which == NEWEST
+                                     else choice_step(run, which))
     else:
         source = source_from_adapter(spec["adapter"], spec["model"])
     return export(source, spec["format"], spec["out"] or None, adapter_type=spec["type"],
@@ -158,6 +150,8 @@ class ExportView(QWidget):
             for c, w in enumerate(widgets):
                 g.addWidget(w, r, 1 + c, 1, 1 if len(widgets) > 1 or c else 2)
             self._rows[label] = [name, *widgets]
+            for w in self._rows[label]:
+                w.setToolTip(EXPORT_TIPS[label])
         g.setColumnStretch(1, 1)
         actions = QHBoxLayout()
         actions.addWidget(self.export_button)
@@ -200,6 +194,7 @@ class ExportView(QWidget):
         self.run_dir = run_dir
         self.run_label.setText(run_dir or "No run selected: pick one in Runs, or export an "
                                           "adapter file.")
+        self.checkpoint_box.clear()              # another run: its best checkpoint again
         self._fill_checkpoints()
         if not run_dir and self.source_box.currentData() == "run":
             self.source_box.setCurrentIndex(self.source_box.findData("file"))
@@ -213,11 +208,8 @@ class ExportView(QWidget):
         box.clear()
         if not self.run_dir:
             return
-        box.addItem("Newest checkpoint", NEWEST)
-        if os.path.isfile(os.path.join(self.run_dir, "adapter.gguf")):
-            box.addItem("Final adapter (adapter.gguf)", FINAL)
-        for step in run_checkpoints(self.run_dir):
-            box.addItem(f"Checkpoint at step {step}", str(step))
+        for data, label in checkpoint_choices(self.run_dir):     # the best first
+            box.addItem(label, data)
         i = box.findData(current)
         box.setCurrentIndex(max(i, 0))
 

@@ -117,6 +117,13 @@ class FormBase(QWidget):
         self.validate()
         self.changed.emit(key)
 
+    def set_tooltips(self, tips: dict[str, str]) -> None:
+        """Each field's help on its label, the field and the inputs inside it."""
+        for key, text in tips.items():
+            widget = self.fields[key]
+            for w in (self.label(key), widget, *widget.findChildren(QWidget)):
+                w.setToolTip(text)
+
     def __getitem__(self, key: str) -> QWidget:
         return self.fields[key]
 

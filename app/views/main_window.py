@@ -13,6 +13,7 @@ the last selected run) is selected, so Monitor and Experts follow it.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import os
 from collections.abc import Callable
 
@@ -41,6 +42,20 @@ SCREEN_CLASSES = {"runs": ("app.views.runs_view", "RunsView"),
                   "export": ("app.views.export_view", "ExportView")}
 STATUS_INTERVAL_MS = 1000
 MESSAGE_MS = 10_000
+
+
+def app_version() -> str:
+    """The installed package's version (pyproject.toml), or "unknown" when it is not installed."""
+    try:
+        return importlib.metadata.version("gguf-workbench")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def about_text() -> str:
+    return (f"{APP_NAME} {app_version()}\nFine-tune GGUF models (MoE first) on your "
+            "workstation.\nTraining runs in its own process: closing this window does not "
+            "stop it.")
 
 
 def default_context(settings: QSettings | None = None) -> AppContext:
@@ -125,6 +140,7 @@ class MainWindow(QMainWindow):
         self.ctx.status_message.connect(self.show_message)
         self.ctx.run_selected.connect(self._on_run_selected)
         self.ctx.model_selected.connect(self._on_model_selected)
+        self.new_run.card_view.load_failed.connect(self._on_model_failed)
         self.show_screen("new_run")
         self.reattach()
         self.refresh_status()
@@ -255,6 +271,9 @@ class MainWindow(QMainWindow):
     def _on_model_selected(self, path: str) -> None:
         self.setWindowTitle(f"{os.path.basename(path)} \u2014 {APP_NAME}")
 
+    def _on_model_failed(self, path: str, _error: BaseException) -> None:
+        self.setWindowTitle(f"{os.path.basename(path)} (cannot be opened) \u2014 {APP_NAME}")
+
     def reattach(self) -> None:
         """Follow the running job, else the last run selected in a previous session."""
         try:
@@ -283,7 +302,8 @@ class MainWindow(QMainWindow):
             action.triggered.connect(slot)
             file_menu.addAction(action)
         file_menu.addSeparator()
-        quit_action = QAction("&Quit", self, shortcut=QKeySequence.Quit)
+        # Ctrl+Q spelled out: QKeySequence.Quit is empty on some desktops (and offscreen)
+        quit_action = QAction("&Quit", self, shortcut=QKeySequence("Ctrl+Q"))
         quit_action.triggered.connect(self.close)
         file_menu.addAction(quit_action)
         view = self.menuBar().addMenu("&View")
@@ -295,10 +315,7 @@ class MainWindow(QMainWindow):
         guide = QAction("User &guide", self)
         guide.triggered.connect(self._open_guide)
         about = QAction("&About", self)
-        about.triggered.connect(lambda: QMessageBox.about(
-            self, APP_NAME, f"{APP_NAME}\nFine-tune GGUF models (MoE first) on your workstation."
-                            "\nTraining runs in its own process: closing this window does not "
-                            "stop it."))
+        about.triggered.connect(lambda: QMessageBox.about(self, APP_NAME, about_text()))
         help_menu.addAction(guide)
         help_menu.addAction(about)
 

@@ -22,6 +22,7 @@ from PySide6.QtWidgets import (QFileDialog, QFrame, QGridLayout, QHBoxLayout, QL
                                QScrollArea, QStackedWidget, QVBoxLayout, QWidget)
 
 from app.engine.api import ModelCard, describe_model, human_bytes
+from app.views.tooltips import NEW_RUN_TIPS
 
 LABEL_WIDTH = 190                       # long labels wrap rather than push the values right
 
@@ -322,7 +323,8 @@ class ModelPicker(QFrame):
         self.settings = settings
         self.found: list[FoundModel] = []
         self._bg = Background(self, max_threads=1)
-        self.path_field = QLineEdit(placeholderText="Path to a .gguf file", clearButtonEnabled=True)
+        self.path_field = QLineEdit(placeholderText="Path to a .gguf file", clearButtonEnabled=True,
+                                    toolTip=NEW_RUN_TIPS["model_path"])
         self.path_field.returnPressed.connect(self._field_entered)
         open_button = QPushButton("Open model\u2026", objectName="primaryButton")
         open_button.clicked.connect(self.choose)
@@ -365,6 +367,8 @@ class ModelPicker(QFrame):
 
     def set_current(self, path: str) -> None:
         self.path_field.setText(path)
+        self.path_field.setCursorPosition(0)        # the start of the path, not its end
+        self.path_field.setToolTip(f"{path}\n\n{NEW_RUN_TIPS['model_path']}")
         for lst in (self.recent_list, self.found_list):
             for i in range(lst.count()):
                 item = lst.item(i)

@@ -9,7 +9,7 @@ axis shows the whole run (step 0 to the total) until the user zooms (`ranges`, a
 A supervised run shows its loss page alone. A GRPO run (config.json "kind": "grpo") gets three
 pages: Rewards (`grpo`, a `GrpoCurves`), Completions (`completions`, a `CompletionsView`) and
 the same loss page. Test-visible state: `loss_curve` (raw training loss), `smooth_curve` (its
-EMA), `val_curve`, `lr_curve`, `grad_curve`, `clipped_curve`, `tps_curve`, `pages`, `kind` (the
+EMA), `val_curve`, `best_line` (the best evaluation's step, `best`), `lr_curve`, `grad_curve`, `clipped_curve`, `tps_curve`, `pages`, `kind` (the
 run's RunKind), `grpo`, `completions`, `compare`, `progress`, `stats_label`, `log_view`.
 """
 
@@ -30,10 +30,12 @@ from app.views.grpo_curves import GrpoCurves
 from app.views.plots import (ACCENT, ORANGE, PacedReveal, RunRanges, box, filled_curve, num,
                               small_plot)
 from app.views.run_compare import ComparePanel
+from app.views.run_best import better
 from app.views.run_tail import PacedRedraw, RunTail, Series, clock
 
 ACTIVE = ("running", "queued", "paused")
 SFT_KEYS = ("loss", "lr", "grad", "clipped", "tps")
+GREEN = "#1a7f37"
 
 
 def run_kind(path: str | None) -> RunKind:
@@ -54,6 +56,7 @@ class MonitorView(QWidget):
         self.kind = SFT
         self.status: dict = {}
         self.last_step: dict = {}
+        self.best = None                           # run_best.Best of the followed run
         self.confirm = self._confirm_discard       # replaced in tests
         self._steps = Series(6)                    # step, loss, lr, grad_norm, clipped, tok/s
         self._evals = Series(2)
@@ -96,6 +99,11 @@ class MonitorView(QWidget):
         self.val_curve = self.loss_plot.plot(pen=pg.mkPen(ORANGE, width=2), symbol="o",
                                              symbolSize=6, symbolBrush=ORANGE,
                                              symbolPen=None, name="validation")
+        self.best_line = pg.InfiniteLine(
+            angle=90, pen=pg.mkPen(GREEN, width=1.5, style=Qt.DashLine),
+            label="best", labelOpts={"position": 0.92, "color": GREEN})
+        self.best_line.hide()
+        self._best_plot = None
         plots = [small_plot(t) for t in ("Learning rate", "Gradient norm", "Clipped fraction",
                                          "Tokens / s")]
         self.lr_plot, self.grad_plot, self.clipped_plot, self.tps_plot = plots
@@ -178,6 +186,10 @@ class MonitorView(QWidget):
             self.pages.setTabVisible(i, grpo)
         self.pages.tabBar().setVisible(grpo)
         self.pages.setCurrentIndex(0 if grpo else 2)
+        if self._best_plot is not None:
+            self._best_plot.removeItem(self.best_line)
+        self._best_plot = self.grpo.reward_plot if grpo else self.loss_plot
+        self._best_plot.addItem(self.best_line, ignoreBounds=True)
         self.compare.set_target(self.grpo.reward_plot if grpo else self.loss_plot, kind.metric)
 
     def _headline_plot(self) -> str:
@@ -205,6 +217,8 @@ class MonitorView(QWidget):
         self.grpo.clear()
         self.completions.clear()
         self.status, self.last_step = {}, {}
+        self.best = None
+        self.best_line.hide()
         self.log_view.clear()
         self.ranges.refit()
         self.redraw.mark()                          # every plot, the hidden pages' too
@@ -223,6 +237,12 @@ class MonitorView(QWidget):
         self._update_progress()
 
     def _on_evals(self, events: list) -> None:
+        for event in events:
+            self.best = better(event, self.kind.name, self.best)
+        if self.best is not None:
+            self.best_line.setValue(self.best.step)
+            self.best_line.label.setFormat(f"best: {self.best.text()}")
+            self.best_line.show()
         if self.kind is GRPO:                  # held-out rewards, no validation loss
             self.grpo.add_evals(events)
             self.redraw.mark("reward")
@@ -292,6 +312,8 @@ class MonitorView(QWidget):
             parts.append(f"loss {num(ev, 'loss'):.4f}")
             if self._evals.n:
                 parts.append(f"validation {self._evals.col(1)[-1]:.4f}")
+            if self.best is not None:
+                parts.append(f"best at {self.best.text()}")
             parts += [f"lr {num(ev, 'lr'):.2e}", f"grad norm {num(ev, 'grad_norm'):.3f}",
                       f"clipped {100 * num(ev, 'clipped_fraction'):.0f}%",
                       f"{num(ev, 'tokens_per_s'):,.0f} tokens/s",

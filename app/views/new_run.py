@@ -40,8 +40,10 @@ from app.views.grpo_panel import GrpoPanel
 from app.views.memory_estimate import memory_sentence
 from app.views.model_card import ModelCardView, ModelPicker, discover_models
 from app.views.plots import box
+from app.views.preset_bar import PresetBar
 from app.views.settings_file import read_settings, write_settings
 from app.views.settings_form import DATA_KEYS, SettingsForm
+from app.views.tooltips import NEW_RUN_TIPS
 
 ESTIMATE_ROW = "LoRA run estimate"
 DATA_KEY, PROMPTS_KEY = "recent/dataset", "recent/prompts"
@@ -88,11 +90,17 @@ class NewRunView(QWidget):
         self.dataset = DatasetPanel(lint=lint)
         self.grpo_panel = GrpoPanel()
         self.form = SettingsForm()
+        self.presets = PresetBar(self.form, self.ctx.settings)
         self.memory_label = QLabel(objectName="memoryEstimate", wordWrap=True,
                                    textFormat=Qt.PlainText)
         self.kind_box = combo(RUN_TYPES)
-        self.name_field = QLineEdit(placeholderText="run name (default: date-time-dataset)")
-        self.name_field.setMaximumWidth(280)
+        self.kind_box.setToolTip(NEW_RUN_TIPS["kind"])
+        self.name_field = QLineEdit(placeholderText="default: date-time-dataset")
+        hint_width = self.name_field.fontMetrics().horizontalAdvance(
+            self.name_field.placeholderText())
+        self.name_field.setMinimumWidth(hint_width + 24)    # the whole placeholder shows
+        self.name_field.setMaximumWidth(max(280, hint_width + 24))
+        self.name_field.setToolTip(NEW_RUN_TIPS["name"])
         self.summary_label = QLabel(objectName="runSummary", wordWrap=True,
                                     textFormat=Qt.PlainText)
         self.problems_label = QLabel(objectName="fieldError", wordWrap=True,
@@ -115,7 +123,8 @@ class NewRunView(QWidget):
         self._data_stack = QStackedWidget()
         self._data_stack.addWidget(self.dataset)
         self._data_stack.addWidget(self.grpo_panel)
-        training_tab = box(QVBoxLayout, self.memory_label, (self.form, 1), widget=True)
+        training_tab = box(QVBoxLayout, self.presets, self.memory_label, (self.form, 1),
+                           widget=True)
         training_tab.layout().setContentsMargins(16, 10, 16, 0)
 
         self.tabs = QTabWidget(documentMode=True)
@@ -190,6 +199,7 @@ class NewRunView(QWidget):
         self._data_stack.setCurrentIndex(kind == GRPO.name)
         self.tabs.setTabText(1, DATA_TABS[kind])
         self.form.set_kind(kind)
+        self.presets.setVisible(kind == SFT.name)      # the presets set a supervised run
         self._relint()
         self._estimate_timer.start()
         self._update_summary()
@@ -218,6 +228,7 @@ class NewRunView(QWidget):
         self.card = card
         self.picker.remember(card.path)
         self.form.set_card(card)
+        self.presets.set_moe(card.config.n_expert > 0)
         self.ctx.select_model(card.path)
         self._relint()
         self._estimate_timer.start()

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtWidgets import (QLabel, QListWidget, QListWidgetItem, QTableWidget,
+from PySide6.QtWidgets import (QHeaderView, QLabel, QListWidget, QListWidgetItem, QTableWidget,
                                QTableWidgetItem, QVBoxLayout, QWidget)
 
 from app.engine.api import EngineError, RunDir, list_runs
@@ -56,6 +56,9 @@ class ComparePanel(QWidget):
         self.compare_hint = QLabel("No other runs yet.", objectName="pageSubtitle")
         self.diff_table = QTableWidget(0, 0)
         self.diff_table.verticalHeader().setVisible(False)
+        self.diff_table.horizontalHeader().setSectionResizeMode(QHeaderView.Stretch)
+        self.diff_table.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)   # fits the pane
+        self.diff_table.setTextElideMode(Qt.ElideMiddle)                     # hover: all of it
         self.diff_hint = QLabel(objectName="pageSubtitle", wordWrap=True)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
@@ -218,7 +221,8 @@ class ComparePanel(QWidget):
         self.diff_table.setHorizontalHeaderLabels(["setting"] + names)
         self.diff_table.setRowCount(len(diff))
         for r, (key, values) in enumerate(diff.items()):
-            self.diff_table.setItem(r, 0, QTableWidgetItem(key))
-            for c, name in enumerate(names, start=1):
-                self.diff_table.setItem(r, c, QTableWidgetItem(str(values[name])))
-        self.diff_table.resizeColumnsToContents()
+            texts = [key] + [str(values[name]) for name in names]
+            for c, text in enumerate(texts):
+                item = QTableWidgetItem(text)
+                item.setToolTip(text)
+                self.diff_table.setItem(r, c, item)

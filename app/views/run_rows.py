@@ -1,8 +1,9 @@
 """What the Runs screen lists: one `RunRow` per run directory, gathered off the GUI thread.
 
 `collect_runs(queue, runs_root)` reads the queue's jobs, the runs folder and each run's
-status.json (a GRPO run's latest mean reward included); config.json is re-read only when it
-changed.
+status.json (a GRPO run's latest mean reward included) and its new events (the best evaluation,
+when it started); config.json is re-read only when it changed. A listed folder that is gone
+shows as "missing".
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from app.engine.api import GRPO, SFT, EngineError, Job, RunDir, list_runs
+from app.views.run_best import Best, BestTracker
 
 REQUESTED = {"pause": "pausing\u2026", "cancel": "cancelling\u2026"}
 STALE_S = 300            # a terminal run whose status has not changed for this long: stalled?
@@ -30,6 +32,10 @@ class RunRow:
     reward: float | None = None
     kind: str = SFT.name     # a name of app.engine.api.KINDS (or an unknown one, as written)
     model: str = ""
+    dataset: str = ""
+    created: float | None = None     # when it was created (its first event, else config.json)
+    duration_s: float | None = None
+    best: Best | None = None
     epochs: int = 0
     has_checkpoint: bool = False
     error: dict | None = None
@@ -47,25 +53,28 @@ class RunRow:
         return self.state + ("" if self.job else " (terminal)" if self.state == "running" else "")
 
 
-_configs: dict[str, tuple] = {}      # path -> (mtime, model name, epochs, kind)
+_configs: dict[str, tuple] = {}      # path -> (mtime, model name, epochs, kind, dataset name)
+_tracker = BestTracker()
 
 
-def _config_summary(run: RunDir) -> tuple[str, int, str]:
-    """(model file name, epochs, kind) from config.json, re-read only when the file changed."""
+def _config_summary(run: RunDir) -> tuple[str, int, str, str, float | None]:
+    """(model file name, epochs, kind, dataset file name, config.json's time) from config.json,
+    re-read only when the file changed."""
     try:
         mtime = run.config_path.stat().st_mtime
     except OSError:
-        return "", 0, SFT.name
+        return "", 0, SFT.name, "", None
     cached = _configs.get(str(run.path))
     if cached is None or cached[0] != mtime:
         try:
             cfg = run.config()
         except EngineError:
             cfg = {}
+        data = cfg.get("data") or cfg.get("prompts") or ""
         cached = (mtime, Path(str(cfg.get("model", ""))).name, int(cfg.get("epochs") or 0),
-                  str(cfg.get("kind", SFT.name)))
+                  str(cfg.get("kind", SFT.name)), Path(str(data)).name)
         _configs[str(run.path)] = cached
-    return cached[1:]
+    return (*cached[1:], mtime)
 
 
 def _read_row(path: str, job: Job | None) -> RunRow:
@@ -74,7 +83,10 @@ def _read_row(path: str, job: Job | None) -> RunRow:
         status = run.status()
     except EngineError:
         status = {}
-    model, epochs, kind = _config_summary(run)
+    model, epochs, kind, dataset, config_time = _config_summary(run)
+    if config_time is None and not run.path.exists():
+        return RunRow(path=str(run.path), name=run.name, state="missing", job=job)
+    best, started = _tracker.best(run, kind)
     state = job.state if job is not None else str(status.get("state") or "new")
     error = job.error if job is not None and job.error else status.get("error")
     try:
@@ -88,7 +100,8 @@ def _read_row(path: str, job: Job | None) -> RunRow:
         step=int(status.get("step") or 0), total=total,
         eta_s=status.get("eta_s") if state == "running" else None, loss=status.get("loss"),
         reward=status.get(GRPO.metric) if kind == GRPO.name else None, kind=kind,
-        model=model, epochs=epochs,
+        model=model, dataset=dataset, created=started or config_time,
+        duration_s=status.get("elapsed_s"), best=best, epochs=epochs,
         has_checkpoint=has_ckpt, error=error if isinstance(error, dict) else None,
         updated_at=updated, status=status,
         stalled=job is None and (state == "interrupted" or (

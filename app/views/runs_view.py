@@ -1,6 +1,7 @@
 """The Queue and runs screen: every job in the queue and every run in the runs folder (runs
-started from the command line too), with their type (SFT or GRPO), progress, ETA, loss and, for
-GRPO runs, the latest reward (the newest step's mean reward), and the actions on them.
+started from the command line too), with their type (SFT or GRPO), model, dataset, when they
+were created, how long they ran, their steps, their best evaluation (validation loss, or a GRPO
+run's held-out reward, and its step) and their status, and the actions on them.
 
 The rows are gathered in the reader thread (`run_rows.collect_runs`: the queue's jobs,
 `list_runs`, each run's status.json) every second and applied on the GUI thread; actions call the job
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import os
 import time
+from datetime import datetime
 
 from PySide6.QtCore import Qt, QUrl
 from PySide6.QtGui import QColor, QDesktopServices
@@ -26,10 +28,30 @@ from app.views.error_panel import BUG_HINT, ErrorPanel
 from app.views.run_rows import RunRow, collect_runs
 from app.views.run_tail import BackgroundPoll, clock
 
-COLUMNS = ("Run", "Type", "State", "Progress", "ETA", "Loss", "Reward", "Model", "Job")
+COLUMNS = ("Run", "Type", "Model", "Dataset", "Created", "Duration", "Steps", "Best", "Status")
 COL = {name: i for i, name in enumerate(COLUMNS)}
 STATE_COLORS = {"running": "#2f6fde", "done": "#2e7d4f", "failed": "#c0392b",
-                "cancelled": "#6a737d", "paused": "#a15c07", "queued": "#4d545c"}
+                "cancelled": "#6a737d", "paused": "#a15c07", "queued": "#4d545c",
+                "missing": "#a0a7ae"}
+
+
+def best_text(row: RunRow) -> str:
+    """The best evaluation ("validation 1.37 at step 120"), else the latest loss or reward."""
+    if row.best is not None:
+        return f"{row.best.metric} {row.best.value:.3f} at step {row.best.step}"
+    latest = row.reward if row.reward is not None else row.loss
+    name = "reward" if row.reward is not None else "loss"
+    return f"{name} {latest:.3f} (latest)" if isinstance(latest, (int, float)) else ""
+
+
+def status_text(row: RunRow) -> str:
+    """The state, the ETA of a running run, the job's number."""
+    text = row.label
+    if row.eta_s is not None:
+        text += f" \u00b7 ETA {clock(row.eta_s)}"
+    if row.job is not None:
+        text += f" \u00b7 job {row.job.id}"
+    return text
 
 
 def error_from_dict(error: dict) -> EngineError:
@@ -72,8 +94,8 @@ class RunsView(QWidget):
         header = self.table.horizontalHeader()
         header.setSectionResizeMode(QHeaderView.ResizeToContents)
         header.setSectionResizeMode(0, QHeaderView.Stretch)
-        header.setSectionResizeMode(COL["Progress"], QHeaderView.Fixed)
-        self.table.setColumnWidth(COL["Progress"], 200)
+        header.setSectionResizeMode(COL["Steps"], QHeaderView.Fixed)
+        self.table.setColumnWidth(COL["Steps"], 150)
         self.table.itemSelectionChanged.connect(self._on_selection)
         self.table.cellDoubleClicked.connect(lambda *_: self.ctx.show_screen("monitor"))
 
@@ -148,23 +170,23 @@ class RunsView(QWidget):
                 for c in range(len(COLUMNS)):
                     t.setItem(i, c, QTableWidgetItem())
                 t.item(i, 0).setData(Qt.UserRole, row.path)
-                t.setCellWidget(i, COL["Progress"], _progress_cell())
+                t.setCellWidget(i, COL["Steps"], _progress_cell())
             t.clearSelection()
             if self._selected in [r.path for r in rows]:
                 t.selectRow([r.path for r in rows].index(self._selected))
         for i, row in enumerate(rows):
-            job = row.job
-            number = lambda v: f"{v:.4f}" if isinstance(v, (int, float)) else ""
             kind = KINDS[row.kind].label if row.kind in KINDS else row.kind
-            texts = (row.name, kind, row.label, "",
-                     clock(row.eta_s) if row.eta_s is not None else "", number(row.loss),
-                     number(row.reward), row.model, str(job.id) if job else "terminal")
+            created = (datetime.fromtimestamp(row.created).strftime("%Y-%m-%d %H:%M")
+                       if row.created else "")
+            texts = (row.name, kind, row.model, row.dataset, created,
+                     clock(row.duration_s) if row.duration_s else "", "", best_text(row),
+                     status_text(row))
             for c, text in enumerate(texts):
                 t.item(i, c).setText(text)
             t.item(i, 0).setToolTip(row.path)
-            t.item(i, COL["State"]).setForeground(QColor(STATE_COLORS.get(row.state,
-                                                                          "#1f2328")))
-            bar = t.cellWidget(i, COL["Progress"]).bar
+            t.item(i, COL["Status"]).setForeground(QColor(STATE_COLORS.get(row.state,
+                                                                           "#1f2328")))
+            bar = t.cellWidget(i, COL["Steps"]).bar
             total = max(row.total, 1)
             bar.setRange(0, total)
             bar.setValue(total if row.state == "done" and row.total else min(row.step, total))

@@ -21,7 +21,9 @@ from PySide6.QtWidgets import (QCheckBox, QFileDialog, QFrame, QGridLayout, QHBo
 
 from app.engine.api import (GRPO, SFT, TARGET_GROUPS, ModelCard, TrainConfig, gpu_available,
                             human_count, lora_param_count)
-from app.views.form_fields import FormBase, combo, dspin, set_combo, set_field, spin
+from app.views.form_fields import (FormBase, combo, dspin, field_value, set_combo, set_field,
+                                   spin)
+from app.views.tooltips import SETTINGS_TIPS
 
 GROUP_LABELS = {"attention": "Attention (q, k, v, out)", "ffn": "Dense FFN",
                 "experts": "Experts (MoE)", "shared": "Shared experts", "router": "Router",
@@ -85,6 +87,7 @@ class SettingsForm(FormBase):
         self.kind = SFT.name                       # the run type: a name of KINDS
         self._kind_steps: dict[str, int] = {}      # run type -> its max_steps when left
         self._layout(self._build())
+        self.set_tooltips(SETTINGS_TIPS)
         self._connect()
         self.set_values({})
         self._update_visibility()
@@ -348,6 +351,29 @@ class SettingsForm(FormBase):
             clip = dc.get("clip_range") or (0.0, 1.0)
             self.clip_lo.setValue(float(clip[0]))
             self.clip_hi.setValue(float(clip[1]))
+        finally:
+            self._loading = False
+        self._update_visibility()
+        self._update_counts()
+        self.validate()
+        self.changed.emit("all")
+
+    def preset_values(self, keys) -> dict:
+        """The fields `keys` as a preset stores them ("targets": the ticked groups)."""
+        return {k: [g for g, b in self.target_boxes.items() if b.isChecked()] if k == "targets"
+                else self.fields[k].text().strip() if k == "lr" else field_value(self.fields[k])
+                for k in keys}
+
+    def apply_preset(self, values: dict) -> None:
+        """Set the fields of a preset ({field key: value}, "targets": groups); the others stay."""
+        self._loading = True
+        try:
+            for key, value in values.items():
+                if key == "targets":
+                    for g, box in self.target_boxes.items():
+                        box.setChecked(g in value)
+                else:
+                    set_field(self.fields[key], value)
         finally:
             self._loading = False
         self._update_visibility()

@@ -14,7 +14,8 @@ from app.engine.model.lora import load_adapter
 from app.engine.runs.rundir import RunDir
 from app.engine.export.verify import Check, ExportReport
 from app.views import export_view
-from app.views.export_view import FINAL, NEWEST, ExportView
+from app.views.export_view import ExportView
+from app.views.run_best import FINAL
 from tests.views.conftest import GOLDEN, shown
 
 MODEL = str(GOLDEN / "mixtral-f32.gguf")
@@ -39,7 +40,7 @@ def test_follows_the_selected_run_and_the_format(view, ctx, golden_run_dir):
     assert view.source_box.currentData() == "run"
     assert view.run_label.text() == golden_run_dir
     items = [view.checkpoint_box.itemData(i) for i in range(view.checkpoint_box.count())]
-    assert items == [NEWEST, FINAL]
+    assert items == [FINAL]          # no checkpoint kept: no best one
     assert view.out_field.placeholderText() == f"default: {golden_run_dir}/exports/adapter-f32.gguf"
     types = lambda: [view.type_box.itemData(i) for i in range(view.type_box.count())]
     assert types() == ["f32", "f16", "bf16", "q8_0"]

@@ -73,14 +73,16 @@ def test_every_job_and_terminal_run_is_listed(qtbot, ctx, runs):
         "queued2": "queued", "paused": "paused", "terminal": "running"}
     assert row(view, "terminal").job is None                   # started from the CLI
     i = names.index("running")
-    assert view.table.item(i, COL["State"]).text() == "running"
-    bar = view.table.cellWidget(i, COL["Progress"]).bar
+    job = row(view, "running").job.id
+    assert view.table.item(i, COL["Status"]).text() == f"running \u00b7 ETA 0:00:06 \u00b7 job {job}"
+    bar = view.table.cellWidget(i, COL["Steps"]).bar
     assert (bar.value(), bar.maximum(), bar.text()) == (42, 100, "42/100")
-    assert view.table.item(i, COL["ETA"]).text() == "0:00:06"                         # ETA
-    assert view.table.item(i, COL["Loss"]).text() == f"{FakeRun.loss_at(42):.4f}"
+    assert view.table.item(i, COL["Best"]).text() == f"loss {FakeRun.loss_at(42):.3f} (latest)"
     assert view.table.item(i, COL["Model"]).text() == "tiny-moe.gguf"
-    assert view.table.item(names.index("terminal"), COL["Job"]).text() == "terminal"
-    assert view.table.cellWidget(names.index("done"), COL["Progress"]).bar.value() == 100
+    assert view.table.item(i, COL["Created"]).text()[:2] == "20"                  # a date
+    assert view.table.item(names.index("terminal"), COL["Status"]).text().startswith(
+        "running (terminal)")
+    assert view.table.cellWidget(names.index("done"), COL["Steps"]).bar.value() == 100
 
 
 def test_a_grpo_run_shows_its_type_and_latest_reward(qtbot, ctx, runs):
@@ -91,17 +93,15 @@ def test_a_grpo_run_shows_its_type_and_latest_reward(qtbot, ctx, runs):
     view = refreshed(qtbot, RunsView(ctx))
     names = [r.name for r in view.rows]
     i = names.index("grpo")
-    reward = FakeGrpoRun.reward_at(6)
     assert view.table.item(i, COL["Type"]).text() == "GRPO"
-    assert view.table.item(i, COL["Reward"]).text() == f"{reward + 0.5 * (1 - reward):.4f}"
+    assert view.table.item(i, COL["Best"]).text() == "held-out reward 0.900 at step 6"
     j = names.index("done")
     assert view.table.item(j, COL["Type"]).text() == "SFT"
-    assert view.table.item(j, COL["Reward"]).text() == ""
     grpo.step(1)
+    grpo.eval(0.95)
     view.refresh()
     i = [r.name for r in view.rows].index("grpo")
-    reward = FakeGrpoRun.reward_at(7)
-    assert view.table.item(i, COL["Reward"]).text() == f"{reward + 0.5 * (1 - reward):.4f}"
+    assert view.table.item(i, COL["Best"]).text() == "held-out reward 0.950 at step 7"
 
 
 def test_progress_follows_a_run_being_written(qtbot, ctx):
@@ -112,7 +112,7 @@ def test_progress_follows_a_run_being_written(qtbot, ctx):
     writer = fake.play_in_thread(60, delay_s=0.002)
     qtbot.waitUntil(lambda: view.rows[0].step == 65, timeout=10000)
     writer.join()
-    assert view.table.cellWidget(0, COL["Progress"]).bar.value() == 65
+    assert view.table.cellWidget(0, COL["Steps"]).bar.value() == 65
 
 
 def test_selecting_a_failed_run_selects_it_and_shows_its_error(qtbot, ctx, runs):
@@ -182,10 +182,10 @@ def test_reorder_cancel_pause_resume(qtbot, ctx, runs):
     view.select(runs["running"].path)
     view.pause_or_resume()                       # running: the worker pauses after its step
     assert row(view, "running").job.requested_action == "pause"
-    assert view.table.item(0, COL["State"]).text() == "running (pausing\u2026)"
+    assert view.table.item(0, COL["Status"]).text().startswith("running (pausing\u2026)")
     assert view.buttons["pause"].text() == "Resume"
     view.cancel()                                # cancelling overrides the pause request
-    assert view.table.item(0, COL["State"]).text() == "running (cancelling…)"
+    assert view.table.item(0, COL["Status"]).text().startswith("running (cancelling…)")
     assert not view.buttons["cancel"].isEnabled() and not view.buttons["up"].isEnabled()
     view.move_up()                               # forced anyway: refused, shown, not raised
     assert not view.error_panel.isHidden()

@@ -20,9 +20,10 @@ from typing import NamedTuple
 from app.engine.model.config import ModelConfig, config_from_metadata
 from app.engine.io.gguf import GGUFFile, read_gguf, type_name
 from app.engine.kernels.loss import VOCAB_CHUNK
-from app.engine.model.lora import tensor_kind
+from app.engine.model.lora import LoraConfig
 from app.engine.model.params import TRAINABLE_TYPES
 from app.engine.model.weights import default_cache_budget
+from app.engine.runtime.parallel import thread_count
 
 DEFAULT_LORA_TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output",
                         "ffn_gate", "ffn_up", "ffn_down",
@@ -70,7 +71,8 @@ def layer_activation_bytes(cfg: ModelConfig, n_tokens: int, ranks: dict[str, int
                    attention output (H·D), log-sum-exp (H)
         FFN:       its input and normed input (2C), gate and up pre-activations (2F dense;
                    2·K·F_exp for the routed experts, 2·F_shexp for shared experts, E router
-                   probabilities)
+                   probabilities), and for routed experts the two dispatch copies of the
+                   K slots (2·K·C: the sorted inputs and the un-permuted outputs)
         LoRA:      the rank activations x·A^T, R per adapted projection per row
 
     ranks: LoRA rank per adapted tensor name."""
@@ -80,7 +82,7 @@ def layer_activation_bytes(cfg: ModelConfig, n_tokens: int, ranks: dict[str, int
         n = 2 * c + 2 * cfg.n_head * d + 2 * cfg.n_head_kv * d + cfg.n_head        # attention
         n += 2 * c                                                                 # FFN input
         if cfg.layer_is_moe(il):
-            n += cfg.n_expert + 2 * cfg.n_expert_used * cfg.n_ff_exp + 2 * cfg.n_ff_shexp
+            n += cfg.n_expert + 2 * cfg.n_expert_used * (cfg.n_ff_exp + c) + 2 * cfg.n_ff_shexp
         else:
             n += 2 * cfg.n_ff
         for lin in block_linears(cfg, il, 1):                                      # rows per token
@@ -113,7 +115,9 @@ class MemoryEstimate:
     weights: int                        # base weights as stored (memory-mapped, all read)
     dequantized: int                    # float32 copies of every quantized tensor: the most
                                         # the weight cache (app.engine.model.weights) holds
-    dequant_working: int                # float32 copy of the largest layer's quantized weights
+    dequant_working: int                # float32 copies alive beyond the cache: the largest
+                                        # layer's quantized 2-D weights, and per engine thread
+                                        # one expert of each projection (the reused tiles)
     adapter: int                        # LoRA params + grads + AdamW moments, every target
     layer_activations: tuple[int, ...]  # what each layer keeps for backward (no checkpointing)
     boundary: int                       # one layer's input (T x C float32): a checkpoint
@@ -226,26 +230,44 @@ def human_count(n: int) -> str:
     return str(n)
 
 
-def lora_param_count(shapes: dict[str, tuple[int, ...]], rank: int,
-                     targets=DEFAULT_LORA_TARGETS) -> int:
-    """Trainable parameters of rank-`rank` adapters on every tensor whose kind is in targets."""
-    total = 0
+def lora_ranks(shapes: dict[str, tuple[int, ...]], rank: int, targets=DEFAULT_LORA_TARGETS,
+               expert_rank: int | None = None) -> dict[str, int]:
+    """LoRA rank per adapted block tensor (kind in targets): `rank`, and for 3-D expert stacks
+    LoraConfig.expert_rank_for(E) (expert_rank, else min(rank, 8) past 32 experts)."""
+    config = LoraConfig(rank=rank, expert_rank=expert_rank)
+    ranks = {}
     for name, shape in shapes.items():
         parts = name.split(".")
         if len(parts) == 4 and parts[0] == "blk" and parts[2] in targets and parts[3] == "weight":
-            *experts, out, inp = shape
-            total += (experts[0] if experts else 1) * rank * (out + inp)
+            ranks[name] = config.expert_rank_for(shape[0]) if len(shape) == 3 else rank
+    return ranks
+
+
+def lora_param_count(shapes: dict[str, tuple[int, ...]], rank: int,
+                     targets=DEFAULT_LORA_TARGETS, expert_rank: int | None = None) -> int:
+    """Trainable parameters of the adapters of `lora_ranks` (every tensor whose kind is in
+    targets)."""
+    total = 0
+    for name, r in lora_ranks(shapes, rank, targets, expert_rank).items():
+        *experts, out, inp = shapes[name]
+        total += (experts[0] if experts else 1) * r * (out + inp)
     return total
 
 
 def estimate_lora_memory(f: GGUFFile, cfg: ModelConfig, rank: int, context: int,
-                         targets=DEFAULT_LORA_TARGETS) -> tuple[MemoryEstimate, int]:
+                         targets=DEFAULT_LORA_TARGETS,
+                         expert_rank: int | None = None) -> tuple[MemoryEstimate, int]:
     shapes = {n: t.shape for n, t in f.tensors.items()}
-    n_lora = lora_param_count(shapes, rank, targets)
+    n_lora = lora_param_count(shapes, rank, targets, expert_rank)
     quantized = {n: t for n, t in f.tensors.items() if t.ggml_type != 0}
-    layer_f32 = max((sum(t.n_elements * F32 for n, t in quantized.items()
-                         if n.startswith(f"blk.{il}.")) for il in range(cfg.n_layer)), default=0)
-    ranks = {n: rank for n in shapes if tensor_kind(n) in targets}
+
+    def working(il: int) -> int:        # a layer's 2-D weights, and each thread's expert tiles
+        mine = [t for n, t in quantized.items() if n.startswith(f"blk.{il}.")]
+        return (sum(t.n_elements for t in mine if len(t.shape) < 3)
+                + thread_count() * sum(t.n_elements // t.shape[0] for t in mine
+                                       if len(t.shape) == 3)) * F32
+    layer_f32 = max((working(il) for il in range(cfg.n_layer)), default=0)
+    ranks = lora_ranks(shapes, rank, targets, expert_rank)
     t = context
     return MemoryEstimate(
         weights=sum(t.nbytes for t in f.tensors.values()),
@@ -257,13 +279,15 @@ def estimate_lora_memory(f: GGUFFile, cfg: ModelConfig, rank: int, context: int,
         attention_scores=cfg.n_head * t * t * F32), n_lora
 
 
-def describe_model(path: str | os.PathLike, rank: int = 16, context: int = 512) -> ModelCard:
-    """Read a GGUF header and build its card (raises ModelFormatError/UnsupportedModelError)."""
+def describe_model(path: str | os.PathLike, rank: int = 16, context: int = 512,
+                   expert_rank: int | None = None, targets=DEFAULT_LORA_TARGETS) -> ModelCard:
+    """Read a GGUF header and build its card (raises ModelFormatError/UnsupportedModelError).
+    The estimate adapts the tensor kinds in `targets`, experts at LoraConfig's expert rank."""
     f = read_gguf(path)
     try:
         cfg = config_from_metadata(f.metadata, f.tensors)
         context = min(context, cfg.context_length)
-        memory, n_lora = estimate_lora_memory(f, cfg, rank, context)
+        memory, n_lora = estimate_lora_memory(f, cfg, rank, context, targets, expert_rank)
         return ModelCard(
             path=str(path), file_size=f.file_size,
             name=str(f.metadata.get("general.name", os.path.basename(str(path)))),

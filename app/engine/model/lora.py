@@ -114,6 +114,7 @@ TARGET_GROUPS: dict[str, tuple[str, ...]] = {
     "embeddings": ("token_embd",),
 }
 DEFAULT_TARGETS = ("attention", "ffn", "experts", "shared")
+MANY_EXPERTS, MANY_EXPERTS_RANK = 32, 8   # default expert rank: min(rank, 8) past 32 experts
 
 
 @dataclass(frozen=True)
@@ -123,10 +124,13 @@ class LoraConfig:
     targets: tuple[str, ...] = DEFAULT_TARGETS   # group names or tensor kinds (e.g. "attn_q")
     rslora: bool = False                         # scale alpha/sqrt(rank) instead of alpha/rank
     seed: int = 0
+    expert_rank: int | None = None               # 3-D expert adapters; None: expert_rank_for's default
 
     def validate(self) -> None:
         if self.rank < 1:
             raise ConfigError(f"LoRA rank must be at least 1, got {self.rank}.")
+        if self.expert_rank is not None and self.expert_rank < 1:
+            raise ConfigError(f"The expert rank must be at least 1, got {self.expert_rank}.")
         if self.alpha <= 0:
             raise ConfigError(f"LoRA alpha must be positive, got {self.alpha}.")
         kinds = {k for g in TARGET_GROUPS.values() for k in g}
@@ -141,6 +145,14 @@ class LoraConfig:
         for t in self.targets:
             out.update(TARGET_GROUPS.get(t, (t,)))
         return out
+
+    def expert_rank_for(self, n_expert: int) -> int:
+        """The rank of 3-D expert adapters on a model with n_expert experts: expert_rank, else
+        the rank, at most MANY_EXPERTS_RANK past MANY_EXPERTS experts (their adapters dominate
+        the trainable count: 64 experts x 3 projections per layer)."""
+        if self.expert_rank is not None:
+            return self.expert_rank
+        return min(self.rank, MANY_EXPERTS_RANK) if n_expert > MANY_EXPERTS else self.rank
 
     @property
     def stored_alpha(self) -> float:
@@ -167,7 +179,8 @@ def lora_targets(shapes: dict[str, tuple[int, ...]], config: LoraConfig) -> list
 def init_adapter(shapes: dict[str, tuple[int, ...]], arch: str, config: LoraConfig) -> LoraAdapter:
     """A fresh adapter: A ~ U(-1/sqrt(in), 1/sqrt(in)) (PEFT's kaiming-uniform bound), B = 0,
     so training starts exactly at the base model (the token embedding, as PEFT: A = 0 and B
-    random). Float32, seeded."""
+    random). Float32, seeded. 3-D expert adapters have rank config.expert_rank_for(E); the
+    adapter's one alpha makes their scale alpha / that rank (llama.cpp's rule)."""
     config.validate()
     targets = lora_targets(shapes, config)
     if not targets:
@@ -182,9 +195,10 @@ def init_adapter(shapes: dict[str, tuple[int, ...]], arch: str, config: LoraConf
             b = rng.standard_normal((n_embd, config.rank)).astype(np.float32)
         else:
             *experts, out_dim, in_dim = shapes[name]
+            rank = config.expert_rank_for(experts[0]) if experts else config.rank
             bound = 1.0 / np.sqrt(in_dim)
-            a = rng.uniform(-bound, bound, (*experts, config.rank, in_dim)).astype(np.float32)
-            b = np.zeros((*experts, out_dim, config.rank), np.float32)
+            a = rng.uniform(-bound, bound, (*experts, rank, in_dim)).astype(np.float32)
+            b = np.zeros((*experts, out_dim, rank), np.float32)
         adapter.tensors[name] = (a, b)
     return adapter
 

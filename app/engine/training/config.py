@@ -30,6 +30,7 @@ class TrainConfig:
 
     mode: str = "lora"
     lora_rank: int = 16
+    expert_rank: int | None = None  # 3-D expert adapters (None: min(lora_rank, 8) past 32 experts)
     lora_alpha: float = 32.0
     lora_targets: tuple[str, ...] = ("attention", "ffn", "experts", "shared")
     rslora: bool = False
@@ -55,7 +56,7 @@ class TrainConfig:
     weight_cache_mb: int | None = None  # dequantized frozen weights kept (None: 40% of memory)
 
     SCHEMA_RULES: ClassVar[dict] = dict(  # app.engine.runtime.schema: what the types cannot say
-        mode=TRAIN_MODES, lora_rank=AT_LEAST_1, lora_alpha=POSITIVE,
+        mode=TRAIN_MODES, lora_rank=AT_LEAST_1, expert_rank=AT_LEAST_1, lora_alpha=POSITIVE,
         lora_targets=tuple(dict.fromkeys([*TARGET_GROUPS, *(kind for kinds in TARGET_GROUPS.values()
                                                             for kind in kinds)])),
         lora_dropout=FRACTION, full_targets=TEXT, optimizer=OPTIMIZERS, lr=POSITIVE,

@@ -71,7 +71,7 @@ class TrainSession:
         if config.mode in ("lora", "hybrid") and adapter is None:
             self.adapter = init_adapter(model.tensor_shapes, model.config.arch, LoraConfig(
                 config.lora_rank, config.lora_alpha, tuple(config.lora_targets), config.rslora,
-                config.seed))
+                config.seed, config.expert_rank))
         full_names = []
         if config.mode == "full":
             full_names = full_trainable_names(model, None)
