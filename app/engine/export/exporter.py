@@ -47,7 +47,7 @@ from app.engine.model.lora import (LoraAdapter, LoraConfig, check_adapter_fits, 
                                    tensor_kind)
 from app.engine.model.transformer import Model, load_model
 from app.engine.runs.kinds import kind_of
-from app.engine.runs.rundir import RunDir
+from app.engine.runs.rundir import RunDir, best_checkpoint
 from app.engine.runtime.files import atomic_write_bytes
 from app.engine.text.chat_template import render_chat
 from app.engine.training.checkpoints import latest_checkpoint, load_checkpoint
@@ -133,9 +133,10 @@ def source_from_session(session, run_dir: str | os.PathLike | None = None) -> Ex
                         run_dir=str(run_dir) if run_dir else None)
 
 
-def source_from_run(run_dir: str | os.PathLike, step: int | None = None,
+def source_from_run(run_dir: str | os.PathLike, step: int | str | None = None,
                     model_path: str | os.PathLike | None = None) -> ExportSource:
-    """A run directory's newest checkpoint (or `step`), else its final adapter.gguf."""
+    """A run directory's newest checkpoint (or `step`; "best": its best one, else the newest),
+    else its final adapter.gguf."""
     run = RunDir(run_dir)
     raw = run.config()
     # every kind's config has the model, train and adapter fields read here
@@ -155,6 +156,9 @@ def source_from_run(run_dir: str | os.PathLike, step: int | None = None,
                               "Export after the run has saved a checkpoint.")
         return ExportSource(model_path, load_adapter(final), run_dir=str(run.path),
                             adapter_path=str(final))
+    if step == "best":
+        best = best_checkpoint(run.path)
+        step = best[0] if best else None
     trainable = load_checkpoint(ckpt).state["trainable"]
     halves: dict[str, dict[str, np.ndarray]] = {}
     full = {}

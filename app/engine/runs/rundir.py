@@ -31,14 +31,17 @@ import math
 import os
 import socket
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
 from app.engine.errors import ConfigError, EngineError
+from app.engine.runs.registry import register_run, registry_entries
 from app.engine.runtime.files import (StorageError, append_line, atomic_write_json, read_json,
                                       storage_error, to_json)
 from app.engine.runtime.processes import pid_alive, process_started
-from app.engine.training.events import STEP, TIME, TYPE, event_type
+from app.engine.training.checkpoints import best_checkpoint as best_in_folder
+from app.engine.training.events import EVAL, STEP, TIME, TYPE, event_type
 
 CONFIG = "config.json"
 STATUS = "status.json"
@@ -108,7 +111,8 @@ class RunDir:
         """Make the directory (and checkpoints/, exports/) and write config.json atomically.
 
         An existing run (a config.json already there) raises ConfigError unless `exist_ok`,
-        in which case the config is replaced.
+        in which case the config is replaced. The run joins the user's list of runs
+        (app.engine.runs.registry), wherever its folder is.
         """
         if not isinstance(config, dict):
             raise ConfigError(f"A run's config must be a JSON object, got {type(config).__name__}.")
@@ -123,6 +127,7 @@ class RunDir:
         except OSError as e:
             raise storage_error(e, run.path, "create") from e
         run.write_config(config)
+        register_run(run.path, config)
         return run
 
     def write_config(self, config: dict) -> None:
@@ -328,3 +333,83 @@ def list_runs(folder: str | os.PathLike | None = None) -> list[RunDir]:
             return 0.0
 
     return sorted(runs, key=lambda r: (-mtime(r), r.name))
+
+
+def best_checkpoint(run_dir: str | os.PathLike) -> tuple[int, Path, float] | None:
+    """(step, path, metric) of the run's best kept checkpoint: the lowest validation loss
+    (supervised) or the highest evaluation reward (GRPO); None without evaluations."""
+    return best_in_folder(RunDir(run_dir).checkpoints_dir)
+
+
+@dataclass(frozen=True)
+class RunEntry:
+    """One row of the user's list of runs (`registered_runs`)."""
+
+    path: Path
+    name: str
+    kind: str                  # "sft" or "grpo" (app.engine.runs.kinds)
+    model: str | None
+    dataset: str | None
+    created: float             # seconds since the epoch
+    state: str                 # status.json's state, "new", or "missing" (the folder is gone)
+    duration_s: float | None
+    step: int | None
+    total_steps: int | None
+    best: dict | None          # {"metric": "val_loss"|"reward", "value": v, "step": s}
+
+
+def registered_runs() -> list[RunEntry]:
+    """Every run the workbench created (app.engine.runs.registry) and any other run folder in
+    the default runs folder, newest first; a deleted folder is a "missing" entry."""
+    entries = {e["path"]: e for e in registry_entries()}
+    for run in list_runs():
+        entries.setdefault(str(run.path), {"path": str(run.path)})
+    rows = [_entry(e) for e in entries.values()]
+    return sorted(rows, key=lambda r: -r.created)
+
+
+def _entry(record: dict) -> RunEntry:
+    run = RunDir(record["path"])
+    fields = dict(path=run.path, name=run.name, kind=record.get("kind") or "sft",
+                  model=record.get("model"), dataset=record.get("dataset"),
+                  created=record.get("created") or 0.0, duration_s=None, step=None,
+                  total_steps=None, best=None)
+    if not run.exists():
+        return RunEntry(state="missing", **fields)
+    try:
+        config = run.config()
+        status = run.status()
+        events = run.metrics()
+    except EngineError as e:
+        return RunEntry(state=f"unreadable: {e.message}", **fields)
+    fields.update(kind=config.get("kind", "sft"), model=config.get("model"),
+                  dataset=config.get("data") or config.get("prompts"),
+                  created=fields["created"] or run.config_path.stat().st_mtime,
+                  step=status.get("step"), total_steps=status.get("total_steps"),
+                  best=best_evaluation(events))
+    started, ended = status.get("started_at"), status.get("finished_at") or status.get("updated_at")
+    if isinstance(started, (int, float)) and isinstance(ended, (int, float)):
+        fields["duration_s"] = max(ended - started, 0.0)
+    return RunEntry(state=status.get("state", "new"), **fields)
+
+
+def best_evaluation(events: Iterable[dict]) -> dict | None:
+    """The best evaluation of a run's events: {"metric", "value", "step"}, the lowest
+    validation loss (supervised) or the highest mean reward (GRPO); None without one."""
+    best = None
+    for ev in events:
+        if event_type(ev) != EVAL:
+            continue
+        if _finite(ev.get("loss")):
+            value, metric, better = ev["loss"], "val_loss", lambda a, b: a < b
+        elif _finite(ev.get("reward_mean")):
+            value, metric, better = ev["reward_mean"], "reward", lambda a, b: a > b
+        else:
+            continue
+        if best is None or better(value, best["value"]):
+            best = {"metric": metric, "value": value, "step": ev.get("step")}
+    return best
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

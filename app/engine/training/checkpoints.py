@@ -242,6 +242,24 @@ def latest_checkpoint(folder: str | os.PathLike) -> Path | None:
     return found[-1] if found else None
 
 
+def best_checkpoint(folder: str | os.PathLike) -> tuple[int, Path, float] | None:
+    """(step, path, metric) of the best kept checkpoint, as the run loop recorded it in its
+    newest readable checkpoint's run state ("best_step" with "best_loss" (supervised) or
+    "best_reward" (GRPO)); None when no evaluation made one (or it is no longer there)."""
+    for path in reversed(list_checkpoints(folder)):
+        try:
+            run = json.loads((path / META).read_bytes())["meta"]["run"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        step = run.get("best_step")
+        metric = run.get("best_loss", run.get("best_reward"))
+        best = Path(folder) / f"step-{step}"
+        if step and isinstance(metric, (int, float)) and best in list_checkpoints(folder):
+            return step, best, float(metric)
+        return None
+    return None
+
+
 def prune_checkpoints(folder: str | os.PathLike, keep_last: int, keep: tuple[int, ...] = ()) -> None:
     """Delete all but the newest `keep_last` checkpoints and the steps in `keep` (the best),
     and any temporary folders left by a crash."""

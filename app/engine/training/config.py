@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import ClassVar
 
+from app.engine.data.dataset import DataConfig
 from app.engine.errors import ConfigError
 from app.engine.kernels.loss import VOCAB_CHUNK
 from app.engine.model.lora import TARGET_GROUPS
@@ -88,3 +89,23 @@ class TrainConfig:
         check(asdict(self), TrainConfig)
         if self.mode == "hybrid" and not self.full_targets:
             raise ConfigError("A hybrid run needs full_targets (e.g. norms, router).")
+
+
+def model_context(model) -> int:
+    """The context a model was trained with: `model` is a ModelCard, a loaded model or a
+    ModelConfig (anything with `.config.context_length` or `.context_length`)."""
+    return getattr(model, "config", model).context_length
+
+
+def default_context(model) -> int:
+    """A run's context unless the user sets one: DataConfig's (512), at most the model's."""
+    return min(DataConfig.context, model_context(model))
+
+
+def check_context(context: int, model) -> None:
+    """ConfigError when `context` is longer than the model's: positions it never saw."""
+    limit = model_context(model)
+    if context > limit:
+        raise ConfigError(f"The context {context:,} is longer than the model's ({limit:,} tokens): "
+                          "the model never saw positions past it.",
+                          f"Use a context of at most {limit:,} (--ctx {limit}).")

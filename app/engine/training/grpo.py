@@ -487,7 +487,8 @@ def train_grpo(config: GrpoConfig, report: Report, should_stop: ShouldStop,
                                "rewards use.")
         adapter = load_adapter(config.adapter) if config.adapter else None
         session = TrainSession(model, dataclasses.replace(config.train, max_steps=total), adapter)
-        state = {"bad_streak": 0, "skipped_steps": 0, "last_eval_step": -1}
+        state = {"bad_streak": 0, "skipped_steps": 0, "last_eval_step": -1,
+                 "best_reward": -math.inf, "best_step": 0}
         ckpt_dir = resume(session, checkpoints, state, report)
         names = list(scorer.names)
         per_epoch = len(train_rows) / config.prompts_per_step
@@ -505,7 +506,7 @@ def train_grpo(config: GrpoConfig, report: Report, should_stop: ShouldStop,
                 return
             save_checkpoint(ckpt_dir, session.step_count, session.state_dict(),
                             {"run": dict(state)})
-            prune_checkpoints(ckpt_dir, config.keep_last)
+            prune_checkpoints(ckpt_dir, config.keep_last, keep=(state["best_step"],))
             report(events.CHECKPOINT_EVENT(step=session.step_count, tag=tag))
 
         def evaluate() -> None:
@@ -536,6 +537,10 @@ def train_grpo(config: GrpoConfig, report: Report, should_stop: ShouldStop,
                 completion_clipped_fraction=float(np.mean([not c.finished for c in done])),
                 examples=_sample_items(done[:3], raw, total_r, None, names, config.answer_field),
                 eval_s=time.perf_counter() - t0, **sampled))
+            # the best trained adapter is kept (the base model's evaluation, step 0, has none)
+            if session.step_count and float(total_r.mean()) > state["best_reward"]:
+                state.update(best_reward=float(total_r.mean()), best_step=session.step_count)
+                save("best")
 
         if session.step_count == 0:
             evaluate()

@@ -238,3 +238,17 @@ def test_random_damage_to_a_checkpoint_from_before_checksums_is_never_a_tracebac
             load_checkpoint(path)
         except DamagedCheckpoint:
             pass
+
+
+def test_best_checkpoint_is_the_one_the_newest_run_state_names(tmp_path):
+    from app.engine.training.checkpoints import best_checkpoint
+
+    state = {"trainable": {"w": np.zeros(2, np.float32)}}
+    assert best_checkpoint(tmp_path) is None
+    save_checkpoint(tmp_path, 30, state, {"run": {"best_step": 30, "best_loss": 1.4}})
+    save_checkpoint(tmp_path, 60, state, {"run": {"best_step": 30, "best_loss": 1.4}})
+    assert best_checkpoint(tmp_path) == (30, tmp_path / "step-30", 1.4)
+    save_checkpoint(tmp_path, 90, state, {"run": {"best_step": 90, "best_reward": 0.8}})
+    assert best_checkpoint(tmp_path) == (90, tmp_path / "step-90", 0.8)
+    save_checkpoint(tmp_path, 120, state, {"run": {"best_step": 0, "best_loss": float("inf")}})
+    assert best_checkpoint(tmp_path) is None   # no evaluation made a best
