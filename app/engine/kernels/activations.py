@@ -1,4 +1,9 @@
-"""Gated activations: SwiGLU (silu(g) * u) and GeGLU with ggml's fp16 GELU table."""
+"""Gated activations: SwiGLU (silu(g) * u) and GeGLU with ggml's fp16 GELU table.
+
+On NumPy with compiled kernels on (app.engine.kernels.jit), SwiGLU forward and backward run one
+compiled pass per block of rows (app.engine.kernels.compiled_layers); the NumPy code here is
+their twin. GeGLU runs the NumPy code.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from app.engine.kernels import compiled_layers
 from app.engine.runtime.backend import get_array_module
 from app.engine.runtime.parallel import parallel_map, row_blocks
 
@@ -80,6 +86,11 @@ def swiglu_forward(g, u):
     """g, u: (T, F) -> (silu(g) * u, SwigluCache) (blocks of rows on the engine's threads)."""
     xp = get_array_module(g)
     out = xp.empty_like(g)                               # (T, F)
+    if compiled_layers.runs_on(g, u) and _flat_rows(g, u, out):
+        kernel = compiled_layers.kernels().swiglu_forward
+        parallel_map(lambda r: kernel(g[r].reshape(-1), u[r].reshape(-1), out[r].reshape(-1)),
+                     row_blocks(len(g)))
+        return out, SwigluCache(g, u)
 
     def rows(r: slice) -> None:
         xp.multiply(g[r] * sigmoid(g[r]), u[r], out=out[r])
@@ -92,6 +103,11 @@ def swiglu_backward(dout, cache):
     g, u = cache.g, cache.u
     xp = get_array_module(g)
     dg, du = xp.empty_like(g), xp.empty_like(g)          # (T, F)
+    if compiled_layers.runs_on(dout, g, u) and _flat_rows(dout, g, u, dg, du):
+        kernel = compiled_layers.kernels().swiglu_backward
+        parallel_map(lambda r: kernel(*(a[r].reshape(-1) for a in (dout, g, u, dg, du))),
+                     row_blocks(len(g)))
+        return dg, du
 
     def rows(r: slice) -> None:
         sg = sigmoid(g[r])                               # (n, F) recomputed
@@ -99,6 +115,11 @@ def swiglu_backward(dout, cache):
         xp.multiply(dout[r] * u[r] * sg, 1.0 + g[r] * (1.0 - sg), out=dg[r])
     parallel_map(rows, row_blocks(len(g)), xp)
     return dg, du
+
+
+def _flat_rows(*arrays) -> bool:
+    """Are these C-contiguous, so that a block of rows flattens to a view?"""
+    return all(a.flags.c_contiguous for a in arrays)
 
 
 def geglu_forward(g, u, exact: bool = False):

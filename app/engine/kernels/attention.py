@@ -11,6 +11,11 @@ its mask does not block for all its rows, so under a causal mask the early block
 future half of the square (and under a sliding window, the distant past). The backward sums a
 kv head's dk and dv over its row blocks in block order. The split depends on the shapes and the
 mask only, never on the thread count, so the results do not either.
+
+On NumPy with compiled kernels on (app.engine.kernels.jit), the softmax between the two GEMMs of
+a piece is one compiled kernel (scale, mask, max, exp, sum, divide and the log-sum-exp), and so
+are the backward's probabilities and dS (app.engine.kernels.compiled_layers); the NumPy code
+here is their twin.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from app.engine.kernels import compiled_layers
 from app.engine.runtime.backend import get_array_module
 from app.engine.runtime.parallel import parallel_map
 
@@ -90,11 +96,18 @@ def attention_forward(q, k, v, scale: float, mask):
     mask = mask.astype(q.dtype, copy=False)                           # (Tq, Tk)
     out = xp.empty((tq, n_head, v.shape[2]), q.dtype)                 # (Tq, H, Dv)
     lse = xp.empty((n_kv, group, tq), q.dtype)                        # (Hkv, G, Tq)
+    fused = compiled_layers.runs_on(q, k, v, mask) and mask.flags.c_contiguous
 
     def piece(args) -> None:
         j, _, rows, keys = args
         heads = slice(j * group, (j + 1) * group)
         qj = q[rows, heads].transpose(1, 0, 2)                        # (G, Tr, D)
+        if fused:
+            probs = qj @ k[keys, j].T                                 # (G, Tr, Tk')
+            compiled_layers.kernels().softmax_forward(probs, mask, rows.start, keys.start,
+                                                      q.dtype.type(scale), lse[j], rows.start)
+            out[rows, heads] = (probs @ v[keys, j]).transpose(1, 0, 2)
+            return
         scores = (qj @ k[keys, j].T) * scale + mask[rows, keys]       # (G, Tr, Tk')
         row_max = scores.max(-1, keepdims=True)                       # (G, Tr, 1)
         scores -= row_max
@@ -126,6 +139,8 @@ def attention_backward(dout, cache):
     dq = xp.empty_like(q)                                             # (Tq, H, D)
     dk_parts = xp.zeros((cache.n_blocks, *k.shape), k.dtype)          # (B, Tk, Hkv, D)
     dv_parts = xp.zeros((cache.n_blocks, *v.shape), v.dtype)          # (B, Tk, Hkv, Dv)
+    fused = (compiled_layers.runs_on(q, k, v, mask, dout, lse, delta)
+             and mask.flags.c_contiguous and lse.flags.c_contiguous)
 
     def piece(args) -> None:
         j, block, rows, keys = args
@@ -133,13 +148,21 @@ def attention_backward(dout, cache):
         qj = q[rows, heads].transpose(1, 0, 2)                        # (G, Tr, D)
         doj = dout[rows, heads].transpose(1, 0, 2)                    # (G, Tr, Dv)
         kj, vj = k[keys, j], v[keys, j]                               # (Tk', D), (Tk', Dv)
-        p = (qj @ kj.T) * scale + mask[rows, keys]                    # (G, Tr, Tk')
-        p -= lse[j][:, rows, None]
-        xp.exp(p, out=p)                                              # (G, Tr, Tk') probabilities
+        if fused:
+            p = qj @ kj.T                                             # (G, Tr, Tk')
+            compiled_layers.kernels().softmax_probs(p, mask, rows.start, keys.start,
+                                                    q.dtype.type(scale), lse[j], rows.start)
+        else:
+            p = (qj @ kj.T) * scale + mask[rows, keys]                # (G, Tr, Tk')
+            p -= lse[j][:, rows, None]
+            xp.exp(p, out=p)                                          # (G, Tr, Tk') probabilities
         dv_parts[block, keys, j] = (p.transpose(0, 2, 1) @ doj).sum(0)  # (Tk', Dv)
         ds = doj @ vj.T                                               # (G, Tr, Tk') dP
-        ds -= delta[rows, heads].T[..., None]
-        ds *= p                                                       # (G, Tr, Tk') dS / scale
+        if fused:
+            compiled_layers.kernels().softmax_dscores(ds, delta, rows.start, heads.start, p)
+        else:
+            ds -= delta[rows, heads].T[..., None]
+            ds *= p                                                   # (G, Tr, Tk') dS / scale
         del p
         dq[rows, heads] = ((ds @ kj) * scale).transpose(1, 0, 2)      # (Tr, G, D)
         dk_parts[block, keys, j] = (ds.transpose(0, 2, 1) @ qj).sum(0) * scale  # (Tk', D)

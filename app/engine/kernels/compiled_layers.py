@@ -1,4 +1,5 @@
-"""Compiled (Numba) element-wise layer kernels: RMSNorm and RoPE, forward and backward.
+"""Compiled (Numba) element-wise layer kernels: RMSNorm, RoPE, attention's softmax and the gated
+activations, forward and backward.
 
 Each kernel is one pass over its rows where the NumPy twin (kernels/norm.py, kernels/rope.py)
 makes one per operation; the twins stay the reference:
@@ -8,6 +9,12 @@ makes one per operation; the twins stay the reference:
   mean(g x)), and the weight gradient is summed in float32 within fixed blocks of rows, then
   over the blocks in order (the twin: one float32 sum over all rows). The tests hold both to the
   float32 bound of those sums.
+* Softmax and SwiGLU: float32 exp is `exp32` below, Cephes' expf (a degree-6 polynomial after
+  reduction by ln 2, within 2 ulp of exp), written so that LLVM vectorizes it: Numba's own
+  np.exp on float32 is a scalar libm call (no SVML here), which made a compiled SwiGLU 2.5x
+  slower than NumPy's vectorized exp. NumPy's exp is itself within an ulp or so, so these
+  kernels and their twins agree to the float32 bound of the operation, not bit for bit.
+  float64 arrays (the gradient checks) use np.exp.
 Rows are (n, C) C-contiguous arrays; the callers split them into row blocks for the engine's
 threads (the kernels release the GIL). Compiled on first use (and cached on disk), so importing
 this module does not import Numba.
@@ -30,9 +37,46 @@ def runs_on(*arrays) -> bool:
             and all(type(a) is np.ndarray and a.dtype == dtype for a in arrays))
 
 
+EXP_LO, EXP_HI = -87.33654, 88.72283    # float32 exp underflows to 0 below, overflows above
+
+
 @lru_cache(maxsize=None)
 def kernels() -> SimpleNamespace:
-    """The compiled kernels: rmsnorm_forward, rmsnorm_backward, rope."""
+    """The compiled kernels: rmsnorm_forward, rmsnorm_backward, rope, softmax_forward,
+    softmax_probs, softmax_dscores, swiglu_forward, swiglu_backward."""
+    from numba.cpython.unsafe.numbers import viewer
+    from numba.core import types
+    from numba.extending import overload
+
+    f32 = np.float32
+
+    @jit.njit(inline="always")
+    def exp32(x):
+        """Cephes expf for a float32 x, branch-free (selects) so that loops over it vectorize."""
+        xc = min(max(x, f32(EXP_LO)), f32(EXP_HI))
+        n = np.floor(xc * f32(1.44269504088896341) + f32(0.5))   # x = n ln2 + r, |r| <= ln2/2
+        r = xc - n * f32(0.693359375) + n * f32(2.12194440e-4)    # ln2 in two parts
+        p = f32(1.9875691500e-4)
+        p = p * r + f32(1.3981999507e-3)
+        p = p * r + f32(8.3334519073e-3)
+        p = p * r + f32(4.1665795894e-2)
+        p = p * r + f32(1.6666665459e-1)
+        p = p * r + f32(5.0000001201e-1)
+        y = (p * r) * r + r + f32(1.0)
+        k = np.int64(n) - (n > 0)                                 # 2^n = 2^k (2 if n > 0)
+        y = y * viewer(np.int32((k + 127) << 23), np.float32)
+        y = y * f32(2.0) if n > 0 else y
+        y = f32(0.0) if x < f32(EXP_LO) else y
+        return f32(np.inf) if x > f32(EXP_HI) else y
+
+    def fexp(x):
+        """exp32 on float32, np.exp on float64."""
+
+    @overload(fexp, jit_options=dict(inline="always"))
+    def _fexp(x):
+        if x == types.float32:
+            return lambda x: exp32(x)
+        return lambda x: np.exp(x)
 
     @jit.njit(inline="always")
     def sum8(a):
@@ -104,5 +148,82 @@ def kernels() -> SimpleNamespace:
                 for j in range(n_rot, d):
                     out[t, h, j] = x[t, h, j]
 
+    @jit.njit(inline="always")
+    def max8(a):
+        """a: (C,) -> max over eight lanes (selects, which vectorize; no NaN expected)."""
+        m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = a.dtype.type(-np.inf)
+        n = a.size - a.size % 8
+        for j in range(0, n, 8):
+            m0 = a[j] if a[j] > m0 else m0
+            m1 = a[j + 1] if a[j + 1] > m1 else m1
+            m2 = a[j + 2] if a[j + 2] > m2 else m2
+            m3 = a[j + 3] if a[j + 3] > m3 else m3
+            m4 = a[j + 4] if a[j + 4] > m4 else m4
+            m5 = a[j + 5] if a[j + 5] > m5 else m5
+            m6 = a[j + 6] if a[j + 6] > m6 else m6
+            m7 = a[j + 7] if a[j + 7] > m7 else m7
+        for j in range(n, a.size):
+            m0 = a[j] if a[j] > m0 else m0
+        return max(max(max(m0, m1), max(m2, m3)), max(max(m4, m5), max(m6, m7)))
+
+    @jit.njit()
+    def softmax_forward(s, mask, r0, k0, scale, lse, lse_r0):
+        """s: (G, Tr, Tk') raw scores q k^T of query rows r0.. and keys k0.., replaced by
+        softmax(s scale + mask) along the keys; mask: (Tq, Tk); lse: (G, Tq) gets the rows'
+        log-sum-exp at lse_r0.. (whole arrays and offsets: contiguous rows vectorize)."""
+        n_g, n_r, n_k = s.shape
+        for g in range(n_g):
+            for i in range(n_r):
+                row, m = s[g, i], mask[r0 + i, k0:k0 + n_k]
+                for j in range(n_k):
+                    row[j] = row[j] * scale + m[j]
+                top = max8(row)
+                for j in range(n_k):
+                    row[j] = fexp(row[j] - top)
+                total = s.dtype.type(sum8(row))
+                for j in range(n_k):
+                    row[j] = row[j] / total
+                lse[g, lse_r0 + i] = top + np.log(total)
+
+    @jit.njit()
+    def softmax_probs(s, mask, r0, k0, scale, lse, lse_r0):
+        """s: (G, Tr, Tk') raw scores, replaced by exp(s scale + mask - lse) (the forward's
+        probabilities again); mask, lse and the offsets as in softmax_forward."""
+        n_g, n_r, n_k = s.shape
+        for g in range(n_g):
+            for i in range(n_r):
+                row, m, top = s[g, i], mask[r0 + i, k0:k0 + n_k], lse[g, lse_r0 + i]
+                for j in range(n_k):
+                    row[j] = fexp((row[j] * scale + m[j]) - top)
+
+    @jit.njit()
+    def softmax_dscores(ds, delta, r0, h0, p):
+        """ds: (G, Tr, Tk') dP = dO V^T, replaced by P (dP - delta); delta: (Tq, H), read at
+        rows r0.. and heads h0..; p as ds."""
+        n_g, n_r, n_k = ds.shape
+        for g in range(n_g):
+            for i in range(n_r):
+                row, prow, d = ds[g, i], p[g, i], delta[r0 + i, h0 + g]
+                for j in range(n_k):
+                    row[j] = (row[j] - d) * prow[j]
+
+    @jit.njit()
+    def swiglu_forward(g, u, out):
+        """g, u, out: (n,) -> out = g sigmoid(g) u."""
+        one = g.dtype.type(1.0)
+        for i in range(g.size):
+            out[i] = (g[i] * (one / (one + fexp(-g[i])))) * u[i]
+
+    @jit.njit()
+    def swiglu_backward(dout, g, u, dg, du):
+        """(n,) each: du = dout g s, dg = dout u s (1 + g (1 - s)), s = sigmoid(g)."""
+        one = g.dtype.type(1.0)
+        for i in range(g.size):
+            s = one / (one + fexp(-g[i]))
+            du[i] = (dout[i] * g[i]) * s
+            dg[i] = ((dout[i] * u[i]) * s) * (one + g[i] * (one - s))
+
     return SimpleNamespace(rmsnorm_forward=rmsnorm_forward, rmsnorm_backward=rmsnorm_backward,
-                           rope=rope)
+                           rope=rope, softmax_forward=softmax_forward,
+                           softmax_probs=softmax_probs, softmax_dscores=softmax_dscores,
+                           swiglu_forward=swiglu_forward, swiglu_backward=swiglu_backward)

@@ -14,9 +14,11 @@ import numpy as np
 import pytest
 
 from app.engine.kernels import compiled_layers, jit
+from app.engine.kernels.activations import swiglu_backward, swiglu_forward
+from app.engine.kernels.attention import attention_backward, attention_forward, attention_mask
 from app.engine.kernels.norm import rmsnorm_backward, rmsnorm_forward
 from app.engine.kernels.rope import NEOX, NORM, rope_angles, rope_backward, rope_forward
-from tests.float32_bounds import as64, assert_within_gamma
+from tests.float32_bounds import as64, assert_within_gamma, gamma
 
 pytestmark = pytest.mark.skipif(not jit.compiled(), reason="compiled kernels are off")
 
@@ -95,6 +97,60 @@ def test_rmsnorm_backward_same_bits_on_one_and_two_threads(monkeypatch):
         runs.append(rmsnorm_backward(dout, cache))
     for a, b in zip(*runs):
         np.testing.assert_array_equal(bits(a), bits(b))
+
+
+def test_exp32_within_two_ulp_and_exact_at_the_ends():
+    """Cephes' expf over float32's whole range, through the backward's probabilities kernel
+    (scale 1, mask 0, lse 0: exp(s)); below the range 0 (masked keys stay exactly 0)."""
+    x = np.concatenate([np.linspace(-87.3, 88.7, 200_001, dtype=np.float32),
+                        np.array([-np.inf, -1e4, -87.4, 0.0, 1e-30, 88.8, np.inf], np.float32)])
+    s = x.copy().reshape(1, 1, -1)
+    compiled_layers.kernels().softmax_probs(s, np.zeros((1, x.size), np.float32), 0, 0,
+                                            np.float32(1), np.zeros((1, 1), np.float32), 0)
+    got, exact = s.ravel()[:-7], np.exp(x[:-7].astype(np.float64))
+    assert_within_gamma(got, exact, exact, 2, "exp32")
+    np.testing.assert_array_equal(s.ravel()[-7:], [0, 0, 0, 1, 1, np.inf, np.inf])
+
+
+def test_swiglu_within_the_float32_bound(monkeypatch):
+    """exp (2 ulp either path), then 1 + e, the reciprocal and the products: a few roundings
+    relative to each term; dg's (1 - s) is held to its absolute error."""
+    rng = np.random.default_rng(4)
+    g, u, dout = ((rng.standard_normal((67, 40)) * 4).astype(np.float32) for _ in range(3))
+    g64, u64, d64 = as64(g, u, dout)
+    s64 = 1.0 / (1.0 + np.exp(-g64))
+
+    def run():
+        out, cache = swiglu_forward(g, u)
+        return (out, *swiglu_backward(dout, cache))
+    for out, dg, du in both(monkeypatch, run):
+        assert_within_gamma(out, g64 * s64 * u64, np.abs(g64 * s64 * u64), 8, "out")
+        assert_within_gamma(du, d64 * g64 * s64, np.abs(d64 * g64 * s64), 8, "du")
+        dg_exact = d64 * u64 * s64 * (1.0 + g64 * (1.0 - s64))
+        assert_within_gamma(dg, dg_exact, np.abs(d64 * u64 * s64) * (1.0 + 2.0 * np.abs(g64)),
+                            10, "dg")
+
+
+@pytest.mark.parametrize("tq,h,hkv,window", [(200, 4, 2, 0), (150, 2, 1, 40)])
+def test_attention_within_a_normwise_float32_bound(monkeypatch, tq, h, hkv, window):
+    """Against the twin in float64: a score passes D products into exp, a probability sums Tk
+    exps, an output sums Tk products; each result is held to gamma(2 (D + Tk) + 32) times the
+    largest magnitude of its tensor (a lost key, a wrong block or mask is O(that magnitude))."""
+    rng = np.random.default_rng(5)
+    d = 16
+    q, k, v, dout = (rng.standard_normal(shape).astype(np.float32)
+                     for shape in ((tq, h, d), (tq, hkv, d), (tq, hkv, d), (tq, h, d)))
+    mask = attention_mask(np, np.arange(tq), np.arange(tq), window)
+
+    def run(*arrays):
+        out, cache = attention_forward(*arrays[:3], 0.25, mask)
+        return (out, cache.lse, *attention_backward(arrays[3], cache))
+    monkeypatch.setenv(jit.ENV_VAR, "numpy")
+    exact = run(*as64(q, k, v, dout))
+    n = 2 * (d + tq) + 32
+    for got in both(monkeypatch, lambda: run(q, k, v, dout)):
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, exact):
+            assert np.abs(a - b).max() <= gamma(n) * np.abs(b).max(), name
 
 
 def test_numpy_switch_runs_the_twins(monkeypatch):
