@@ -140,13 +140,14 @@ def measure(trainer, windows: np.ndarray) -> dict:
             totals.append(time.perf_counter() - t0)
         phases.append({**clock.seconds, "dequant": trainer.dequant_seconds - d0})
     peak = peak_rss_mb()
+    warmup = [t * 1e3 for t in totals[:WARMUP]]   # the first pays the compiled kernels' load
     totals, phases = totals[WARMUP:], phases[WARMUP:]
     step = statistics.median(totals)
     ms = lambda values: statistics.median(values) * 1e3
     phase_ms = {name: ms([p.get(name, 0.0) for p in phases]) for name in (*PHASES, "dequant")}
     phase_ms["other"] = ms([t - sum(p.get(n, 0.0) for n in PHASES) for t, p in zip(totals, phases)])
     return {"tokens_per_s": (windows.shape[1] - 1) / step, "step_ms": step * 1e3,
-            "step_ms_each": [t * 1e3 for t in totals], "phase_ms": phase_ms,
+            "step_ms_each": [t * 1e3 for t in totals], "warmup_ms": warmup, "phase_ms": phase_ms,
             "loss0": losses[0], "peak_rss_mb": peak}
 
 
