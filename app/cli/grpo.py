@@ -16,6 +16,7 @@ from pathlib import Path
 
 from app.cli.foreground import (TARGET_ALIASES, Progress, add_compute_options, clock,
                                 run_in_foreground, start_run)
+from app.cli.train import check_lora_targets
 from app.engine.errors import ConfigError
 from app.engine.training import events
 
@@ -213,6 +214,7 @@ def cmd_grpo(args) -> int:
     config = grpo_config_from_args(args)
     # --reward replaces the config's rewards: files named on the command line are trusted
     check_reward_trust(config.rewards, TRUST_HINT, args.trust_reward_code or bool(args.reward))
+    check_lora_targets(config)
     if args.queue is None:
         array_module(config.train.device)  # no usable GPU: say so before a run folder exists
     return start_run(args, config.to_dict(), f"grpo-{Path(config.prompts).stem}", execute_grpo)

@@ -9,6 +9,7 @@ import traceback
 
 import numpy as np
 
+from app.cli.evaluate import add_eval_parser, cmd_eval
 from app.cli.resume import cmd_resume
 from app.cli.train import add_train_parsers, cmd_train
 from app.cli.grpo import add_grpo_parser, cmd_grpo
@@ -75,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_train_parsers(sub)
     add_grpo_parser(sub)
+    add_eval_parser(sub)
 
     p = sub.add_parser("new-model", help="write a freshly initialised small model (train from scratch)")
     p.add_argument("--tokenizer", required=True, help="GGUF file whose tokenizer is copied")
@@ -137,10 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
                                        "default: RUN_DIR/exports/")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing output (never the export's own inputs)")
-    p.add_argument("--type", default="f32", choices=("f32", "f16", "bf16", "q8_0"),
-                   help="adapter tensor type (PEFT: f32 or f16; default f32)")
-    p.add_argument("--fallback-type", default="q8_0", choices=("q8_0", "f16", "bf16"),
-                   help="merged: type for tensors whose own type gguf cannot write (e.g. Q4_K)")
+    p.add_argument("--type", choices=("f32", "f16", "bf16", "q8_0"),
+                   help="stored type: of adapter tensors (default f32; PEFT: f32 or f16), of a "
+                        "merged model's changed tensors (default f16)")
     p.add_argument("--scale", "-s", type=float, default=1.0,
                    help="adapter user scale, folded into the export (default 1.0)")
     p.add_argument("--adapter", "-a", help="export this adapter (GGUF LoRA file or PEFT folder) "
@@ -392,9 +393,9 @@ def cmd_export(args) -> int:
         source = source_from_adapter(args.adapter, args.model)
     else:
         raise ConfigError("Nothing to export.", "Give a run directory, or --adapter and --model.")
-    report = export(source, args.to, args.out, adapter_type=args.type,
-                    fallback_type=args.fallback_type, scale=args.scale,
-                    llamacpp=False if args.no_llamacpp else None, overwrite=args.overwrite)
+    report = export(source, args.to, args.out, adapter_type=args.type, scale=args.scale,
+                    llamacpp=False if args.no_llamacpp else None, overwrite=args.overwrite,
+                    notify=lambda line: print(line, file=sys.stderr, flush=True))
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.to_text())
     if not report.ok:
         print(f"error: the export at {report.path} failed verification; do not use it.",
@@ -406,7 +407,7 @@ def cmd_export(args) -> int:
 COMMANDS = {"lint": cmd_lint, "info": cmd_info, "generate": cmd_generate, "logits": cmd_logits,
             "tokenize": cmd_tokenize, "new-model": cmd_new_model,
             "queue": cmd_queue, "runs": cmd_runs, "train": cmd_train,
-            "resume": cmd_resume, "export": cmd_export, "grpo": cmd_grpo}
+            "resume": cmd_resume, "export": cmd_export, "grpo": cmd_grpo, "eval": cmd_eval}
 
 
 def run_cli(argv: list[str]) -> int:

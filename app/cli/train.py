@@ -9,6 +9,7 @@ continues it exactly.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from app.cli.foreground import (TARGET_ALIASES, Progress, add_compute_options, run_in_foreground,
@@ -127,6 +128,17 @@ def run_config_from_args(args):
     return config
 
 
+def check_lora_targets(config) -> None:
+    """The LoRA targets must make an adapter llama.cpp can load (app.engine.model.lora
+    .check_model_targets): refused before a run folder exists; warnings printed."""
+    if config.train.mode == "full" or config.adapter:
+        return
+    from app.engine.model.lora import check_model_targets
+
+    for warning in check_model_targets(config.model, config.train.lora_targets):
+        print(f"warning: {warning}", file=sys.stderr)
+
+
 def execute_sft(run_dir, as_json: bool) -> int:
     """Run a training run directory's config in this process."""
     from app.engine.training.sft import RunConfig, train
@@ -141,6 +153,7 @@ def cmd_train(args) -> int:
     from app.engine.runtime.backend import array_module
 
     config = run_config_from_args(args)
+    check_lora_targets(config)
     if args.queue is None:
         array_module(config.train.device)  # no usable GPU: say so before a run folder exists
     return start_run(args, config.to_dict(), Path(config.data).stem, execute_sft)

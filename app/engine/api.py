@@ -16,6 +16,7 @@ from app.engine.export.exporter import (ExportTargetExists, export, source_from_
 from app.engine.model.card import (ModelCard, describe_model, human_bytes, human_count,
                                    lora_param_count)
 from app.engine.model.lora import TARGET_GROUPS, load_adapter
+from app.engine.model.lora import check_model_targets  # the start-of-run LoRA target rule
 from app.engine.model.transformer import load_model
 from app.engine.runs.kinds import GRPO, KINDS, SFT, RunKind, kind_of
 from app.engine.runs.queue import PENDING, Job, JobQueue, JobStateError
@@ -46,6 +47,7 @@ __all__ = [
     # models: the card, LoRA targets, loading for the Playground
     "ModelCard", "describe_model", "human_bytes", "human_count", "lora_param_count",
     "TARGET_GROUPS", "load_adapter", "load_model", "chat_prompt_ids", "generation_prompt_ids",
+    "check_model_targets",
     # configs, the settings-file schema, datasets, memory
     "DataConfig", "GrpoConfig", "RewardSpec", "RunConfig", "TrainConfig", "build_grpo_config",
     "trust_reward_files", "untrusted_reward_files", "check", "read_config_file",

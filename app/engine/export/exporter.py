@@ -6,12 +6,16 @@ Formats (`export(source, to, out)`):
   Q8_0; rsLoRA and the user's scale are folded into `adapter.lora.alpha` so that llama.cpp's
   `alpha / rank` gives the trained scale at `--lora` (user scale 1).
 - `merged`: the base model with `scale * B @ A` added to every adapted tensor and fully trained
-  tensors in place, all metadata kept; tensors are re-quantized to their type where the `gguf`
-  package can, else to a fallback type (with a warning naming them). Processed tensor by tensor
-  (expert by expert), untouched tensors copied as raw bytes.
+  tensors in place, all metadata kept. Changed tensors are stored at a precision that keeps the
+  adapter's effect (F16 by default, or the chosen type; F32 tensors stay F32; re-quantizing
+  them to the base's Q4_K-like types would undo much of it), untouched tensors are copied byte
+  for byte. Processed tensor by tensor (expert by expert). It is good only when its mean NLL on
+  a held-out sample is within 1% of base + adapter (verify.nll_check).
 - `peft`: Hugging Face PEFT `adapter_model.safetensors` + `adapter_config.json` (app.engine.export.peft).
-- `ollama`: a folder with the GGUF adapter and a `Modelfile` (FROM the base, ADAPTER, stop
-  parameters from the end-of-turn tokens, a TEMPLATE only when it translates exactly).
+- `ollama`: a folder with a `Modelfile` and the GGUF adapter (FROM the base, ADAPTER) or, for
+  architectures Ollama runs on its own engine (which refuses adapters) and for fully trained
+  tensors, the merged model (FROM it); the TEMPLATE of the chat format (ollama_templates) and
+  its stop strings.
 
 What to export is an `ExportSource`: a run directory (its newest checkpoint), a live
 `TrainSession`, or an adapter file (GGUF, or a PEFT folder: import) with its base model.
@@ -29,32 +33,35 @@ import math
 import os
 import shlex
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import cache, partial
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
-from app.engine.errors import ConfigError, EngineError, ModelFormatError, UnsupportedModelError
+from app.engine.errors import ConfigError, EngineError, ModelFormatError
+from app.engine.export.evaluate import mean_nll
+from app.engine.export.ollama_templates import OllamaTemplate, ollama_template
 from app.engine.export.peft import CONFIG_NAME, WEIGHTS_NAME, export_peft, import_peft, read_peft
-from app.engine.export.verify import (Check, ExportReport, TensorComparison, add_logit_checks,
-                                      engine_logits, llamacpp_check, verification_prompt)
+from app.engine.export.verify import (HELD_OUT_TEXT, MAX_HELD_OUT, Check, ExportReport,
+                                      TensorComparison, add_logit_checks, engine_logits,
+                                      llamacpp_check, nll_check, verification_prompt)
 from app.engine.io.gguf import (BLOCK_SIZES, GGUFFile, dequantize, quantize, read_gguf, type_name,
                                 write_gguf)
-from app.engine.model.lora import (LoraAdapter, LoraConfig, check_adapter_fits, load_adapter,
-                                   tensor_kind)
+from app.engine.model.card import human_bytes
+from app.engine.model.lora import (LoraAdapter, LoraConfig, check_adapter_fits,
+                                   llamacpp_lora_problems, load_adapter, tensor_kind)
 from app.engine.model.transformer import Model, load_model
 from app.engine.runs.kinds import kind_of
 from app.engine.runs.rundir import RunDir, best_checkpoint
 from app.engine.runtime.files import atomic_write_bytes
-from app.engine.text.chat_template import render_chat
 from app.engine.training.checkpoints import latest_checkpoint, load_checkpoint
 
 FORMATS = ("gguf-lora", "merged", "peft", "ollama")
-ADAPTER_TYPES = {"f32": 0, "f16": 1, "bf16": 30, "q8_0": 8}
-FALLBACK_TYPES = {"q8_0": 8, "f16": 1, "bf16": 30}
+ADAPTER_TYPES = {"f32": 0, "f16": 1, "bf16": 30, "q8_0": 8}   # also the types of merged tensors
+DEFAULT_TYPES = {"merged": "f16"}                                 # else f32
 F32, F16 = 0, 1
 CHUNK_ELEMENTS = 1 << 24         # float32 values per merge chunk (64 MB)
 MODELFILE = "Modelfile"
@@ -62,6 +69,13 @@ OLLAMA_ADAPTER, OLLAMA_MODEL = "adapter.gguf", "model.gguf"
 FOLDER_FILES = {"peft": {WEIGHTS_NAME, CONFIG_NAME},       # what a folder export holds
                 "ollama": {MODELFILE, OLLAMA_ADAPTER, OLLAMA_MODEL}}
 FINETUNED = " (fine-tuned)"
+# Architectures Ollama runs on its own engine, which refuses any ADAPTER ("loras are not yet
+# implemented"): ollama/ollama fs/ggml/ggml.go, KV.OllamaEngineRequired.
+OLLAMA_ENGINE_ARCHS = frozenset((
+    "bert", "deepseek2", "deepseekocr", "gemma3", "gemma3n", "gptoss", "gpt-oss", "llama4",
+    "mistral3", "mllama", "nemotron_h", "nemotron_h_moe", "nomic-bert", "olmo3", "qwen25vl",
+    "qwen3", "qwen3moe", "qwen35", "qwen35moe", "qwen3next", "qwen3vl", "qwen3vlmoe",
+    "glm4moelite", "glmocr", "lfm2", "lfm2moe"))
 
 
 def _close(f: GGUFFile) -> None:
@@ -142,6 +156,9 @@ def source_from_run(run_dir: str | os.PathLike, step: int | str | None = None,
     # every kind's config has the model, train and adapter fields read here
     config = kind_of(raw, str(run.config_path)).config_class.from_dict(raw)
     model_path = str(model_path or config.model)
+    if step == "best":
+        best = best_checkpoint(run.path)
+        step = best[0] if best else None
     if step is not None:
         ckpt = run.checkpoints_dir / f"step-{step}"
         if not ckpt.is_dir():
@@ -156,9 +173,6 @@ def source_from_run(run_dir: str | os.PathLike, step: int | str | None = None,
                               "Export after the run has saved a checkpoint.")
         return ExportSource(model_path, load_adapter(final), run_dir=str(run.path),
                             adapter_path=str(final))
-    if step == "best":
-        best = best_checkpoint(run.path)
-        step = best[0] if best else None
     trainable = load_checkpoint(ckpt).state["trainable"]
     halves: dict[str, dict[str, np.ndarray]] = {}
     full = {}
@@ -327,24 +341,28 @@ def _base(model: Model, tokens, intent):
 
 # ---- merged model ------------------------------------------------------------------------------
 
-@cache
-def can_quantize(ggml_type: int) -> bool:
-    """Whether the gguf package can write this type (probed on one zero block)."""
-    if ggml_type not in BLOCK_SIZES:
-        return False
+def merged_type(source_type: int, row_len: int, wanted: int) -> int:
+    """The stored type of a changed tensor: F32 stays F32; else the wanted type, or F16 when
+    its blocks do not divide the row."""
+    if source_type == F32:
+        return F32
+    return wanted if row_len % BLOCK_SIZES[wanted][0] == 0 else F16
+
+
+def merged_size(model_path: str | os.PathLike, changed, merge_type: str) -> tuple[int, int]:
+    """(size of the merged file, size of the base file) in bytes, before writing it."""
+    f = read_gguf(model_path)
     try:
-        quantize(np.zeros((1, BLOCK_SIZES[ggml_type][0]), np.float32), ggml_type)
-    except UnsupportedModelError:
-        return False
-    return True
-
-
-def merged_type(source_type: int, row_len: int, fallback: int) -> int:
-    """The stored type of a changed tensor: its own where gguf can write it, else `fallback`,
-    else F16 (when the fallback's blocks do not divide the row)."""
-    if source_type in (F32, F16) or can_quantize(source_type):
-        return source_type
-    return fallback if row_len % BLOCK_SIZES[fallback][0] == 0 else F16
+        grow = 0
+        for name in changed:
+            info = f.tensors[name]
+            t = merged_type(info.ggml_type, info.shape[-1], ADAPTER_TYPES[merge_type])
+            block, nbytes = BLOCK_SIZES[t]
+            grow += info.n_elements // block * nbytes - info.nbytes
+    finally:
+        _close(f)
+    base = os.path.getsize(model_path)
+    return base + grow, base
 
 
 def _chunks(shape: tuple[int, ...]) -> Iterator[tuple]:
@@ -395,7 +413,7 @@ def merged_values(f: GGUFFile, name: str, index: tuple, adapter: LoraAdapter | N
 @dataclass
 class MergeSummary:
     changed: dict[str, int]                  # tensor -> stored type
-    retyped: dict[str, tuple[int, int]]      # tensor -> (source type, stored type)
+    retyped: dict[str, tuple[int, int]]      # tensor -> (source type, stored type) if they differ
     name: str = ""
 
 
@@ -406,12 +424,13 @@ def finetuned_name(meta: dict, path: str) -> str:
 
 def write_merged(model_path: str | os.PathLike, out: str | os.PathLike,
                  adapter: LoraAdapter | None, full: dict, *, scale: float = 1.0,
-                 fallback_type: str = "q8_0") -> MergeSummary:
-    """Write base + scale * B @ A (and fully trained tensors) as a complete GGUF model."""
-    if fallback_type not in FALLBACK_TYPES:
-        raise ConfigError(f"Unknown fallback type {fallback_type!r}.",
-                          "Use one of: " + ", ".join(FALLBACK_TYPES) + ".")
-    fallback = FALLBACK_TYPES[fallback_type]
+                 merge_type: str = "f16") -> MergeSummary:
+    """Write base + scale * B @ A (and fully trained tensors) as a complete GGUF model, the
+    changed tensors as `merge_type` (merged_type), the others byte for byte."""
+    if merge_type not in ADAPTER_TYPES:
+        raise ConfigError(f"Unknown type {merge_type!r} for merged tensors.",
+                          "Use one of: " + ", ".join(ADAPTER_TYPES) + ".")
+    wanted = ADAPTER_TYPES[merge_type]
     out = Path(out)
     f = read_gguf(model_path)
     scratch = out.with_name(f".{out.name}.scratch-{os.getpid()}")
@@ -435,7 +454,7 @@ def write_merged(model_path: str | os.PathLike, out: str | os.PathLike,
             for name, info in f.tensors.items():
                 if name not in changed_names:
                     continue
-                t = merged_type(info.ggml_type, info.shape[-1], fallback)
+                t = merged_type(info.ggml_type, info.shape[-1], wanted)
                 start = sf.tell()
                 for index in _chunks(info.shape):
                     quantize(merged_values(f, name, index, adapter, scale, full), t).tofile(sf)
@@ -473,8 +492,10 @@ def _same_value(a, b) -> bool:
 def verify_merged(path: str | os.PathLike, model: Model, adapter: LoraAdapter | None,
                   full: dict, scale: float, summary: MergeSummary, tokens,
                   report: ExportReport, *, llamacpp: bool | None = None,
-                  prefix: str = "") -> None:
-    """Re-read a merged model: metadata, tensor list, untouched bytes, changed values, logits."""
+                  prefix: str = "", fix: str = "") -> None:
+    """Re-read a merged model: metadata, tensor list, untouched bytes, changed values, logits,
+    and the mean NLL on a held-out sample against base + adapter (`fix`: the option to name
+    when it misses)."""
     base = model.gguf
     f = read_gguf(path)
     try:
@@ -538,6 +559,11 @@ def verify_merged(path: str | os.PathLike, model: Model, adapter: LoraAdapter | 
                                StoredMerge(base, summary, adapter, scale, full))
     add_logit_checks(report, prefix, got, live, _base(model, tokens, intent), reference, intent,
                      "/".join(quantized))
+    held = verification_prompt(model, HELD_OUT_TEXT, MAX_HELD_OUT)
+    report.add(nll_check(prefix + "adapter kept",
+                         mean_nll(merged.logits(held, llamacpp_numerics=False), held),
+                         mean_nll(engine_logits(model, held, adapter, scale, full), held),
+                         mean_nll(engine_logits(model, held), held), fix))
     types = {t.ggml_type for t in merged.gguf.tensors.values()}
     report.add(llamacpp_check(str(path), tokens, got, weight_types=types, enabled=llamacpp,
                               name=prefix + "llamacpp"))
@@ -572,13 +598,21 @@ class StoredMerge(Mapping):
 
 # ---- PEFT --------------------------------------------------------------------------------------
 
+HF_URL = "https://huggingface.co/"
+
+
 def base_model_id(meta: dict, path: str) -> str:
-    """What to put in base_model_name_or_path: the HF repository the GGUF was converted from
-    when the file says so, else general.basename, else general.name, else the file stem."""
-    for key in ("general.source.huggingface.repository", "general.basename", "general.name"):
-        if isinstance(meta.get(key), str) and meta[key]:
-            return meta[key]
-    return Path(path).stem
+    """base_model_name_or_path: the Hugging Face repository the GGUF was converted from
+    (general.source.huggingface.repository, or general.base_model.N.repo_url on huggingface.co)
+    when the file says so, else the GGUF file's absolute path."""
+    repo = meta.get("general.source.huggingface.repository")
+    if isinstance(repo, str) and repo.strip():
+        return repo.strip()
+    for i in range(int(meta.get("general.base_model.count") or 1)):
+        url = meta.get(f"general.base_model.{i}.repo_url")
+        if isinstance(url, str) and url.startswith(HF_URL) and url[len(HF_URL):].strip("/"):
+            return url[len(HF_URL):].strip("/")
+    return str(Path(path).expanduser().absolute())
 
 
 def verify_peft(out_dir: str | os.PathLike, model: Model, live: LoraAdapter, user_scale: float,
@@ -631,37 +665,6 @@ def verify_peft(out_dir: str | os.PathLike, model: Model, live: LoraAdapter, use
 
 # ---- Ollama ------------------------------------------------------------------------------------
 
-# Ollama's Go template for plain ChatML (Ollama keeps system messages in .Messages).
-OLLAMA_CHATML = ("{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n"
-                 "{{ end }}<|im_start|>assistant\n")
-_PROBES = ([{"role": "user", "content": "Hi there"}],
-           [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}],
-           [{"role": "user", "content": "One"}, {"role": "assistant", "content": "Two"},
-            {"role": "user", "content": "Three"}],
-           [{"role": "system", "content": "S"}, {"role": "user", "content": "A"},
-            {"role": "assistant", "content": "B"}, {"role": "user", "content": "C"}])
-
-
-def ollama_template(chat_template: str | None, bos: str = "",
-                    eos: str = "") -> tuple[str | None, str]:
-    """(Ollama TEMPLATE, why) — a template only when the model's Jinja template renders sample
-    conversations exactly as the Go template does (plain ChatML); otherwise None and the reason."""
-    if not chat_template:
-        return None, "the model has no chat template (tokenizer.chat_template)"
-    for messages in _PROBES:
-        try:
-            text = render_chat(chat_template, messages, bos_token=bos, eos_token=eos,
-                               add_generation_prompt=True)
-        except ConfigError:
-            return None, "the chat template fails on a sample conversation"
-        expected = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n"
-                           for m in messages) + "<|im_start|>assistant\n"
-        if text != expected:
-            return None, ("the chat template is not plain ChatML, and the workbench does not "
-                          "translate other Jinja templates to Ollama's Go templates")
-    return OLLAMA_CHATML, "plain ChatML (checked by rendering sample conversations)"
-
-
 def _modelfile_arg(value: str) -> str:
     return f'"{value}"' if any(c.isspace() or c == '"' for c in value) else value
 
@@ -679,31 +682,33 @@ def stop_sequences(model: Model) -> tuple[list[str], list[str]]:
     return stops, skipped
 
 
-def modelfile_text(model: Model, from_path: str, adapter: str | None,
-                   label: str) -> tuple[str, dict]:
+def modelfile_text(model: Model, from_path: str, adapter: str | None, label: str,
+                   why_merged: str = "") -> tuple[str, dict]:
     """The Modelfile text and what it should contain (stops, template) for verification."""
     tok = model.tokenizer
-    stops, skipped = stop_sequences(model)
-    bos = tok.token_to_piece(tok.bos_id) if tok.bos_id is not None else ""
+    eot, skipped = stop_sequences(model)
     eos = tok.token_to_piece(tok.eos_id) if tok.eos_id is not None else ""
-    template, why = ollama_template(tok.chat_template, bos, eos)
+    chat: OllamaTemplate = ollama_template(tok.chat_template, eos)
+    stops = list(dict.fromkeys([*chat.stops, *eot]))
+    template = chat.template if chat.matches else None
     lines = [f"# Modelfile written by GGUF Workbench ({label}).",
-             "# Create the model with: ollama create NAME -f Modelfile",
-             f"FROM {_modelfile_arg(from_path)}"]
+             "# Create the model with: ollama create NAME -f Modelfile"]
+    if why_merged:
+        lines.append(f"# {why_merged}.")
+    lines.append(f"FROM {_modelfile_arg(from_path)}")
     if adapter:
         lines.append(f"ADAPTER {_modelfile_arg(adapter)}")
     lines += [f'PARAMETER stop "{s}"' for s in stops]
     if skipped:
         lines.append(f"# stop tokens not written (not expressible): {', '.join(skipped)}")
     if template is not None:
-        lines.append(f"# TEMPLATE: {why}.")
+        lines.append(f"# TEMPLATE: {chat.note}.")
         lines.append(f'TEMPLATE """{template}"""')
-    elif tok.chat_template:
-        lines.append(f"# TEMPLATE not written: {why}. `ollama create` picks one from the GGUF's "
-                     "tokenizer.chat_template when it recognises it; otherwise add one by hand.")
     else:
-        lines.append(f"# TEMPLATE not written: {why}.")
-    return "\n".join(lines) + "\n", {"stops": stops, "template": template, "template_note": why}
+        lines.append(f"# TEMPLATE not written: {chat.note}. `ollama create` picks one from the "
+                     "GGUF's tokenizer.chat_template when it recognises it; otherwise add one.")
+    return "\n".join(lines) + "\n", {"stops": stops, "template": template,
+                                      "template_note": chat.note, "family": chat.family}
 
 
 def parse_modelfile(text: str) -> dict:
@@ -749,7 +754,7 @@ def verify_modelfile(folder: Path, expected: dict, from_path: str,
         problems.append("TEMPLATE differs from the translated chat template")
     return Check("modelfile", not problems, "; ".join(problems) or
                  f"FROM/ADAPTER resolve, {len(parsed['stops'])} stop parameters, " +
-                 ("TEMPLATE (ChatML)" if parsed["template"] else "no TEMPLATE"),
+                 (f"TEMPLATE ({expected['family']})" if parsed["template"] else "no TEMPLATE"),
                  {"stops": parsed["stops"], "template": parsed["template"] is not None})
 
 
@@ -892,26 +897,26 @@ def _need_adapter(source: ExportSource, to: str) -> LoraAdapter:
 
 
 def export(source: ExportSource, to: str, out: str | os.PathLike | None = None, *,
-           adapter_type: str = "f32", fallback_type: str = "q8_0", scale: float = 1.0,
-           prompt_tokens=None, llamacpp: bool | None = None, overwrite: bool = False,
-           model: Model | None = None, write_report: bool = True) -> ExportReport:
+           adapter_type: str | None = None, scale: float = 1.0, prompt_tokens=None,
+           llamacpp: bool | None = None, overwrite: bool = False, model: Model | None = None,
+           write_report: bool = True,
+           notify: Callable[[str], None] | None = None) -> ExportReport:
     """Export `source` as `to` (FORMATS) at `out`, verify it, write and return the report.
 
-    adapter_type: f32|f16|bf16|q8_0 for GGUF adapters (f32|f16 for PEFT); fallback_type: the
-    type for merged tensors whose own type gguf cannot write; scale: the user scale, folded in;
-    llamacpp: None = compare with llama.cpp when llama-cpp-python is available, False = never;
-    overwrite: replace what is at `out` (check_destination).
+    adapter_type: the stored type, f32|f16|bf16|q8_0: of GGUF adapters (default f32; PEFT
+    f32|f16) and of a merged model's changed tensors (default f16); scale: the user scale,
+    folded in; llamacpp: None = compare with llama.cpp when llama-cpp-python is available,
+    False = never; overwrite: replace what is at `out` (check_destination); notify: called
+    with what is about to be written (a merged model's size) before writing it.
     Raises EngineError for bad input (ExportTargetExists when `out` exists and overwrite is
     False); a written export that fails verification is returned with `report.ok == False`.
     """
     if to not in FORMATS:
         raise ConfigError(f"Unknown export format {to!r}.", "Use one of: " + ", ".join(FORMATS))
+    adapter_type = adapter_type or DEFAULT_TYPES.get(to, "f32")
     if adapter_type not in ADAPTER_TYPES:
         raise ConfigError(f"Unknown adapter type {adapter_type!r}.",
                           "Use one of: " + ", ".join(ADAPTER_TYPES) + ".")
-    if fallback_type not in FALLBACK_TYPES:
-        raise ConfigError(f"Unknown fallback type {fallback_type!r}.",
-                          "Use one of: " + ", ".join(FALLBACK_TYPES) + ".")
     if not math.isfinite(scale) or scale == 0:
         raise ConfigError(f"The export scale must be a non-zero number, got {scale}.")
     if to == "peft" and adapter_type not in ("f32", "f16"):
@@ -925,12 +930,12 @@ def export(source: ExportSource, to: str, out: str | os.PathLike | None = None, 
     if source.adapter is not None:
         check_adapter_fits(source.adapter, cfg.arch, model.tensor_shapes)
         source.adapter.arch = cfg.arch
-        if cfg.tied_output and "token_embd.weight" in source.adapter.tensors:
-            raise ConfigError("The adapter targets token_embd, but this model ties its output "
-                              "head to the embedding: llama.cpp looks adapters up by tensor "
-                              "name, so the head would get the embedding adapter too, whose "
-                              "shapes do not fit there.",
-                              "Train without a token_embd target on this model.")
+        errors, warnings = llamacpp_lora_problems(source.adapter.tensors, model.tensor_shapes,
+                                                  {n: t.ggml_type for n, t in
+                                                   model.gguf.tensors.items()})
+        if errors and to != "merged":
+            raise ConfigError(errors[0], "Export it with --to merged, or train without a "
+                                         "token_embd target on this model.")
     for name, arr in source.full.items():
         if model.tensor_shapes.get(name) != tuple(arr.shape):
             raise ConfigError(f"The trained tensor {name!r} does not fit the model.",
@@ -941,8 +946,9 @@ def export(source: ExportSource, to: str, out: str | os.PathLike | None = None, 
     tokens = [int(t) for t in (prompt_tokens if prompt_tokens is not None
                                else verification_prompt(model))]
     report = ExportReport(to, str(out), source=source.describe(), prompt_tokens=tokens,
-                          settings={"type": adapter_type, "fallback_type": fallback_type,
-                                    "scale": scale})
+                          settings={"type": adapter_type, "scale": scale})
+    if source.adapter is not None and to != "merged":
+        report.warnings += warnings
     base_name = model.metadata.get("general.name") or Path(source.model_path).stem
     if to == "gguf-lora":
         live = _need_adapter(source, to)
@@ -953,12 +959,10 @@ def export(source: ExportSource, to: str, out: str | os.PathLike | None = None, 
         _verify(report, "", verify_gguf_lora, out, model, live, scale, tokens, report,
                 llamacpp=llamacpp)
     elif to == "merged":
-        summary = write_merged(source.model_path, out, source.adapter, source.full, scale=scale,
-                               fallback_type=fallback_type)
+        summary, fix = _write_merge(source, out, report, adapter_type, scale, notify)
         report.files = [str(out)]
-        _note_retyped(report, summary)
         _verify(report, "", verify_merged, out, model, source.adapter, source.full, scale,
-                summary, tokens, report, llamacpp=llamacpp)
+                summary, tokens, report, llamacpp=llamacpp, fix=fix)
     elif to == "peft":
         live = _need_adapter(source, to)
         with _staged_folder(out) as staging:
@@ -972,28 +976,57 @@ def export(source: ExportSource, to: str, out: str | os.PathLike | None = None, 
         _verify(report, "", verify_peft, out, model, live, scale, tokens, report,
                 ADAPTER_TYPES[adapter_type])
     else:
-        _export_ollama(source, model, out, report, adapter_type, fallback_type, scale, tokens,
-                       llamacpp, base_name)
+        _export_ollama(source, model, out, report, adapter_type, scale, tokens, llamacpp,
+                       base_name, notify)
+    for c in report.checks:
+        if c.name.endswith("llamacpp") and c.ok is None and c.data.get("skipped") != "disabled":
+            report.warnings.append(f"the llama.cpp cross-check did not run ({c.detail}); the "
+                                   "export passed the engine's own checks only")
     if write_report:
         report.write(report_paths(source, out))
     return report
 
 
-def _export_ollama(source, model, out: Path, report, adapter_type, fallback_type, scale, tokens,
-                   llamacpp, base_name) -> None:
+def _write_merge(source, out: Path, report, merge_type, scale, notify):
+    """Write the merged model at `out` (its size announced first); returns the MergeSummary
+    and the option that fixes a merge that loses the adapter."""
+    changed = set(source.full) | set(source.adapter.tensors if source.adapter else ())
+    size, base_size = merged_size(source.model_path, changed, merge_type)
+    report.settings["merged_size_bytes"] = size
+    if notify is not None:
+        notify(f"writing the merged model: {human_bytes(size)} (base {human_bytes(base_size)}; "
+               f"{len(changed)} changed tensors as {merge_type.upper()} (F32 ones stay F32), "
+               "the others copied byte for byte)")
+    summary = write_merged(source.model_path, out, source.adapter, source.full, scale=scale,
+                           merge_type=merge_type)
+    _note_retyped(report, summary)
+    better = {"q8_0": "--type f16 (or f32)", "bf16": "--type f16 (or f32)", "f16": "--type f32"}
+    fix = (f"export again with {better[merge_type]}" if merge_type in better else
+           "the stored values differ from what was meant; do not use this file")
+    return summary, fix
+
+
+def _export_ollama(source, model, out: Path, report, adapter_type, scale, tokens, llamacpp,
+                   base_name, notify) -> None:
     """Write the folder beside `out`, move it into place, then verify it there (the Modelfile
     names the merged model by its final path)."""
     base_path = str(Path(source.model_path).expanduser().absolute())
     cfg = model.config
+    engine = cfg.arch in OLLAMA_ENGINE_ARCHS
+    why_merged = ""
+    if engine:
+        why_merged = (f"Ollama runs {cfg.arch} on its own engine, which refuses adapters "
+                      "(\"loras are not yet implemented\"): FROM the merged model, no ADAPTER")
+        report.add(Check("ollama engine", None, why_merged, {"informational": True}))
     with _staged_folder(out) as staging:
-        if source.full:   # full or hybrid training: Ollama gets the merged model
+        if engine or source.full:   # Ollama's engine, or full/hybrid training: merged model
             target = out / OLLAMA_MODEL
-            summary = write_merged(source.model_path, staging / OLLAMA_MODEL, source.adapter,
-                                   source.full, scale=scale, fallback_type=fallback_type)
-            _note_retyped(report, summary)
+            merge_type = DEFAULT_TYPES["merged"] if adapter_type == "f32" else adapter_type
+            summary, fix = _write_merge(source, staging / OLLAMA_MODEL, report, merge_type,
+                                        scale, notify)
             verify_target = partial(_verify, report, "model ", verify_merged, target, model,
                                     source.adapter, source.full, scale, summary, tokens, report,
-                                    llamacpp=llamacpp, prefix="model ")
+                                    llamacpp=llamacpp, prefix="model ", fix=fix)
             from_path, adapter_rel, label = str(target), None, f"{base_name}, merged"
         else:
             target = out / OLLAMA_ADAPTER
@@ -1006,8 +1039,7 @@ def _export_ollama(source, model, out: Path, report, adapter_type, fallback_type
                                     prefix="adapter ")
             from_path, adapter_rel, label = (base_path, f"./{OLLAMA_ADAPTER}",
                                              f"{base_name} + LoRA adapter")
-        text, expected = modelfile_text(model, from_path, adapter_rel, label)
-
+        text, expected = modelfile_text(model, from_path, adapter_rel, label, why_merged)
         atomic_write_bytes(staging / MODELFILE, text.encode("utf-8"))
     verify_target()
     report.files = [str(out / MODELFILE), str(target)]
@@ -1032,13 +1064,12 @@ def _note_adapter_fallbacks(report: ExportReport, types: dict[str, int], adapter
 
 
 def _note_retyped(report: ExportReport, summary: MergeSummary) -> None:
-    if not summary.retyped:
-        return
-    names = sorted(summary.retyped)
-    pairs = {f"{type_name(a)} -> {type_name(b)}" for a, b in summary.retyped.values()}
-    report.warnings.append(
-        f"{len(names)} changed tensors could not be re-quantized to their own type "
-        f"({', '.join(sorted(pairs))}; the gguf package cannot write it): "
-        f"{', '.join(names[:8])}{' ...' if len(names) > 8 else ''}")
+    """Which changed tensors are stored in another type than the base's (informational)."""
     report.settings["retyped_tensors"] = {n: [type_name(a), type_name(b)]
                                           for n, (a, b) in summary.retyped.items()}
+    if summary.retyped:
+        pairs = sorted({f"{type_name(a)} -> {type_name(b)}" for a, b in summary.retyped.values()})
+        report.add(Check("types", None, f"{len(summary.retyped)} of {len(summary.changed)} "
+                         f"changed tensors stored as another type than the base's "
+                         f"({', '.join(pairs)}) to keep the adapter's effect",
+                         {"informational": True}))

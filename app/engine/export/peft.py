@@ -17,7 +17,15 @@ mapping forwards so a round trip is exact:
   scale embeddings (Gemma 3: x sqrt(n_embd)) scale the LoRA delta too in llama.cpp but not in
   PEFT (the scaled embedding module is PEFT's base layer), so `lora_embedding_B` carries the scale;
 - scales: PEFT applies lora_alpha / r per module (`alpha_pattern`/`rank_pattern` for exceptions);
-  we write the exact per-tensor scale llama.cpp would use, so no rsLoRA flag is needed.
+  we write the exact per-tensor scale llama.cpp would use, so no rsLoRA flag is needed;
+- import also reads transformers 5 fused-expert adapters (peft >= 0.17 `target_parameters`, e.g.
+  `["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]`): each targeted parameter wraps the
+  `experts` module once more, the first innermost, so its keys are
+  `...experts[.base_layer]*.lora_A/B.weight` (outermost = last parameter). For a parameter of
+  shape (E, d1, d2): lora_A (E*r, d1) with the expert slowest, lora_B (d2, E*r) with the expert
+  fastest, delta[e] = A[e].T @ B[:, :, e].T of shape (d1, d2) (peft's ParamWrapper). transformers
+  5 stores gate_up_proj (E, 2F, C) (gate rows first) and down_proj (E, C, F); they become 3-D
+  ffn_gate/up/down_exps adapters of rank r.
 """
 
 from __future__ import annotations
@@ -239,6 +247,56 @@ def export_peft(adapter: LoraAdapter, out_dir: str | os.PathLike, *, arch: str, 
 
 _SUFFIXES = {".lora_A.weight": "A", ".lora_B.weight": "B",
              ".lora_embedding_A": "A", ".lora_embedding_B": "B"}
+# transformers 5 fused expert parameters -> the GGUF expert tensors they hold (in row order)
+FUSED_EXPERTS = {"gate_up_proj": ("ffn_gate_exps", "ffn_up_exps"), "down_proj": ("ffn_down_exps",)}
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def _fused_parameter(module: str, config: dict) -> str | None:
+    """For a `...experts[.base_layer]*` module of a target_parameters adapter, the full name of
+    the parameter its LoRA targets (peft nests one wrapper per parameter, the first innermost);
+    None for other modules."""
+    depth = 0
+    while module.endswith(".base_layer"):
+        module, depth = module[:-len(".base_layer")], depth + 1
+    params = [f"{module}.{p.rsplit('.', 1)[-1]}" for p in config.get("target_parameters") or []
+              if f"{module}.{p.rsplit('.', 1)[-1]}".endswith(p)]
+    if not params or depth >= len(params):
+        return None
+    return params[len(params) - 1 - depth]
+
+
+def _fused_pairs(param: str, a: np.ndarray, b: np.ndarray, rank: int,
+                 shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Our 3-D (A, B) pairs, by GGUF tensor, of one fused-expert parameter's lora_A/lora_B."""
+    layer = _LAYER.search(param)
+    kinds = FUSED_EXPERTS.get(param.rsplit(".", 1)[-1])
+    names = [f"blk.{layer.group(1)}.{k}.weight" for k in kinds] if layer and kinds else []
+    if not names or any(n not in shapes or len(shapes[n]) != 3 for n in names):
+        raise ModelFormatError(f"The PEFT adapter targets the parameter {param!r}, which has no "
+                               "expert tensor in this model.",
+                               "Fused-expert adapters (target_parameters) import onto a "
+                               "mixture-of-experts model with the same layers.")
+    n_expert, rows, cols = shapes[names[0]][0], sum(shapes[n][1] for n in names), shapes[names[0]][2]
+    if a.shape[0] != rank * n_expert or b.shape[1] != a.shape[0]:
+        raise ModelFormatError(f"{param}: lora_A {a.shape} and lora_B {b.shape} do not hold "
+                               f"{n_expert} experts of rank {rank} (the config's).")
+    a3 = a.reshape(n_expert, rank, a.shape[1])              # (E, r, d1)
+    b3 = b.reshape(b.shape[0], rank, n_expert)              # (d2, r, E)
+    if (a.shape[1], b.shape[0]) == (rows, cols):            # transformers 5: (E, out, in)
+        bb, aa = a3.transpose(0, 2, 1), b3.transpose(2, 1, 0)
+    elif (a.shape[1], b.shape[0]) == (cols, rows):          # (E, in, out), e.g. GPT-OSS
+        bb, aa = b3.transpose(2, 0, 1), a3
+    else:
+        raise ModelFormatError(f"{param}: lora_A {a.shape} and lora_B {b.shape} do not fit the "
+                               f"model's experts ({n_expert} x {rows} x {cols}).")
+    out, start = {}, 0
+    for n in names:
+        stop = start + shapes[n][1]
+        out[n] = (np.ascontiguousarray(aa, np.float32),
+                  np.ascontiguousarray(bb[:, start:stop], np.float32))
+        start = stop
+    return out
 
 
 def read_peft(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
@@ -306,12 +364,23 @@ def import_peft(path: str | os.PathLike, *, arch: str, n_head: int, n_head_kv: i
         raise ModelFormatError("fan_in_fan_out adapters (GPT-2 Conv1D) are not supported.")
     modules = module_map(arch, shapes)
     halves: dict[str, dict[str, np.ndarray]] = {}
+    fused: dict[str, str] = {}               # key module -> fused parameter it targets
     for key, value in tensors.items():
         module, half = _split_key(key)
-        if module not in modules:
-            raise ModelFormatError(f"PEFT module {module!r} does not exist in this '{arch}' "
-                                   "model.", "Import the adapter with the base model it was "
-                                   "trained on.")
+        param = _fused_parameter(module, config) if module not in modules else None
+        if param is not None:
+            fused[module] = param
+        elif module not in modules:
+            example = next(iter(modules), "none")
+            raise ModelFormatError(
+                f"PEFT module {module!r} does not exist in this '{arch}' model (its modules "
+                f"are named like {example!r}).",
+                "The adapter's layout is one the workbench does not map (PEFT's "
+                "target_parameters are read for transformers 5 fused experts only), or it was "
+                "made for a model of another architecture or size."
+                if ".base_layer" in module or config.get("target_parameters") else
+                "The adapter was made for a model of another architecture or size: import it "
+                "with the base model it was trained on.")
         halves.setdefault(module, {})[half] = np.asarray(value, dtype=np.float32)
     if not halves:
         raise ModelFormatError("The PEFT adapter has no tensors.")
@@ -322,23 +391,31 @@ def import_peft(path: str | os.PathLike, *, arch: str, n_head: int, n_head_kv: i
     for module, pair in halves.items():
         if set(pair) != {"A", "B"}:
             raise ModelFormatError(f"PEFT module {module!r} has only lora_{''.join(pair)}.")
-        rank = int(pair["B"].shape[-1])
-        r = int(_pattern_value(config.get("rank_pattern"), module, r_default))
+        name = fused.get(module, module)
+        r = int(_pattern_value(config.get("rank_pattern"), name, r_default))
+        rank = r if module in fused else int(pair["B"].shape[-1])   # fused: _fused_pairs checks
         if r != rank:
             raise ModelFormatError(f"PEFT module {module!r} has rank {rank} but the config "
                                    f"says {r}.")
-        alpha = float(_pattern_value(config.get("alpha_pattern"), module, alpha_default))
+        alpha = float(_pattern_value(config.get("alpha_pattern"), name, alpha_default))
         scales[module] = alpha / (math.sqrt(rank) if rslora else rank)
     first = next(iter(halves))
-    gguf_alpha = scales[first] * halves[first]["B"].shape[-1]
+    gguf_alpha = scales[first] * int(_pattern_value(config.get("rank_pattern"),
+                                                    fused.get(first, first), r_default))
     if gguf_alpha == 0:
         raise ModelFormatError("The PEFT adapter's lora_alpha is 0 (it would do nothing).")
 
     adapter = LoraAdapter(alpha=gguf_alpha, arch=arch, path=str(path))
     grouped: dict[str, dict[int | None, tuple[np.ndarray, np.ndarray]]] = {}
     for module, pair in halves.items():
-        ref = modules[module]
         a, b = pair["A"], pair["B"]
+        if module in fused:
+            r = int(_pattern_value(config.get("rank_pattern"), fused[module], r_default))
+            for tensor, (fa, fb) in _fused_pairs(fused[module], a, b, r, shapes).items():
+                fold = scales[module] * fb.shape[-1] / gguf_alpha
+                adapter.tensors[tensor] = (fa, fb * np.float32(fold) if fold != 1.0 else fb)
+            continue
+        ref = modules[module]
         fold = scales[module] * b.shape[-1] / gguf_alpha
         if fold != 1.0:
             b = b * np.float32(fold)

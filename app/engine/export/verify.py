@@ -9,8 +9,10 @@ check failed. The checks here are the building blocks (`app.engine.export.export
   fully trained tensors): exact up to float32 noise when everything is stored as F32; otherwise
   against the same rounded values computed in memory, with the drift from the live result
   reported for information (F16/BF16/Q8_0 rounding moves logits and can flip MoE routing);
-- optionally the same file in llama.cpp (`llama-cpp-python`, extra `llamacpp`), run in a child
-  process so that a crash of the native library cannot take the workbench down.
+- merged models: the mean NLL on a held-out sample within 1% of base + adapter (`nll_check`);
+- the same file in llama.cpp (`llama-cpp-python`, extra `verify`) when installed, run in a
+  child process so that a crash of the native library cannot take the workbench down; when it
+  cannot run, the report says so.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import datetime as _dt
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -45,6 +48,18 @@ LOGIT_REL = 1e-4
 
 VERIFY_TEXT = "The quick brown fox jumps over the lazy dog. 0123456789"
 MAX_PROMPT = 32
+
+# A held-out sample (no training data) on which a merged model must keep the adapter's effect:
+# its mean NLL within NLL_REL_BOUND of base + adapter's.
+HELD_OUT_TEXT = (
+    "The lighthouse keeper climbed the spiral stairs each evening before sunset. From the "
+    "gallery she could see the fishing boats returning, the harbour wall, and the long road "
+    "that wound between the hills toward the market town. In winter the storms came from the "
+    "west, and the lamp had to burn through the night; in summer the work was lighter, and she "
+    "spent the afternoons repairing nets, writing letters, and reading old almanacs about tides, "
+    "weather and the stars. Question: what did she do in summer? Answer: she repaired nets.")
+NLL_REL_BOUND = 0.01
+MAX_HELD_OUT = 160
 
 
 @dataclass
@@ -124,15 +139,15 @@ def _num(x) -> float:
 
 # ---- prompt and logits -------------------------------------------------------------------------
 
-def verification_prompt(model, text: str = VERIFY_TEXT) -> list[int]:
-    """A fixed prompt in the model's tokens (at most MAX_PROMPT), for comparing logits."""
+def verification_prompt(model, text: str = VERIFY_TEXT, limit: int = MAX_PROMPT) -> list[int]:
+    """A fixed prompt in the model's tokens (at most `limit`), for comparing logits."""
     try:
         ids = model.tokenizer.encode(text)
     except (EngineError, ValueError):  # a vocab the tokenizer cannot build: fixed ids will do
         ids = []
     if len(ids) < 4:
         ids = [i % model.config.n_vocab for i in range(7, 7 + 16 * 13, 13)]
-    return [int(i) for i in ids[:MAX_PROMPT]]
+    return [int(i) for i in ids[:limit]]
 
 
 def engine_logits(model, tokens, adapter=None, scale: float = 1.0, full: dict | None = None):
@@ -191,6 +206,20 @@ def add_logit_checks(report: ExportReport, prefix: str, got: np.ndarray, live: n
                     f"rounding to {rounding} (informational)")
     drift.data.update(tolerance=None, informational=True)
     report.add(drift)
+
+
+def nll_check(name: str, merged: float, live: float, base: float, fix: str) -> Check:
+    """The merged model's mean NLL on the held-out sample against base + adapter's: within
+    NLL_REL_BOUND (relative), else a failure that names the option that fixes it."""
+    rel = abs(merged - live) / max(abs(live), 1e-12)
+    ok = bool(rel <= NLL_REL_BOUND)
+    detail = (f"mean NLL on a held-out sample: merged {merged:.4f}, base + adapter {live:.4f} "
+              f"({rel:.2%} apart, bound {NLL_REL_BOUND:.0%}; perplexity {math.exp(merged):.3f} vs "
+              f"{math.exp(live):.3f}), base alone {base:.4f}")
+    if not ok:
+        detail += f". The merge loses part of the adapter's effect: {fix}"
+    return Check(name, ok, detail, {"merged_nll": merged, "live_nll": live, "base_nll": base,
+                                    "relative_diff": rel, "bound": NLL_REL_BOUND})
 
 
 # ---- tensors -----------------------------------------------------------------------------------
@@ -288,7 +317,7 @@ def llamacpp_check(model_path: str, tokens: Sequence[int], ours: np.ndarray, *,
     python = llamacpp_python()
     if python is None:
         return Check(name, None, "skipped: llama-cpp-python is not installed "
-                     "(pip install 'gguf-workbench[llamacpp]')", {"skipped": "not installed"})
+                     "(pip install 'gguf-workbench[verify]')", {"skipped": "not installed"})
     with tempfile.TemporaryDirectory(prefix="workbench-llamacpp-") as tmp:
         out = os.path.join(tmp, "logits.npy")
         args = {"model": str(model_path), "tokens": [int(t) for t in tokens], "out": out,

@@ -176,16 +176,91 @@ def lora_targets(shapes: dict[str, tuple[int, ...]], config: LoraConfig) -> list
     return [n for n, s in shapes.items() if tensor_kind(n) in kinds and len(s) in (2, 3)]
 
 
+# FFN targets depend on the layout (dense FFN or experts): one that matches nothing only warns.
+FFN_TARGETS = {t for g in ("ffn", "experts", "shared", "router") for t in (g, *TARGET_GROUPS[g])}
+NVFP4 = 40
+
+
+def available_targets(shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    """The target groups that match at least one LoRA-able tensor of a model."""
+    kinds = {tensor_kind(n) for n, s in shapes.items() if len(s) in (2, 3)}
+    return [g for g, group_kinds in TARGET_GROUPS.items() if kinds & set(group_kinds)]
+
+
+def llamacpp_lora_problems(names, shapes: dict[str, tuple[int, ...]],
+                           types: dict[str, int] | None = None) -> tuple[list[str], list[str]]:
+    """(errors, warnings) for an adapter on these base tensors as llama.cpp applies it.
+
+    A tied model (no output.weight) runs its head through token_embd.weight, and llama.cpp looks
+    adapters up by tensor name, so an embedding adapter lands on the head with shapes that do
+    not fit (GGML_ASSERT(ggml_can_mul_mat)). NVFP4 weights with a scale tensor refuse LoRA in
+    llama.cpp's FFN (an assert)."""
+    errors, warnings = [], []
+    tied = "token_embd.weight" in shapes and "output.weight" not in shapes
+    if tied and "token_embd.weight" in names:
+        errors.append("The adapter targets token_embd (embeddings), but this model ties its "
+                      "output head to the embedding: llama.cpp would apply the embedding "
+                      "adapter to the head too, whose shapes do not fit, and abort "
+                      "(GGML_ASSERT(ggml_can_mul_mat)).")
+    nvfp4 = sorted(n for n in names if (types or {}).get(n) == NVFP4)
+    if nvfp4:
+        warnings.append(f"{len(nvfp4)} targets are NVFP4 ({', '.join(nvfp4[:3])}): llama.cpp "
+                        "refuses LoRA on NVFP4 weights that carry a scale tensor.")
+    return errors, warnings
+
+
+def check_targets(shapes: dict[str, tuple[int, ...]], config: LoraConfig,
+                  types: dict[str, int] | None = None, *, llamacpp: bool = True) -> list[str]:
+    """Decide at the start of a run whether its LoRA targets make an adapter llama.cpp can load.
+
+    Raises ConfigError for a target that matches nothing on this model, naming the model's
+    targets (FFN targets of the other layout, e.g. experts on a dense model, are fine when
+    another FFN target matched, else a warning), and, with `llamacpp`, for an adapter llama.cpp
+    cannot apply (llamacpp_lora_problems). Returns the warnings. The CLI and the window call it
+    before a run exists, init_adapter (llamacpp=False: the engine trains any target) and export
+    apply the same rule."""
+    config.validate()
+    available = available_targets(shapes)
+    hint = "This model's targets: " + (", ".join(available) or "none") + "."
+    absent = [t for t in config.targets if not lora_targets(shapes, LoraConfig(targets=(t,)))]
+    missing = [t for t in absent if t not in FFN_TARGETS]
+    if missing or len(absent) == len(config.targets):
+        tied = "output" in missing and "output.weight" not in shapes
+        raise ConfigError(f"No tensor of this model matches the LoRA target(s) "
+                          f"{', '.join(missing or absent)}"
+                          + (" (its output head is tied to the embedding)" if tied else "")
+                          + ".", hint)
+    ffn_matched = any(t in FFN_TARGETS and t not in absent for t in config.targets)
+    warnings = [] if ffn_matched else [f"The LoRA target {t} matches nothing on this model: "
+                                       "skipped." for t in absent]
+    if not llamacpp:
+        return warnings
+    errors, more = llamacpp_lora_problems(lora_targets(shapes, config), shapes, types)
+    if errors:
+        raise ConfigError(errors[0], "Train without the embeddings target on this model. " + hint)
+    return warnings + more
+
+
+def check_model_targets(model_path: str | os.PathLike, targets) -> list[str]:
+    """check_targets for a GGUF model file (reads its header only): raises ConfigError, returns
+    the warnings."""
+    f = read_gguf(model_path)
+    try:
+        shapes = {n: t.shape for n, t in f.tensors.items()}
+        types = {n: t.ggml_type for n, t in f.tensors.items()}
+    finally:
+        f.close()
+    return check_targets(shapes, LoraConfig(targets=tuple(targets)), types)
+
+
 def init_adapter(shapes: dict[str, tuple[int, ...]], arch: str, config: LoraConfig) -> LoraAdapter:
     """A fresh adapter: A ~ U(-1/sqrt(in), 1/sqrt(in)) (PEFT's kaiming-uniform bound), B = 0,
     so training starts exactly at the base model (the token embedding, as PEFT: A = 0 and B
-    random). Float32, seeded. 3-D expert adapters have rank config.expert_rank_for(E); the
-    adapter's one alpha makes their scale alpha / that rank (llama.cpp's rule)."""
-    config.validate()
+    random). Float32, seeded. The targets must match the model (check_targets). 3-D expert
+    adapters have rank config.expert_rank_for(E); the adapter's one alpha makes their scale
+    alpha / that rank (llama.cpp's rule)."""
+    check_targets(shapes, config, llamacpp=False)
     targets = lora_targets(shapes, config)
-    if not targets:
-        raise ConfigError("None of the chosen LoRA targets exists in this model.",
-                          "Pick targets the model has (a dense model has no experts).")
     rng = np.random.default_rng(config.seed)
     adapter = LoraAdapter(alpha=config.stored_alpha, arch=arch)
     for name in targets:

@@ -11,6 +11,7 @@ from safetensors.numpy import save_file
 
 from app.engine.errors import ModelFormatError
 from app.engine.export.exporter import ExportSource, export, source_from_adapter
+from app.engine.export.verify import engine_logits
 from app.engine.kernels.rope import NEOX, NORM, rope_angles, rope_forward
 from app.engine.model.lora import LoraAdapter, load_adapter
 from app.engine.model.transformer import load_model
@@ -50,7 +51,7 @@ def test_peft_round_trip_gives_the_same_adapter(tmp_path, name):
     config, tensors = read_peft(tmp_path / "peft")
     assert config["peft_type"] == "LORA" and config["r"] == 4
     assert config["lora_alpha"] == pytest.approx(8.0)          # scale 2 = alpha 8 / r 4
-    assert config["base_model_name_or_path"] == model.metadata["general.name"]
+    assert config["base_model_name_or_path"] == str((GOLDEN / f"{name}-f32.gguf").absolute())
     assert not config["use_rslora"] and not config["rank_pattern"] and not config["alpha_pattern"]
     assert all(k.startswith("base_model.model.") for k in tensors)
 
@@ -270,3 +271,95 @@ def test_alpha_zero_adapter_with_one_rank():
     a, b = np.ones((2, 4), np.float32), np.ones((3, 2), np.float32)
     folded = fold_scale(LoraAdapter(0.0, {"x": (a, b)}), 0.25)
     assert folded.alpha == 0.5 and folded.scale("x") == 0.25
+
+
+# ---- transformers 5 fused experts (peft target_parameters) ------------------------------------
+
+def _fused_expert_adapter(folder, model, rank=2, alpha=4.0, seed=0):
+    """A PEFT adapter in the layout peft 0.21 saves for LoraConfig(target_modules=["q_proj"],
+    target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]) on a transformers 5
+    MoE whose experts hold gate_up_proj (E, 2F, C) and down_proj (E, C, F): each parameter
+    wraps `experts` once more (gate_up_proj innermost, under .base_layer); lora_A (E*r, d1)
+    with the expert slowest, lora_B (d2, E*r) with the expert fastest. Returns the tensors and,
+    per GGUF tensor, the float32 delta peft adds (scale included)."""
+    rng = np.random.default_rng(seed)
+    shapes = model.tensor_shapes
+    tensors, deltas = {}, {}
+    scale = alpha / rank
+    for layer in range(model.config.n_layer):
+        n_expert, n_ff, n_embd = shapes[f"blk.{layer}.ffn_gate_exps.weight"]
+        pre = f"base_model.model.model.layers.{layer}."
+        for key, (d1, d2) in ((pre + "mlp.experts.base_layer", (2 * n_ff, n_embd)),
+                              (pre + "mlp.experts", (n_embd, n_ff))):
+            a = rng.normal(0, 0.3, (n_expert * rank, d1)).astype(np.float32)
+            b = rng.normal(0, 0.3, (d2, n_expert * rank)).astype(np.float32)
+            tensors[key + ".lora_A.weight"], tensors[key + ".lora_B.weight"] = a, b
+            a3, b3 = a.reshape(n_expert, rank, d1), b.reshape(d2, rank, n_expert)
+            delta = np.einsum("ore,eri->eio", b3, a3) * np.float32(scale)   # peft's einsum
+            if d1 == 2 * n_ff:
+                deltas[f"blk.{layer}.ffn_gate_exps.weight"] = delta[:, :n_ff]
+                deltas[f"blk.{layer}.ffn_up_exps.weight"] = delta[:, n_ff:]
+            else:
+                deltas[f"blk.{layer}.ffn_down_exps.weight"] = delta
+        q = pre + "self_attn.q_proj"
+        n_q, n_in = shapes[f"blk.{layer}.attn_q.weight"]
+        a = rng.normal(0, 0.3, (rank, n_in)).astype(np.float32)
+        b = rng.normal(0, 0.3, (n_q, rank)).astype(np.float32)
+        tensors[q + ".lora_A.weight"], tensors[q + ".lora_B.weight"] = a, b
+        deltas[f"blk.{layer}.attn_q.weight"] = (b @ a) * np.float32(scale)
+    folder.mkdir()
+    save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
+              "target_modules": ["q_proj"],
+              "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+              "lora_dropout": 0.0, "bias": "none", "use_rslora": False, "use_dora": False,
+              "fan_in_fan_out": False, "rank_pattern": {}, "alpha_pattern": {},
+              "base_model_name_or_path": "Qwen/Qwen3-30B-A3B", "peft_version": "0.21.2"}
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    return deltas
+
+
+def test_fused_expert_peft_adapter_imports_and_exports_to_gguf(tmp_path):
+    model = load_model(GOLDEN / "qwen3moe-f32.gguf")
+    deltas = _fused_expert_adapter(tmp_path / "peft", model)
+    adapter = _import(tmp_path / "peft", model)
+    assert set(adapter.tensors) == set(deltas)
+    for name, want in deltas.items():                  # the same weight change as peft's
+        a, b, s = adapter.scaled(name)
+        np.testing.assert_allclose(np.float32(s) * (b @ a), want, atol=1e-5)
+    assert adapter.tensors["blk.0.ffn_up_exps.weight"][0].shape == (4, 2, 32)
+    tokens = _ref("qwen3moe")["tokens"]
+    full = {n: model.gguf.array(n) + d for n, d in deltas.items()}
+    want = engine_logits(model, tokens, None, 1.0, full)
+    np.testing.assert_allclose(model.logits(tokens, adapter=adapter, llamacpp_numerics=False),
+                               want, atol=1e-4)
+    source = source_from_adapter(tmp_path / "peft", model.path, model)
+    report = export(source, "gguf-lora", tmp_path / "a.gguf", prompt_tokens=tokens,
+                    llamacpp=False)
+    assert report.ok, report.to_text()
+    np.testing.assert_allclose(
+        model.logits(tokens, adapter=load_adapter(tmp_path / "a.gguf"), llamacpp_numerics=False),
+        want, atol=1e-4)
+
+
+def test_failed_peft_import_names_the_real_cause(tmp_path):
+    model = load_model(GOLDEN / "qwen3moe-f32.gguf")
+    _fused_expert_adapter(tmp_path / "peft", model)
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    config["target_parameters"] = ["mlp.experts.gate_up_proj"]     # one parameter, two wrappers
+    (tmp_path / "peft" / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelFormatError) as e:
+        _import(tmp_path / "peft", model)
+    assert "target_parameters" in e.value.hint and "base model" not in e.value.hint
+    with pytest.raises(ModelFormatError, match="another architecture or size"):
+        _import(tmp_path / "peft", load_model(GOLDEN / "llama-f32.gguf"))
+
+
+def test_peft_base_model_from_gguf_metadata():
+    from app.engine.export.exporter import base_model_id
+
+    assert base_model_id({"general.source.huggingface.repository": "google/gemma-3-270m",
+                          "general.name": "x"}, "m.gguf") == "google/gemma-3-270m"
+    assert base_model_id({"general.base_model.count": 1, "general.base_model.0.repo_url":
+                          "https://huggingface.co/Qwen/Qwen3-0.6B"}, "m.gguf") == "Qwen/Qwen3-0.6B"
+    assert base_model_id({"general.name": "gemma-3"}, "/m/x.gguf") == "/m/x.gguf"
