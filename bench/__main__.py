@@ -1,5 +1,6 @@
 """``python -m bench``: the training-speed table (bench/table.py);
-``python -m bench train ...``: one configuration as one JSON object (bench/train.py).
+``python -m bench train ...``: one configuration as one JSON object (bench/train.py);
+``python -m bench moe-shapes ...``: the real-size MoE rows (bench/moe_shapes.py, issue 20).
 
 The micro-benchmarks run on their own: ``python -m bench.forward``, ``bench.dequant``,
 ``bench.moe_kernels``, ``bench.optim``, ``bench.data``.
@@ -15,6 +16,9 @@ def main(argv=None) -> None:
     if argv[:1] == ["train"]:
         from bench.train import main as train
         train(argv[1:])
+    elif argv[:1] == ["moe-shapes"]:
+        from bench.moe_shapes import main as moe_shapes
+        moe_shapes(argv[1:])
     else:
         from bench.table import main as table
         table(argv)
