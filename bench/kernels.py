@@ -5,7 +5,7 @@
                                                           then warm, then the twins
 
 Per-kernel rows: bench-dense's shapes (C 512, 8 heads / 4 kv heads of 64, FFN 1536) at --ctx
-tokens, and AdamW over bench-dense's 12.85 M parameters (full fine-tuning). Each figure is the
+tokens, GeGLU at Gemma 3 270M's (512 tokens, FFN 2048), and AdamW over bench-dense's 12.85 M parameters (full fine-tuning). Each figure is the
 median over --rounds rounds of the CPU time of one call on one engine thread (thread_time, so
 another process on a shared machine slows it less than wall time would); the twin and the
 compiled kernel take turns within each round.
@@ -35,7 +35,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def kernel_cases(ctx: int) -> dict:
-    from app.engine.kernels.activations import swiglu_backward, swiglu_forward
+    from app.engine.kernels.activations import (geglu_backward, geglu_forward, swiglu_backward,
+                                                swiglu_forward)
     from app.engine.kernels.attention import attention_backward, attention_forward, attention_mask
     from app.engine.kernels.norm import rmsnorm_backward, rmsnorm_forward
     from app.engine.kernels.rope import NORM, rope_angles, rope_backward, rope_forward
@@ -51,6 +52,8 @@ def kernel_cases(ctx: int) -> dict:
     _, norm_cache = rmsnorm_forward(x, w, 1e-5)
     _, rope_cache = rope_forward(q, cos, sin, 64, NORM)
     _, glu_cache = swiglu_forward(g, u)
+    gg, gu = (rng.standard_normal((512, 2048)).astype(f) for _ in range(2))
+    _, geglu_cache = geglu_forward(gg, gu, exact=True)
     attn_out, attn_cache = attention_forward(q, k, v, 0.125, mask)
     layer = [512 * 512, 256 * 512, 256 * 512, 512 * 512, 1536 * 512, 1536 * 512, 512 * 1536,
              512, 512]                                    # bench-dense: q k v o, FFN, norms
@@ -65,6 +68,8 @@ def kernel_cases(ctx: int) -> dict:
         "rope backward q": lambda: rope_backward(q, rope_cache),
         "swiglu forward (T, 1536)": lambda: swiglu_forward(g, u),
         "swiglu backward": lambda: swiglu_backward(g, glu_cache),
+        "geglu forward (512, 2048: Gemma 3)": lambda: geglu_forward(gg, gu, exact=True),
+        "geglu backward": lambda: geglu_backward(gg, geglu_cache),
         "attention forward (one layer)": lambda: attention_forward(q, k, v, 0.125, mask),
         "attention backward": lambda: attention_backward(attn_out, attn_cache),
         f"AdamW step, {sum(sizes) / 1e6:.2f} M params": lambda: opt.step(grads),

@@ -1,8 +1,9 @@
 """Gated activations: SwiGLU (silu(g) * u) and GeGLU with ggml's fp16 GELU table.
 
-On NumPy with compiled kernels on (app.engine.kernels.jit), SwiGLU forward and backward run one
-compiled pass per block of rows (app.engine.kernels.compiled_layers); the NumPy code here is
-their twin. GeGLU runs the NumPy code.
+On NumPy with compiled kernels on (app.engine.kernels.jit), SwiGLU and GeGLU with the exact GELU
+(the training path), forward and backward, run one compiled pass per block of rows
+(app.engine.kernels.compiled_layers); the NumPy code here is their twin. GeGLU with ggml's fp16
+table (inference) runs the NumPy code, bit-exact with llama.cpp's table as before.
 """
 
 from __future__ import annotations
@@ -117,6 +118,11 @@ def swiglu_backward(dout, cache):
     return dg, du
 
 
+def _gelu_constants(g):
+    """gelu_tanh's float32 constants in g's dtype, as NumPy promotes them."""
+    return g.dtype.type(_SQRT_2_OVER_PI), g.dtype.type(_GELU_COEF_A)
+
+
 def _flat_rows(*arrays) -> bool:
     """Are these C-contiguous, so that a block of rows flattens to a view?"""
     return all(a.flags.c_contiguous for a in arrays)
@@ -127,6 +133,11 @@ def geglu_forward(g, u, exact: bool = False):
     Cache: GegluCache."""
     xp = get_array_module(g)
     out = xp.empty_like(g)                               # (T, F)
+    if exact and compiled_layers.runs_on(g, u) and _flat_rows(g, u, out):
+        kernel, c, a = compiled_layers.kernels().geglu_forward, *_gelu_constants(g)
+        parallel_map(lambda r: kernel(g[r].reshape(-1), u[r].reshape(-1), c, a,
+                                      out[r].reshape(-1)), row_blocks(len(g)))
+        return out, GegluCache(g, u, exact)
 
     def rows(r: slice) -> None:
         xp.multiply(gelu_tanh(g[r]) if exact else gelu_ggml(g[r]), u[r], out=out[r])
@@ -145,6 +156,11 @@ def geglu_backward(dout, cache):
     g, u, exact = cache.g, cache.u, cache.exact
     xp = get_array_module(g)
     dg, du = xp.empty_like(g), xp.empty_like(g)          # (T, F)
+    if exact and compiled_layers.runs_on(dout, g, u) and _flat_rows(dout, g, u, dg, du):
+        kernel, c, a = compiled_layers.kernels().geglu_backward, *_gelu_constants(g)
+        parallel_map(lambda r: kernel(*(x[r].reshape(-1) for x in (dout, g, u)), c, a,
+                                      dg[r].reshape(-1), du[r].reshape(-1)), row_blocks(len(g)))
+        return dg, du
 
     def rows(r: slice) -> None:
         xp.multiply(dout[r], gelu_tanh(g[r]) if exact else gelu_ggml(g[r]), out=du[r])

@@ -9,12 +9,13 @@ makes one per operation; the twins stay the reference:
   mean(g x)), and the weight gradient is summed in float32 within fixed blocks of rows, then
   over the blocks in order (the twin: one float32 sum over all rows). The tests hold both to the
   float32 bound of those sums.
-* Softmax and SwiGLU: float32 exp is `exp32` below, Cephes' expf (a degree-6 polynomial after
+* Softmax, SwiGLU and GeGLU's exact (tanh) GELU: float32 exp is `exp32` below, Cephes' expf (a degree-6 polynomial after
   reduction by ln 2, within 2 ulp of exp), written so that LLVM vectorizes it: Numba's own
   np.exp on float32 is a scalar libm call (no SVML here), which made a compiled SwiGLU 2.5x
   slower than NumPy's vectorized exp. NumPy's exp is itself within an ulp or so, so these
   kernels and their twins agree to the float32 bound of the operation, not bit for bit.
-  float64 arrays (the gradient checks) use np.exp.
+  tanh is 1 - 2 / (exp(2x) + 1). float64 arrays (the gradient checks) use np.exp and np.tanh.
+  GeGLU's inference path (ggml's fp16 table) stays on the NumPy code.
 Rows are (n, C) C-contiguous arrays; the callers split them into row blocks for the engine's
 threads (the kernels release the GIL). Compiled on first use (and cached on disk), so importing
 this module does not import Numba.
@@ -43,7 +44,8 @@ EXP_LO, EXP_HI = -87.33654, 88.72283    # float32 exp underflows to 0 below, ove
 @lru_cache(maxsize=None)
 def kernels() -> SimpleNamespace:
     """The compiled kernels: rmsnorm_forward, rmsnorm_backward, rope, softmax_forward,
-    softmax_probs, softmax_dscores, swiglu_forward, swiglu_backward."""
+    softmax_probs, softmax_dscores, swiglu_forward, swiglu_backward, geglu_forward (exact
+    GELU), geglu_backward."""
     from numba.cpython.unsafe.numbers import viewer
     from numba.core import types
     from numba.extending import overload
@@ -77,6 +79,16 @@ def kernels() -> SimpleNamespace:
         if x == types.float32:
             return lambda x: exp32(x)
         return lambda x: np.exp(x)
+
+    def ftanh(x):
+        """1 - 2 / (exp32(2x) + 1) on float32 (within a few ulp of 1 in absolute terms, which
+        is what GELU's 1 + tanh needs), np.tanh on float64."""
+
+    @overload(ftanh, jit_options=dict(inline="always"))
+    def _ftanh(x):
+        if x == types.float32:
+            return lambda x: f32(1.0) - f32(2.0) / (exp32(f32(2.0) * x) + f32(1.0))
+        return lambda x: np.tanh(x)
 
     @jit.njit(inline="always")
     def sum8(a):
@@ -223,7 +235,30 @@ def kernels() -> SimpleNamespace:
             du[i] = (dout[i] * g[i]) * s
             dg[i] = ((dout[i] * u[i]) * s) * (one + g[i] * (one - s))
 
+    @jit.njit()
+    def geglu_forward(g, u, c, a, out):
+        """g, u, out: (n,) -> out = gelu_tanh(g) u, with the twin's constants c = sqrt(2/pi),
+        a = 0.044715 in g's dtype."""
+        half, one = g.dtype.type(0.5), g.dtype.type(1.0)
+        for i in range(g.size):
+            x = g[i]
+            out[i] = ((half * x) * (one + ftanh((c * x) * (one + (a * x) * x)))) * u[i]
+
+    @jit.njit()
+    def geglu_backward(dout, g, u, c, a, dg, du):
+        """(n,) each: du = dout gelu_tanh(g), dg = dout u gelu_tanh'(g)."""
+        half, one, three = g.dtype.type(0.5), g.dtype.type(1.0), g.dtype.type(3.0)
+        for i in range(g.size):
+            x = g[i]
+            x2 = x * x
+            t = ftanh((c * x) * (one + a * x2))
+            du[i] = dout[i] * ((half * x) * (one + t))
+            dinner = c * (one + (three * a) * x2)
+            grad = half * (one + t) + (((half * x) * (one - t * t)) * dinner)
+            dg[i] = (dout[i] * u[i]) * grad
+
     return SimpleNamespace(rmsnorm_forward=rmsnorm_forward, rmsnorm_backward=rmsnorm_backward,
                            rope=rope, softmax_forward=softmax_forward,
                            softmax_probs=softmax_probs, softmax_dscores=softmax_dscores,
-                           swiglu_forward=swiglu_forward, swiglu_backward=swiglu_backward)
+                           swiglu_forward=swiglu_forward, swiglu_backward=swiglu_backward,
+                           geglu_forward=geglu_forward, geglu_backward=geglu_backward)

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from app.engine.kernels import compiled_layers, jit
-from app.engine.kernels.activations import swiglu_backward, swiglu_forward
+from app.engine.kernels.activations import (geglu_backward, geglu_forward, gelu_tanh,
+                                            gelu_tanh_grad, swiglu_backward, swiglu_forward)
 from app.engine.kernels.attention import attention_backward, attention_forward, attention_mask
 from app.engine.kernels.norm import rmsnorm_backward, rmsnorm_forward
 from app.engine.kernels.rope import NEOX, NORM, rope_angles, rope_backward, rope_forward
@@ -129,6 +130,32 @@ def test_swiglu_within_the_float32_bound(monkeypatch):
         dg_exact = d64 * u64 * s64 * (1.0 + g64 * (1.0 - s64))
         assert_within_gamma(dg, dg_exact, np.abs(d64 * u64 * s64) * (1.0 + 2.0 * np.abs(g64)),
                             10, "dg")
+
+
+def test_geglu_exact_within_the_float32_bound(monkeypatch):
+    """tanh is held to its absolute error (GELU uses 1 + tanh): each result to a few roundings
+    of |x| times its other factors."""
+    rng = np.random.default_rng(6)
+    g, u, dout = ((rng.standard_normal((67, 40)) * 4).astype(np.float32) for _ in range(3))
+    g64, u64, d64 = as64(g, u, dout)
+    gelu, grad = gelu_tanh(g64), gelu_tanh_grad(g64)
+
+    def run():
+        out, cache = geglu_forward(g, u, exact=True)
+        return (out, *geglu_backward(dout, cache))
+    for out, dg, du in both(monkeypatch, run):
+        assert_within_gamma(out, gelu * u64, np.abs(g64 * u64), 8, "out")
+        assert_within_gamma(du, d64 * gelu, np.abs(d64 * g64), 8, "du")
+        assert_within_gamma(dg, d64 * u64 * grad, np.abs(d64 * u64) * (1.0 + 2.0 * g64 ** 2),
+                            10, "dg")
+
+
+def test_geglu_table_path_stays_bit_exact_with_the_twin(monkeypatch):
+    """Inference's fp16-table GELU runs the NumPy code either way."""
+    rng = np.random.default_rng(7)
+    g, u = ((rng.standard_normal((33, 24)) * 4).astype(np.float32) for _ in range(2))
+    twin, got = both(monkeypatch, lambda: geglu_forward(g, u)[0])
+    np.testing.assert_array_equal(bits(got), bits(twin))
 
 
 @pytest.mark.parametrize("tq,h,hkv,window", [(200, 4, 2, 0), (150, 2, 1, 40)])
