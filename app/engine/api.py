@@ -13,6 +13,7 @@ from app.engine.data.lint import LintReport, lint_file
 from app.engine.errors import ConfigError, EngineError
 from app.engine.export.exporter import (ExportTargetExists, export, source_from_adapter,
                                         source_from_run)
+from app.engine.export.evaluate import compare_perplexity  # perplexity as llama-perplexity
 from app.engine.model.card import (ModelCard, describe_model, human_bytes, human_count,
                                    lora_param_count)
 from app.engine.model.lora import TARGET_GROUPS, load_adapter
@@ -54,4 +55,5 @@ __all__ = [
     "LintReport", "lint_file", "TrainingMemory", "estimate_memory", "gpu_available",
     # export
     "ExportTargetExists", "export", "source_from_adapter", "source_from_run",
+    "compare_perplexity",
 ]

@@ -6,6 +6,8 @@ scale, destination. The export runs off the GUI thread (`app.engine.export.expor
 verification report is shown check by check, flagged in red when a check failed, with the
 command that loads the result. An export that would replace an existing output asks first;
 one whose output is one of its inputs is refused (the engine's rule, in the error panel).
+Perplexity on a text file (chunked as llama-perplexity) compares the base model, base +
+adapter and the last merged export (`compare_perplexity`), off the GUI thread too.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ from PySide6.QtGui import QDesktopServices
 from PySide6.QtWidgets import (QAbstractItemView, QCheckBox, QComboBox, QDoubleSpinBox,
                                QFileDialog, QGridLayout, QHBoxLayout, QHeaderView, QLabel,
                                QLineEdit, QMessageBox, QPlainTextEdit, QProgressBar,
-                               QPushButton, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
+                               QPushButton, QSpinBox, QTableWidget, QTableWidgetItem, QVBoxLayout,
+                               QWidget)
 
-from app.engine.api import (ConfigError, ExportTargetExists, RunDir, export, source_from_adapter,
-                            source_from_run)
+from app.engine.api import (ConfigError, ExportTargetExists, RunDir, compare_perplexity, export,
+                            source_from_adapter, source_from_run)
 from app.views.context import AppContext, Background
 from app.views.error_panel import ErrorPanel
 from app.views.run_best import FINAL, checkpoint_choices, choice_step
@@ -33,13 +36,13 @@ FORMAT_LABELS = {"gguf-lora": "GGUF LoRA adapter (llama.cpp --lora)",
                  "peft": "PEFT adapter (Hugging Face safetensors)",
                  "ollama": "Ollama (Modelfile + adapter)"}
 TYPES = {"gguf-lora": ("f32", "f16", "bf16", "q8_0"), "peft": ("f32", "f16"),
-         "ollama": ("f32", "f16", "bf16", "q8_0"), "merged": ()}
+         "ollama": ("f32", "f16", "bf16", "q8_0"), "merged": ("f16", "f32", "bf16", "q8_0")}
 NEWEST = "newest"                  # no choice listed (no checkpoint yet): the newest one
 MARKS = {True: "\u2713 ok", False: "\u2717 FAILED", None: "\u2013 skipped"}
 
 
-def do_export(spec: dict):
-    """Build the export source from `spec` and export it (runs in a worker thread)."""
+def export_source(spec: dict):
+    """The ExportSource `spec` names (in a worker thread: it reads the checkpoint)."""
     if spec["source"] == "run":
         run, which = spec["run_dir"], spec["checkpoint"]
         if which == FINAL:
@@ -51,9 +54,27 @@ def do_export(spec: dict):
                                      else choice_step(run, which))
     else:
         source = source_from_adapter(spec["adapter"], spec["model"])
-    return export(source, spec["format"], spec["out"] or None, adapter_type=spec["type"],
-                  fallback_type=spec["fallback"], scale=spec["scale"],
+    return source
+
+
+def do_export(spec: dict):
+    """Build the export source from `spec` and export it (runs in a worker thread)."""
+    return export(export_source(spec), spec["format"], spec["out"] or None,
+                  adapter_type=spec["type"], scale=spec["scale"],
                   llamacpp=None if spec["llamacpp"] else False, overwrite=spec["overwrite"])
+
+
+def do_perplexity(spec: dict, text: str, n_ctx: int, merged: str | None):
+    """Perplexity of base, base + adapter and the merged export (runs in a worker thread)."""
+    return compare_perplexity(export_source(spec), text, n_ctx, merged)
+
+
+def merged_path(report) -> str | None:
+    """The merged model an export wrote, if any (a merged export, or Ollama's model.gguf)."""
+    if report is None or report.format not in ("merged", "ollama"):
+        return None
+    model = report.path if report.format == "merged" else os.path.join(report.path, "model.gguf")
+    return model if model in report.files else None
 
 
 def usage_command(report, model_path: str) -> str:
@@ -103,9 +124,6 @@ class ExportView(QWidget):
         for key, label in FORMAT_LABELS.items():
             self.format_box.addItem(label, key)
         self.type_box = QComboBox()
-        self.fallback_box = QComboBox()
-        for t in ("q8_0", "f16", "bf16"):
-            self.fallback_box.addItem(t, t)
         self.scale = QDoubleSpinBox(minimum=0.01, maximum=10, value=1.0, decimals=2,
                                     singleStep=0.1)
         self.out_field = QLineEdit()
@@ -132,6 +150,18 @@ class ExportView(QWidget):
         self.report_text.setMaximumHeight(130)
         self.open_folder = QPushButton("Open folder")
         self.open_folder.setEnabled(False)
+        self.text_field = QLineEdit(placeholderText="a UTF-8 text file (not training data)")
+        self.text_field.setToolTip("Perplexity on this text, chunked as llama-perplexity -c N "
+                                   "does (workbench eval): base, base + adapter, merged.")
+        self._text_browse = QPushButton("Browse\u2026")
+        self.ctx_box = QSpinBox(minimum=16, maximum=32768, value=512, singleStep=64,
+                                prefix="ctx ")
+        self.ctx_box.setToolTip("Tokens per chunk (llama-perplexity -c); the second half of "
+                                "each chunk is scored.")
+        self.eval_button = QPushButton("Perplexity")
+        self.eval_button.setToolTip("Measure base, base + adapter and the last merged export on "
+                                    "the text (a few seconds per chunk on a small model).")
+        self.eval_label = QLabel(textFormat=Qt.PlainText, wordWrap=True)
 
     def _layout(self) -> None:
         g = QGridLayout()
@@ -141,7 +171,7 @@ class ExportView(QWidget):
                 ("Adapter", [self.adapter_field, self._adapter_browse]),
                 ("Base model", [self.model_field, self._model_browse]),
                 ("Format", [self.format_box]), ("Tensor type", [self.type_box]),
-                ("Fallback type", [self.fallback_box]), ("Scale", [self.scale]),
+                ("Scale", [self.scale]),
                 ("Destination", [self.out_field, self._out_browse]), ("", [self.llamacpp_box])]
         self._rows: dict[str, list[QWidget]] = {}
         for r, (label, widgets) in enumerate(rows):
@@ -174,6 +204,14 @@ class ExportView(QWidget):
         layout.addLayout(head)
         layout.addWidget(self.checks_table, 1)
         layout.addWidget(self.report_text)
+        evaluate = QHBoxLayout()
+        evaluate.addWidget(QLabel("Evaluate on", objectName="formLabel"))
+        evaluate.addWidget(self.text_field, 1)
+        evaluate.addWidget(self._text_browse)
+        evaluate.addWidget(self.ctx_box)
+        evaluate.addWidget(self.eval_button)
+        layout.addLayout(evaluate)
+        layout.addWidget(self.eval_label)
 
     def _connect(self) -> None:
         self.source_box.currentIndexChanged.connect(self._update_fields)
@@ -185,6 +223,8 @@ class ExportView(QWidget):
         self._out_browse.clicked.connect(self._browse_out)
         self.export_button.clicked.connect(self.start_export)
         self.open_folder.clicked.connect(self._open_folder)
+        self._text_browse.clicked.connect(self._browse_text)
+        self.eval_button.clicked.connect(self.start_perplexity)
         self.ctx.run_selected.connect(self.follow_run)
         self.ctx.model_selected.connect(
             lambda p: self.model_field.text() or self.model_field.setText(p))
@@ -222,8 +262,7 @@ class ExportView(QWidget):
         from_run = self.source_box.currentData() == "run"
         for label, visible in (("Run", from_run), ("Checkpoint", from_run),
                                ("Adapter", not from_run), ("Base model", not from_run),
-                               ("Tensor type", bool(TYPES[fmt])),
-                               ("Fallback type", fmt in ("merged", "ollama"))):
+                               ("Tensor type", bool(TYPES[fmt]))):
             for w in self._rows[label]:
                 w.setVisible(visible)
         current = self.type_box.currentData()
@@ -249,8 +288,7 @@ class ExportView(QWidget):
                 "adapter": os.path.expanduser(self.adapter_field.text().strip()),
                 "model": os.path.expanduser(self.model_field.text().strip()),
                 "format": self.format_box.currentData(),
-                "type": self.type_box.currentData() or "f32",
-                "fallback": self.fallback_box.currentData(), "scale": self.scale.value(),
+                "type": self.type_box.currentData() or "f32", "scale": self.scale.value(),
                 "out": os.path.expanduser(self.out_field.text().strip()),
                 "llamacpp": self.llamacpp_box.isChecked(), "overwrite": False}
 
@@ -344,6 +382,34 @@ class ExportView(QWidget):
                         f"{report.path}")
         self.export_finished.emit(report)
 
+    # ---------------------------------------------------------------- perplexity
+    def start_perplexity(self) -> None:
+        spec, text = self.spec(), os.path.expanduser(self.text_field.text().strip())
+        self.error_panel.hide()
+        if not text:
+            self.error_panel.present("Cannot evaluate yet", ConfigError(
+                "Choose a text file to measure perplexity on.", "Use text the run did not "
+                "train on, e.g. a held-out part of your data as plain text."))
+            return
+        self.eval_button.setEnabled(False)
+        self.eval_label.setText("Measuring perplexity\u2026")
+        self._bg.run("perplexity", do_perplexity, spec, text, self.ctx_box.value(),
+                     merged_path(self.report), on_done=self._on_perplexity,
+                     on_error=self._on_perplexity_error)
+
+    def _on_perplexity(self, results: dict) -> None:
+        self.eval_button.setEnabled(True)
+        first = next(iter(results.values()))
+        self.eval_label.setText(
+            "  \u00b7  ".join(f"{label}: PPL {r.ppl:.4f}" for label, r in results.items())
+            + f"   ({first.n_chunks} chunks of {first.n_ctx} tokens, {first.n_scored} scored, "
+              "as llama-perplexity)")
+
+    def _on_perplexity_error(self, error: BaseException) -> None:
+        self.eval_button.setEnabled(True)
+        self.eval_label.setText("")
+        self.error_panel.present("Perplexity failed", error)
+
     def failed_checks(self) -> list[str]:
         return [c.name for c in self.report.failed] if self.report is not None else []
 
@@ -353,6 +419,12 @@ class ExportView(QWidget):
                                               "GGUF (*.gguf);;All files (*)")
         if path:
             field.setText(path)
+
+    def _browse_text(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Text to evaluate on", self.text_field.text(),
+                                              "Text (*.txt);;All files (*)")
+        if path:
+            self.text_field.setText(path)
 
     def _browse_out(self) -> None:
         fmt = self.format_box.currentData()

@@ -123,3 +123,18 @@ def perplexity(model, text_path: str | os.PathLike, n_ctx: int, adapter=None,
 def mean_nll(logits: np.ndarray, tokens: Sequence[int]) -> float:
     """Mean NLL of tokens[1:] given the logits of tokens[:-1] (every position scored)."""
     return float(token_nlls(logits[:-1], tokens[1:]).mean())
+
+
+def compare_perplexity(source, text_path: str | os.PathLike, n_ctx: int,
+                       merged_path: str | os.PathLike | None = None) -> dict[str, Perplexity]:
+    """Perplexity of the base model, base + adapter (an ExportSource's) and a merged export on
+    one text, chunked as llama-perplexity: what the Export view shows side by side."""
+    from app.engine.model.transformer import load_model
+
+    model = load_model(source.model_path)
+    out = {"base": perplexity(model, text_path, n_ctx)}
+    if source.adapter is not None and not source.full:
+        out["base + adapter"] = perplexity(model, text_path, n_ctx, source.adapter)
+    if merged_path:
+        out["merged"] = perplexity(load_model(merged_path), text_path, n_ctx)
+    return out
