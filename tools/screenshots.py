@@ -2,10 +2,14 @@
 
     QT_QPA_PLATFORM=offscreen python -m tools.screenshots docs/screenshots
 
+Every screen is taken at each `--size` (default 1280x800 and 1920x1080): the first size's files
+have the plain names the docs use (`monitor.png`), the others a suffix with their width
+(`monitor-1920.png`).
+
 Opens the window on a private queue, runs folder and settings (nothing of the user's is
 touched), with the bundled sample model and dataset; shoots the New run tabs; starts a short
 real run in a real worker process; shoots Monitor and Experts when it has finished; exports a
-GGUF adapter and generates in the Playground; shoots those. Then the GRPO addition demo: its
+GGUF adapter and chats two turns in the Playground; shoots those. Then the GRPO addition demo: its
 New run tabs, a real 40-step run, Monitor's Rewards and Completions pages; then Runs (both
 runs) and an error. The worker it started is stopped at the end.
 """
@@ -21,14 +25,23 @@ from pathlib import Path
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
-SIZE = (1280, 820)
+SIZES = ((1280, 800), (1920, 1080))
+
+
+def parse_size(text: str) -> tuple[int, int]:
+    width, _, height = text.lower().partition("x")
+    return int(width), int(height)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", help="folder for the PNG files")
     parser.add_argument("--epochs", type=int, default=1, help="epochs of the sample run")
+    parser.add_argument("--size", type=parse_size, action="append", metavar="WxH",
+                        help="window size, repeatable; the first names the files plainly "
+                             "(default: 1280x800 and 1920x1080)")
     args = parser.parse_args(argv)
+    sizes = args.size or list(SIZES)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -53,17 +66,20 @@ def main(argv: list[str] | None = None) -> int:
             QThread.msleep(20)
 
     def shoot(name: str, settle: float = 0.4) -> None:
-        pump(settle)
-        path = out / f"{name}.png"
-        window.grab().save(str(path))
-        print(f"wrote {path}")
+        for i, size in enumerate(sizes):
+            window.resize(*size)
+            pump(settle)
+            path = out / (f"{name}.png" if i == 0 else f"{name}-{size[0]}.png")
+            window.grab().save(str(path))
+            print(f"wrote {path}")
+        window.resize(*sizes[0])
 
     with tempfile.TemporaryDirectory(prefix="workbench-shots-") as tmp:
         settings = QSettings(os.path.join(tmp, "settings.ini"), QSettings.IniFormat)
         window = build_window(settings, os.path.join(tmp, "queue.sqlite3"),
                               os.path.join(tmp, "runs"))
         ctx = window.ctx
-        window.resize(*SIZE)
+        window.resize(*sizes[0])
         window.show()
         new_run = window.new_run
         wait(lambda: new_run.card is not None and new_run.dataset.report is not None
@@ -105,10 +121,11 @@ def main(argv: list[str] | None = None) -> int:
 
             window.show_screen("playground")
             play = window.screen("playground")
-            play.prompt.setPlainText("Tell me a story about Ben.")
-            play.max_tokens.setValue(48)
-            play.generate()
-            wait(lambda: not play.is_generating(), "the generation")
+            play.max_tokens.setValue(40)
+            for message in ("Tell me a story about Ben.", "And what did Ben do next?"):
+                play.message.setPlainText(message)
+                play.send()
+                wait(lambda: not play.is_generating(), "the answer")
             shoot("playground")
 
             window.show_screen("new_run")

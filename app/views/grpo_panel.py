@@ -26,6 +26,7 @@ from app.views.context import Background, sample_dataset_path, sample_model_path
 from app.views.dataset_panel import fill_preview, make_table, read_preview, titled
 from app.views.form_fields import FormBase, combo, dspin, field_value, set_field, spin
 from app.views.reward_editor import RewardEditor
+from app.views.tooltips import GRPO_TIPS
 
 ADVANTAGES = (("group-std", "group mean and std (GRPO)"), ("no-std", "group mean only (Dr. GRPO)"),
               ("batch-std", "group mean, batch std"))
@@ -63,25 +64,19 @@ class SamplingForm(FormBase):
         self.needs_answer = True
         g = GrpoConfig(model="", prompts="")
         grid = self._group("Sampling and advantages")
-        for key, label, widget, tip in (
-                ("group_size", "Group size", spin(2, 1024, g.group_size),
-                 "Completions sampled per prompt; their rewards are compared with each other"),
-                ("prompts_per_step", "Prompts per step", spin(1, 4096, g.prompts_per_step), ""),
-                ("temperature", "Temperature", dspin(0, 5, g.temperature, 2, 0.1), ""),
-                ("top_p", "Top-p", dspin(0.01, 1, g.top_p, 2, 0.05), "Nucleus sampling"),
-                ("max_new_tokens", "Max new tokens", spin(1, 1 << 16, g.max_new_tokens),
-                 "Tokens per completion, the end-of-turn token included"),
-                ("advantage", "Advantage", combo(ADVANTAGES),
-                 "How rewards become advantages within each group"),
-                ("kl", "KL penalty (beta)", dspin(0, 10, g.kl, 3, 0.01),
-                 "Keeps the adapter close to the base model (0: off)"),
-                ("answer_field", "Answer field", QLineEdit(g.answer_field),
-                 "The prompt rows' field the exact and numeric rewards compare with"),
+        for key, label, widget in (
+                ("group_size", "Group size", spin(2, 1024, g.group_size)),
+                ("prompts_per_step", "Prompts per step", spin(1, 4096, g.prompts_per_step)),
+                ("temperature", "Temperature", dspin(0, 5, g.temperature, 2, 0.1)),
+                ("top_p", "Top-p", dspin(0.01, 1, g.top_p, 2, 0.05)),
+                ("max_new_tokens", "Max new tokens", spin(1, 1 << 16, g.max_new_tokens)),
+                ("advantage", "Advantage", combo(ADVANTAGES)),
+                ("kl", "KL penalty (beta)", dspin(0, 10, g.kl, 3, 0.01)),
+                ("answer_field", "Answer field", QLineEdit(g.answer_field)),
                 ("samples_every", "Show completions every", spin(0, 10**6, g.samples_every,
-                                                                 "never"),
-                 "Steps between the sampled completions shown in Monitor")):
+                                                                 "never"))):
             self._row(grid, key, label, widget)
-            widget.setToolTip(tip)
+        self.set_tooltips({k: v for k, v in GRPO_TIPS.items() if k in self.fields})
         self.fields["samples_every"].setSuffix(" steps")
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
@@ -123,7 +118,7 @@ class GrpoPanel(QWidget):
         self.rows: int | None = None                 # non-blank lines of the prompt file
         self._bg = Background(self)
         self.path_field = QLineEdit(placeholderText="Path to a .jsonl file of prompts",
-                                    clearButtonEnabled=True)
+                                    clearButtonEnabled=True, toolTip=GRPO_TIPS["prompts"])
         self.path_field.editingFinished.connect(
             lambda: self.set_prompts_path(self.prompts_path()))
         browse = QPushButton("Choose prompts\u2026", clicked=self.choose)

@@ -1,18 +1,20 @@
 """The checkpoints a run keeps, and which of them is its best.
 
-A supervised run's best is its last evaluation marked `"best": true` (the lowest validation
-loss so far); a GRPO run's, the evaluation with the highest held-out reward. Playground and
-Export offer the kept checkpoints with the best one first (`checkpoint_choices`), Monitor marks
-its step on the curve and Runs shows it (`BestTracker`, which reads only the new events).
+A supervised run's best is its lowest validation loss, a GRPO run's its highest held-out
+reward. Playground and Export offer the kept checkpoints with the best one first, as the engine
+recorded it (`best_checkpoint`; `checkpoint_choices`); Monitor marks the best evaluation's step
+on the curve and Runs shows it, from the eval events (`better`; `BestTracker` reads only the
+new events).
 """
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.engine.api import GRPO, EngineError, RunDir
+from app.engine.api import GRPO, EngineError, RunDir, best_checkpoint
 
 BEST, FINAL = "best", "final"          # checkpoint choices besides a step number
 
@@ -38,21 +40,17 @@ def better(event: dict, kind: str, best: Best | None) -> Best | None:
     return best
 
 
-def best_of(events: list[dict], kind: str) -> Best | None:
-    best = None
-    for event in events:
-        if event.get("type") == "eval":
-            best = better(event, kind, best)
-    return best
-
-
 def run_best(run_dir: str) -> Best | None:
-    """The best evaluation of the run at `run_dir` (None: no evaluation, or unreadable)."""
+    """The run's best kept checkpoint (None: no evaluation made one, or unreadable)."""
     try:
-        run = RunDir(run_dir)
-        return best_of(run.metrics(), str(run.config().get("kind", "sft")))
+        found = best_checkpoint(run_dir)
+        grpo = found is not None and RunDir(run_dir).config().get("kind") == GRPO.name
     except EngineError:
         return None
+    if found is None:
+        return None
+    step, _, value = found
+    return Best(step, value, "held-out reward" if grpo else "validation")
 
 
 def kept_checkpoints(run_dir: str) -> list[int]:
@@ -95,8 +93,9 @@ def choice_step(run_dir: str, choice: str) -> int | None:
 
 
 class BestTracker:
-    """Each run's best so far and the time of its first event, reading only the events
-    appended since the last call."""
+    """Each run's best so far and the time of its first event. Only the lines appended since
+    the last call are read, and only eval events are parsed: a long run's metrics.jsonl holds
+    megabytes of steps, and parsing them in the reader thread would hold up the GUI thread."""
 
     def __init__(self):
         self._seen: dict[str, tuple[int, Best | None, float | None]] = {}
@@ -106,13 +105,31 @@ class BestTracker:
         key = str(run.path)
         offset, best, started = self._seen.get(key, (0, None, None))
         try:
-            events, offset = run.read_metrics(offset)
-        except EngineError:
+            with open(run.metrics_path, "rb") as f:
+                f.seek(offset)
+                data = f.read()
+        except OSError:
             return best, started
-        for event in events:
-            if started is None and isinstance(event.get("time"), (int, float)):
-                started = float(event["time"])
+        end = data.rfind(b"\n") + 1                    # complete lines only
+        lines = data[:end].splitlines()
+        if started is None and lines:
+            started = _number(lines[0], "time")
+        for line in lines:
+            event = _event(line) if b'"eval"' in line else {}
             if event.get("type") == "eval":
                 best = better(event, kind, best)
-        self._seen[key] = (offset, best, started)
+        self._seen[key] = (offset + end, best, started)
         return best, started
+
+
+def _event(line: bytes) -> dict:
+    try:
+        event = json.loads(line)
+    except ValueError:
+        return {}
+    return event if isinstance(event, dict) else {}
+
+
+def _number(line: bytes, key: str) -> float | None:
+    value = _event(line).get(key)
+    return float(value) if isinstance(value, (int, float)) else None

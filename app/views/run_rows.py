@@ -1,6 +1,8 @@
 """What the Runs screen lists: one `RunRow` per run directory, gathered off the GUI thread.
 
-`collect_runs(queue, runs_root)` reads the queue's jobs, the runs folder and each run's
+`collect_runs(queue, runs_root, registered)` reads the queue's jobs, the runs folder, the
+registered runs (`registered_runs`: made by the window, the CLI or Python, wherever their folder
+is; `Registered` re-reads that list every REGISTRY_S seconds) and each run's
 status.json (a GRPO run's latest mean reward included) and its new events (the best evaluation,
 when it started); config.json is re-read only when it changed. A listed folder that is gone
 shows as "missing".
@@ -12,11 +14,25 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from app.engine.api import GRPO, SFT, EngineError, Job, RunDir, list_runs
+from app.engine.api import GRPO, SFT, EngineError, Job, RunDir, list_runs, registered_runs
 from app.views.run_best import Best, BestTracker
 
 REQUESTED = {"pause": "pausing\u2026", "cancel": "cancelling\u2026"}
 STALE_S = 300            # a terminal run whose status has not changed for this long: stalled?
+REGISTRY_S = 10.0        # how often the list of registered runs is read again
+
+
+class Registered:
+    """The paths of the registered runs, read again when older than REGISTRY_S."""
+
+    def __init__(self):
+        self._read_at, self._paths = float("-inf"), []
+
+    def __call__(self) -> list[str]:
+        if time.monotonic() - self._read_at > REGISTRY_S:
+            self._paths = [str(e.path) for e in registered_runs()]
+            self._read_at = time.monotonic()
+        return self._paths
 
 
 @dataclass
@@ -108,10 +124,11 @@ def _read_row(path: str, job: Job | None) -> RunRow:
             state == "running" and updated > 0 and time.time() - updated > STALE_S)))
 
 
-def collect_runs(queue, runs_root) -> list[RunRow]:
+def collect_runs(queue, runs_root, registered: list[str]) -> list[RunRow]:
     """Rows for the queue's jobs (the newest job of each run directory; running and pending
-    ones first, in queue order) and the runs under `runs_root` that are not in the queue
-    (most recently updated first, with the finished jobs)."""
+    ones first, in queue order), then the runs under `runs_root` and the `registered` run
+    directories that are not in the queue (most recently updated first, with the finished
+    jobs; missing folders last)."""
     try:
         jobs = queue.list()
     except EngineError:
@@ -123,8 +140,8 @@ def collect_runs(queue, runs_root) -> list[RunRow]:
             newest[key] = job
     rows = [_read_row(path, job) for path, job in newest.items()]
     known = set(newest)
-    rows += [_read_row(str(r.path), None) for r in list_runs(runs_root)
-             if str(r.path) not in known]
+    paths = [str(r.path) for r in list_runs(runs_root)] + registered
+    rows += [_read_row(path, None) for path in dict.fromkeys(paths) if path not in known]
     order = {job.id: i for i, job in enumerate(jobs)}
     active = [r for r in rows if r.job is not None and r.job.state in ("running", "queued",
                                                                        "paused")]

@@ -25,7 +25,7 @@ from PySide6.QtWidgets import (QAbstractItemView, QHBoxLayout, QHeaderView, QLab
 
 from app.engine.api import KINDS, ConfigError, EngineError, JobStateError, RunDir
 from app.views.error_panel import BUG_HINT, ErrorPanel
-from app.views.run_rows import RunRow, collect_runs
+from app.views.run_rows import Registered, RunRow, collect_runs
 from app.views.run_tail import BackgroundPoll, clock
 
 COLUMNS = ("Run", "Type", "Model", "Dataset", "Created", "Duration", "Steps", "Best", "Status")
@@ -138,6 +138,7 @@ class RunsView(QWidget):
         layout.addWidget(self.error_panel)
 
         self._refreshed_at = 0.0
+        self._registered = Registered()
         self.poll = BackgroundPoll(self._collect, 1000, self)
         self.poll.result.connect(self._on_polled)
         ctx.runs_changed.connect(self.refresh)
@@ -149,10 +150,11 @@ class RunsView(QWidget):
     def refresh(self) -> None:
         """Re-read the queue and the runs folder now (on this thread)."""
         self._refreshed_at = time.monotonic()
-        self._apply(collect_runs(self.ctx.queue, self.ctx.runs_root()))
+        self._apply(collect_runs(self.ctx.queue, self.ctx.runs_root(), self._registered()))
 
     def _collect(self) -> tuple[float, list]:                 # in the reader thread
-        return time.monotonic(), collect_runs(self.ctx.queue, self.ctx.runs_root())
+        return time.monotonic(), collect_runs(self.ctx.queue, self.ctx.runs_root(),
+                                              self._registered())
 
     def _on_polled(self, result: tuple) -> None:
         started, rows = result

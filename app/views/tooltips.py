@@ -154,3 +154,25 @@ PLAYGROUND_TIPS = {
                          "a system message in --chat"),
     "message": tip("Your next message (Ctrl+Enter sends it).", "", "--prompt"),
 }
+
+# New run's GRPO sampling fields (app.views.grpo_panel.SamplingForm), by key
+GRPO_TIPS = {
+    "prompts": tip("The JSONL file of prompts ({\"messages\": [...]} or {\"prompt\": ...}, with "
+                   "the reference in \"answer\").", "a .jsonl file", "--prompts"),
+    "group_size": tip("Completions sampled per prompt; their rewards are compared with each "
+                      "other.", "4-16", "--group-size / -G"),
+    "prompts_per_step": tip("Prompts per optimizer step.", "4-8", "--prompts-per-step / -P"),
+    "temperature": tip("Sampling randomness; at 0 every completion of a prompt is the same and "
+                       "nothing is learned.", "0.7-1.0", "--temperature"),
+    "top_p": tip("Nucleus sampling: only the likeliest tokens making up this share.", "0.9-1",
+                 "--top-p"),
+    "max_new_tokens": tip("Tokens per completion, the end-of-turn token included.", "16-256",
+                          "--max-new-tokens / -n"),
+    "advantage": tip("How rewards become advantages within each group.", "group-std (GRPO)",
+                     "--advantage"),
+    "kl": tip("Keeps the adapter close to the base model (0: off).", "0-0.1", "--kl"),
+    "answer_field": tip("The prompt rows' field the exact and numeric rewards compare with.",
+                        "answer", "--answer-field"),
+    "samples_every": tip("Steps between the sampled completions shown in Monitor.", "5-20",
+                         "--samples-every"),
+}

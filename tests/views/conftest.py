@@ -31,18 +31,33 @@ def settings(tmp_path):
 
 
 @pytest.fixture
-def ctx(tmp_path, settings, qapp):
-    """An AppContext on a private queue and runs folder; `ensure_worker` is recorded, not run
-    (tests that want the real worker process use `real_worker_ctx`)."""
+def ctx(tmp_path, settings, qapp, monkeypatch):
+    """An AppContext on a private queue and runs folder (and list of registered runs, kept
+    beside the queue); `ensure_worker` is recorded, not run (tests that want the real worker
+    process use `real_worker_ctx`)."""
     from app.engine.runs.queue import JobQueue
     from app.views.context import AppContext
 
+    monkeypatch.setenv("WORKBENCH_QUEUE", str(tmp_path / "queue.sqlite3"))
     (tmp_path / "runs").mkdir(exist_ok=True)
     context = AppContext(JobQueue(tmp_path / "queue.sqlite3"), settings,
                          runs_root=tmp_path / "runs")
     context.worker_starts = []
     context.ensure_worker = lambda: context.worker_starts.append(1)
     return context
+
+
+def untipped_inputs(widget) -> list[str]:
+    """The input widgets under `widget` without a tooltip (a spin box's or combo box's own
+    line edit is part of it; read-only text is output)."""
+    from PySide6.QtWidgets import (QAbstractSpinBox, QCheckBox, QComboBox, QLineEdit,
+                                   QPlainTextEdit, QSlider, QWidget)
+
+    inputs = (QLineEdit, QComboBox, QAbstractSpinBox, QCheckBox, QSlider, QPlainTextEdit)
+    return [f"{type(w).__name__} {getattr(w, 'text', lambda: '')()}"
+            for w in widget.findChildren(QWidget) if isinstance(w, inputs) and not w.toolTip()
+            and not isinstance(w.parent(), (QAbstractSpinBox, QComboBox))
+            and not (isinstance(w, QPlainTextEdit) and w.isReadOnly())]
 
 
 def shown(qtbot, view, width: int = 1000, height: int = 700):
@@ -84,4 +99,26 @@ def golden_run_dir(ctx):
     run = RunDir.create(ctx.runs_root() / "golden",
                         {"model": str(GOLDEN / "mixtral-f32.gguf"), "data": "d.jsonl"})
     shutil.copy(GOLDEN / "mixtral-lora.gguf", run.path / "adapter.gguf")
+    return str(run.path)
+
+
+@pytest.fixture
+def best_run_dir(ctx):
+    """A run folder with checkpoints at steps 10 and 20 and a final adapter, whose best
+    evaluation (validation 1.37) was at step 10."""
+    import json
+    import shutil
+
+    from app.engine.runs.rundir import RunDir
+
+    run = RunDir.create(ctx.runs_root() / "best",
+                        {"model": str(GOLDEN / "mixtral-f32.gguf"), "data": "d.jsonl"})
+    shutil.copy(GOLDEN / "mixtral-lora.gguf", run.path / "adapter.gguf")
+    for step, loss, best in ((10, 1.37, True), (20, 1.83, False)):
+        folder = run.checkpoints_dir / f"step-{step}"
+        folder.mkdir()                           # what best_checkpoint reads of a checkpoint
+        (folder / "meta.json").write_text(json.dumps(
+            {"meta": {"run": {"best_step": 10, "best_loss": 1.37}}}))
+        run.append_metrics({"type": "eval", "step": step, "loss": loss, "accuracy": 0.5,
+                            "perplexity": 4.0, "best": best})
     return str(run.path)

@@ -167,3 +167,18 @@ def test_an_export_over_its_own_input_is_refused(qtbot, view, tmp_path, monkeypa
     assert (view.error_panel.message_label.text()
             == f"Exporting to {base} would write over the base model ({base}).")
     assert hashlib.sha256(base.read_bytes()).hexdigest() == before
+
+
+def test_the_best_checkpoint_is_the_default_and_says_its_step(view, ctx, best_run_dir,
+                                                              golden_run_dir):
+    ctx.select_run(best_run_dir)
+    box = view.checkpoint_box
+    assert box.currentText() == "Best checkpoint, step 10 (validation 1.37)"
+    assert [box.itemData(i) for i in range(box.count())] == ["best", FINAL, "20", "10"]
+    assert export_view.choice_step(best_run_dir, view.spec()["checkpoint"]) == 10
+    box.setCurrentIndex(2)                               # any kept checkpoint
+    ctx.select_run(golden_run_dir)
+    ctx.select_run(best_run_dir)                         # another run: its best again
+    assert box.currentData() == "best"
+    form = [w for row in view._rows.values() for w in row]          # every row of the form
+    assert [w for w in form if not w.toolTip()] == []

@@ -190,3 +190,19 @@ def test_compare_runs_overlays_curves_and_diffs_settings(qtbot, ctx, monitor):
     assert monitor.compare.compare_curves == {}
     assert items["lr-1e-3"].isHidden() and items["lr-1e-3"].checkState() == Qt.Unchecked
     assert not items["lr-5e-3"].isHidden()
+
+
+def test_the_best_step_is_marked_on_the_loss_curve(qtbot, ctx, monitor):
+    fake = FakeRun(ctx.runs_root() / "marked", total_steps=60)
+    fake.step(20)
+    fake.eval()                                           # best at step 20
+    fake.step(20)
+    fake._append({"type": "eval", "step": 40, "loss": 9.0, "accuracy": 0.1,
+                  "perplexity": 9.0, "best": False})       # worse: the mark stays at 20
+    ctx.select_run(fake.path)
+    qtbot.waitUntil(lambda: monitor.best is not None and n_points(monitor.val_curve) == 2,
+                    timeout=10_000)
+    assert monitor.best_line.isVisible() and monitor.best_line.value() == 20
+    assert monitor.best_line in monitor.loss_plot.getPlotItem().items
+    assert "best: step 20 (validation" in monitor.best_line.label.format
+    assert "best at step 20" in monitor.stats_label.text()

@@ -388,3 +388,49 @@ def test_found_models_are_listed_and_open(qtbot, ctx):
     assert lst.item(0).text().startswith("mixtral:latest\nOllama")
     v.picker._picked(lst.item(0))
     qtbot.waitUntil(lambda: v.card is not None and v.card.path == mixtral, timeout=10_000)
+
+
+def test_presets_set_the_fields_and_say_what_they_set(qtbot, view, settings):
+    from app.views.preset_bar import PRESETS, PresetBar
+
+    bar = view.presets
+    names = [bar.box.itemText(i) for i in range(bar.box.count())]
+    assert names[1:] == list(PRESETS)                    # the sample is MoE: all five
+    bar.apply("Thorough")
+    form = view.form
+    assert (form["rank"].value(), form["alpha"].value(), form["lr"].text()) == (32, 64.0, "5e-4")
+    assert form["schedule"].currentData() == "cosine" and form["gclip"].value() == 1.0
+    assert form["epochs"].value() == 5 and form["patience"].value() == 3
+    assert bar.line.text().startswith("Thorough: Sets ")
+    assert "rank 32" in bar.line.text() and "learning rate 5e-4" in bar.line.text()
+    bar.apply("Experts only")
+    assert form.targets() == ["experts"]
+    assert "LoRA rank 8 on experts" in view.summary_label.text()
+    form["rank"].setValue(12)                            # the user's own
+    bar.save("Mine")
+    again = PresetBar(view.form, settings)               # kept in the settings
+    qtbot.addWidget(again)
+    assert again.box.findText("Mine") > 0
+    form["rank"].setValue(4)
+    again.apply("Mine")
+    assert form["rank"].value() == 12 and form.targets() == ["experts"]
+    bar.set_moe(False)                                   # a dense model: no expert presets
+    assert bar.box.findText("Experts only") < 0 and bar.box.findText("Balanced") > 0
+
+
+def test_every_field_has_a_tooltip(view):
+    from tests.views.conftest import untipped_inputs
+
+    assert untipped_inputs(view) == []
+    assert "--rank" in view.form["rank"].toolTip() and "Typical" in view.form["lr"].toolTip()
+
+
+def test_visual_details(qtbot, view):
+    view.tabs.setCurrentIndex(1)
+    stats = view.dataset.hist_stats.text()
+    p95 = stats.split("p95 ", 1)[1].split(",", 1)[0]
+    assert p95.isdigit()                                 # tokens: an integer
+    assert "Context 256: a row of up to 257 tokens trains whole (256 predicted" in stats
+    field = view.name_field                              # the placeholder is not cut
+    assert field.width() >= field.fontMetrics().horizontalAdvance(field.placeholderText())
+    assert view.picker.path_field.cursorPosition() == 0  # the path from its start

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -259,3 +260,27 @@ def test_open_folder(qtbot, ctx, runs):
 def test_error_from_dict():
     e = error_from_dict({"kind": "bug", "message": "KeyError: 'x'", "hint": None})
     assert e.kind == "bug" and e.message == "KeyError: 'x'" and "bug" in e.hint
+
+
+def test_registered_runs_are_listed_wherever_their_folder_is(qtbot, ctx, tmp_path):
+    from app.engine.runs.rundir import RunDir
+
+    RunDir.create(tmp_path / "elsewhere" / "cli-run", fake_config())      # as the CLI does
+    gone = RunDir.create(tmp_path / "elsewhere" / "deleted", fake_config())
+    shutil.rmtree(gone.path)
+    view = refreshed(qtbot, RunsView(ctx))
+    states = {r.name: r.state for r in view.rows}
+    assert states == {"cli-run": "new", "deleted": "missing"}
+    i = [r.name for r in view.rows].index("deleted")
+    assert view.table.item(i, COL["Status"]).text() == "missing"
+    assert view.table.item(i, COL["Model"]).text() == ""
+
+
+def test_the_best_evaluation_and_its_step(qtbot, ctx):
+    fake = make(ctx, "evaluated", 30)
+    fake.eval()                                            # best at step 30
+    fake.step(10)
+    view = refreshed(qtbot, RunsView(ctx))
+    loss = FakeRun.loss_at(30) + 0.1
+    assert view.table.item(0, COL["Best"]).text() == f"validation {loss:.3f} at step 30"
+    assert view.table.item(0, COL["Dataset"]).text()
