@@ -96,10 +96,11 @@ class NewRunView(QWidget):
         self.kind_box = combo(RUN_TYPES)
         self.kind_box.setToolTip(NEW_RUN_TIPS["kind"])
         self.name_field = QLineEdit(placeholderText="default: date-time-dataset")
+        self.name_field.ensurePolished()                  # the style sheet's font
         hint_width = self.name_field.fontMetrics().horizontalAdvance(
-            self.name_field.placeholderText())
-        self.name_field.setMinimumWidth(hint_width + 24)    # the whole placeholder shows
-        self.name_field.setMaximumWidth(max(280, hint_width + 24))
+            self.name_field.placeholderText()) + 48        # + margins, frame and padding
+        self.name_field.setMinimumWidth(hint_width)         # the whole placeholder shows
+        self.name_field.setMaximumWidth(max(280, hint_width))
         self.name_field.setToolTip(NEW_RUN_TIPS["name"])
         self.summary_label = QLabel(objectName="runSummary", wordWrap=True,
                                     textFormat=Qt.PlainText)

@@ -432,5 +432,5 @@ def test_visual_details(qtbot, view):
     assert p95.isdigit()                                 # tokens: an integer
     assert "Context 256: a row of up to 257 tokens trains whole (256 predicted" in stats
     field = view.name_field                              # the placeholder is not cut
-    assert field.width() >= field.fontMetrics().horizontalAdvance(field.placeholderText())
+    assert field.width() >= field.fontMetrics().horizontalAdvance(field.placeholderText()) + 40
     assert view.picker.path_field.cursorPosition() == 0  # the path from its start
