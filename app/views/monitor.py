@@ -101,7 +101,8 @@ class MonitorView(QWidget):
                                              symbolPen=None, name="validation")
         self.best_line = pg.InfiniteLine(
             angle=90, pen=pg.mkPen(GREEN, width=1.5, style=Qt.DashLine),
-            label="best", labelOpts={"position": 0.92, "color": GREEN})
+            label="best", labelOpts={"position": 0.08, "color": GREEN,      # below the legend,
+                                     "anchors": [(1, 1), (1, 1)]})       # left of the line
         self.best_line.hide()
         self._best_plot = None
         plots = [small_plot(t) for t in ("Learning rate", "Gradient norm", "Clipped fraction",

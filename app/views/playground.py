@@ -106,8 +106,11 @@ class PlaygroundView(QWidget):
         grid.setColumnStretch(2, 1)
 
         settings = QWidget(maximumWidth=300)
-        form = QFormLayout(settings)
-        form.setContentsMargins(0, 0, 8, 0)
+        column = QVBoxLayout(settings)
+        column.setContentsMargins(0, 0, 8, 0)
+        form = QFormLayout()
+        column.addLayout(form)
+        column.addStretch(1)                     # the rows keep their height
         scale = QHBoxLayout()
         scale.addWidget(self.scale_slider, 1)
         scale.addWidget(self.scale_value)

@@ -41,7 +41,7 @@ CODE_NOTE = ("A Python file runs as Python with your rights, like any script you
              "files you wrote or trust. Starting a run asks before a file you have not "
              "trusted yet (or one changed since) runs.")
 DEFAULTS = {"format": "answer"}
-KIND_WIDTH, WEIGHT_WIDTH, REMOVE_WIDTH = 130, 80, 24      # columns shared by rows and header
+KIND_WIDTH, WEIGHT_WIDTH, REMOVE_WIDTH = 130, 92, 24      # columns shared by rows and header
 
 
 class RewardRow(QWidget):
