@@ -75,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         window.resize(*sizes[0])
 
     with tempfile.TemporaryDirectory(prefix="workbench-shots-") as tmp:
+        # the user's state (list of runs, trusted rewards) lives beside the queue: keep it private
+        os.environ["WORKBENCH_QUEUE"] = os.path.join(tmp, "queue.sqlite3")
         settings = QSettings(os.path.join(tmp, "settings.ini"), QSettings.IniFormat)
         window = build_window(settings, os.path.join(tmp, "queue.sqlite3"),
                               os.path.join(tmp, "runs"))

@@ -93,7 +93,9 @@ class RunsView(QWidget):
         self.table.setAlternatingRowColors(True)
         header = self.table.horizontalHeader()
         header.setSectionResizeMode(QHeaderView.ResizeToContents)
-        header.setSectionResizeMode(0, QHeaderView.Stretch)
+        for name in ("Run", "Model", "Dataset", "Best", "Status"):   # share the width: the
+            header.setSectionResizeMode(COL[name], QHeaderView.Stretch)  # table fits, no scroll
+        self.table.setTextElideMode(Qt.ElideMiddle)
         header.setSectionResizeMode(COL["Steps"], QHeaderView.Fixed)
         self.table.setColumnWidth(COL["Steps"], 150)
         self.table.itemSelectionChanged.connect(self._on_selection)
