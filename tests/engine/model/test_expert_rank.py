@@ -3,12 +3,16 @@ trainable count, TrainConfig's field and the CLI option."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from app.engine.errors import ConfigError
 from app.engine.model.card import lora_param_count
 from app.engine.model.lora import LoraConfig, init_adapter
 from app.engine.training.config import TrainConfig
+
+GOLDEN_MODEL = Path(__file__).resolve().parents[2] / "data" / "golden" / "llama-f32.gguf"
 
 
 def _shapes(n_expert: int) -> dict[str, tuple[int, ...]]:
@@ -52,8 +56,9 @@ def test_cli_option_reaches_the_train_config():
     from app.cli.train import run_config_from_args
 
     parse = build_parser().parse_args
-    args = parse(["train", "--model", "m.gguf", "--data", "d.jsonl", "--expert-rank", "6"])
+    model = str(GOLDEN_MODEL)
+    args = parse(["train", "--model", model, "--data", "d.jsonl", "--expert-rank", "6"])
     assert run_config_from_args(args).train.expert_rank == 6
-    args = parse(["grpo", "--model", "m.gguf", "--prompts", "p.jsonl", "--reward", "exact",
+    args = parse(["grpo", "--model", model, "--prompts", "p.jsonl", "--reward", "exact",
                   "--expert-rank", "6"])
     assert grpo_config_from_args(args).train.expert_rank == 6
