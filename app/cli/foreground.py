@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import json
 import sys
 import threading
@@ -12,6 +14,46 @@ from pathlib import Path
 from app.engine.training import events
 
 TARGET_ALIASES = {"attn": "attention"}
+
+
+CONFIG_CLASSES = {"train": ("app.engine.training.config", "TrainConfig"),
+                  "data": ("app.engine.data.dataset", "DataConfig"),
+                  "run": ("app.engine.training.sft", "RunConfig"),
+                  "grpo": ("app.engine.training.grpo", "GrpoConfig")}
+
+
+def show_defaults(parser, fields: dict[str, str]) -> None:
+    """Make `parser`'s help end each option of `fields` ("--lr": "train.lr") with its default
+    from the config class (CONFIG_CLASSES: the one source of the defaults), read only when
+    the help is printed, so that building the parser loads no engine module."""
+    parser.formatter_class = ConfigDefaultsHelp
+    for action in parser._actions:
+        for option in action.option_strings:
+            if option in fields:
+                action.config_field = fields[option]
+
+
+class ConfigDefaultsHelp(argparse.HelpFormatter):
+    def _get_help_string(self, action):
+        field = getattr(action, "config_field", None)
+        if field is None:
+            return action.help
+        return f"{action.help or ''} {default_of(field)}".strip()
+
+
+def default_of(field: str) -> str:
+    """"(default: V)" for a config field ("train.lr": CONFIG_CLASSES) or a constant of the
+    config class's module ("grpo.GRPO_LR")."""
+    kind, name = field.split(".")
+    module_name, cls = CONFIG_CLASSES[kind]
+    module = importlib.import_module(module_name)
+    fields = getattr(module, cls).__dataclass_fields__
+    value = fields[name].default if name in fields else getattr(module, name)
+    if isinstance(value, tuple):
+        value = ",".join(value) or "none"
+    elif isinstance(value, float):
+        value = f"{value:g}"
+    return f"(default: {value})".replace("%", "%%")
 
 
 def add_compute_options(group) -> None:

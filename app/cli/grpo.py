@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from app.cli.foreground import (TARGET_ALIASES, Progress, add_compute_options, clock,
-                                run_in_foreground, start_run)
+                                run_in_foreground, show_defaults, start_run)
 from app.cli.train import check_lora_targets
 from app.engine.errors import ConfigError
 from app.engine.training import events
@@ -29,6 +29,24 @@ TRUST_HELP = ("run the custom reward files a --config or a run directory names: 
               "Python with your rights (files named with --reward are trusted by naming them)")
 TRUST_HINT = ("Read the file; if you trust it, run the command again with --trust-reward-code "
               "(it runs as Python with your rights).")
+
+
+# The options whose help shows their default (read from the config classes when it is printed).
+GRPO_DEFAULTS = {
+    "--group-size": "grpo.group_size", "--prompts-per-step": "grpo.prompts_per_step",
+    "--temperature": "grpo.temperature", "--top-p": "grpo.top_p",
+    "--max-new-tokens": "grpo.max_new_tokens", "--advantage": "grpo.advantage",
+    "--kl": "grpo.kl", "--answer-field": "grpo.answer_field",
+    "--reward-timeout": "grpo.reward_timeout", "--val-split": "grpo.val_split",
+    "--eval-every": "grpo.eval_every", "--eval-samples": "grpo.eval_samples",
+    "--samples-every": "grpo.samples_every", "--rank": "train.lora_rank",
+    "--alpha": "train.lora_alpha", "--targets": "train.lora_targets",
+    "--dropout": "train.lora_dropout", "--optimizer": "train.optimizer", "--lr": "grpo.GRPO_LR",
+    "--schedule": "train.schedule", "--warmup": "train.warmup_steps",
+    "--warmup-fraction": "train.warmup_fraction", "--max-steps": "grpo.max_steps",
+    "--gclip": "train.gclip", "--max-grad-norm": "train.max_grad_norm",
+    "--weight-decay": "train.weight_decay", "--checkpoint-interval": "train.checkpoint_interval",
+    "--save-every": "grpo.save_every", "--seed": "train.seed"}
 
 
 def add_grpo_parser(sub) -> None:
@@ -45,19 +63,19 @@ def add_grpo_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="print events as JSON lines")
     p.add_argument("--trust-reward-code", action="store_true", help=TRUST_HELP)
     g = p.add_argument_group("sampling and rewards")
-    g.add_argument("--group-size", "-G", type=int, help="completions per prompt (default 8)")
-    g.add_argument("--prompts-per-step", "-P", type=int, help="prompts per step (default 4)")
-    g.add_argument("--temperature", "-t", type=float, help="sampling temperature (default 1.0)")
-    g.add_argument("--top-p", type=float, help="nucleus sampling (default 1.0)")
+    g.add_argument("--group-size", "-G", type=int, help="completions per prompt")
+    g.add_argument("--prompts-per-step", "-P", type=int, help="prompts per step")
+    g.add_argument("--temperature", "-t", type=float, help="sampling temperature")
+    g.add_argument("--top-p", type=float, help="nucleus sampling")
     g.add_argument("--max-new-tokens", "-n", type=int,
-                   help="tokens per completion, end-of-turn included (default 64)")
+                   help="tokens per completion, end-of-turn included")
     g.add_argument("--advantage", choices=("group-std", "no-std", "batch-std"),
-                   help="advantage normalisation (default group-std)")
-    g.add_argument("--kl", type=float, help="KL penalty coefficient against the base model (default 0)")
-    g.add_argument("--answer-field", help='row field with the reference answer (default "answer")')
-    g.add_argument("--reward-timeout", type=float, help="seconds per custom reward call (default 10)")
+                   help="advantage normalisation")
+    g.add_argument("--kl", type=float, help="KL penalty coefficient against the base model")
+    g.add_argument("--answer-field", help="row field with the reference answer")
+    g.add_argument("--reward-timeout", type=float, help="seconds per custom reward call")
     g.add_argument("--val-split", type=float,
-                   help="fraction of prompts held out for greedy evaluation (default 0)")
+                   help="fraction of prompts held out for greedy evaluation")
     g.add_argument("--eval-every", type=int, help="steps between evaluations (0: start and end)")
     g.add_argument("--eval-samples", type=int,
                    help="also sample this many completions per held-out prompt at each evaluation")
@@ -65,25 +83,28 @@ def add_grpo_parser(sub) -> None:
     g.add_argument("--parse-special", action="store_true",
                    help="plain prompts: special-token texts become their tokens")
     g = p.add_argument_group("training")
-    g.add_argument("--rank", type=int)
+    g.add_argument("--rank", type=int, help="LoRA rank")
     g.add_argument("--expert-rank", type=int, help="rank of the expert adapters (default: the "
                    "rank, at most 8 on models with more than 32 experts)")
-    g.add_argument("--alpha", type=float)
+    g.add_argument("--alpha", type=float, help="LoRA alpha (scale: alpha / rank)")
     g.add_argument("--targets", help="comma list: attn, ffn, experts, shared, router, output")
-    g.add_argument("--dropout", type=float, help="LoRA dropout (default 0)")
+    g.add_argument("--dropout", type=float, help="LoRA dropout")
     g.add_argument("--adapter", help="continue training this GGUF LoRA adapter")
-    g.add_argument("--optimizer", choices=("adamw", "sgd"))
-    g.add_argument("--lr", type=float)
-    g.add_argument("--schedule", choices=("constant", "linear", "cosine"))
-    g.add_argument("--warmup", type=int, help="warmup steps")
-    g.add_argument("--max-steps", type=int, help="optimizer steps (default 100)")
+    g.add_argument("--optimizer", choices=("adamw", "sgd"), help="optimizer")
+    g.add_argument("--lr", type=float, help="learning rate")
+    g.add_argument("--schedule", choices=("constant", "linear", "cosine"),
+                   help="learning-rate schedule after the warmup")
+    g.add_argument("--warmup", type=int, help="warmup steps (0: --warmup-fraction of the steps)")
+    g.add_argument("--warmup-fraction", type=float, help="warmup over this part of the steps")
+    g.add_argument("--max-steps", type=int, help="optimizer steps")
     g.add_argument("--gclip", type=float, help="element-wise gradient clip (0: off)")
     g.add_argument("--max-grad-norm", type=float, help="global gradient-norm clip (0: off)")
-    g.add_argument("--weight-decay", type=float)
+    g.add_argument("--weight-decay", type=float, help="decoupled weight decay")
     g.add_argument("--checkpoint-interval", type=int, help="gradient checkpointing every N layers")
-    g.add_argument("--save-every", type=int, help="steps between checkpoints (default 25)")
-    g.add_argument("--seed", type=int)
+    g.add_argument("--save-every", type=int, help="steps between checkpoints")
+    g.add_argument("--seed", type=int, help="sampling, prompt order, split, initialisation")
     add_compute_options(g)
+    show_defaults(p, GRPO_DEFAULTS)
 
 
 def grpo_config_from_args(args):
@@ -117,7 +138,8 @@ def grpo_config_from_args(args):
     train_options = {"lora_rank": args.rank, "expert_rank": args.expert_rank,
                      "lora_alpha": args.alpha,
                      "lora_dropout": args.dropout, "optimizer": args.optimizer, "lr": args.lr,
-                     "schedule": args.schedule, "warmup_steps": args.warmup, "gclip": args.gclip,
+                     "schedule": args.schedule, "warmup_steps": args.warmup,
+                     "warmup_fraction": args.warmup_fraction, "gclip": args.gclip,
                      "max_grad_norm": args.max_grad_norm, "weight_decay": args.weight_decay,
                      "checkpoint_interval": args.checkpoint_interval, "seed": args.seed,
                      "device": args.device, "weight_cache_mb": args.weight_cache_mb,

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import sys
+import time
 import traceback
 
 import numpy as np
@@ -124,8 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("runs", help="inspect run directories: list, show")
     rsub = p.add_subparsers(dest="runs_command", required=True, metavar="ACTION")
-    r = rsub.add_parser("list", help="the runs under a folder")
-    r.add_argument("dir", nargs="?", help="folder of runs (default: the user data dir's runs/)")
+    r = rsub.add_parser("list", help="every run the workbench created, or the runs under a folder")
+    r.add_argument("dir", nargs="?", help="folder of runs (default: every run the workbench "
+                                          "created, wherever its folder is)")
     r.add_argument("--json", action="store_true", help="print JSON")
     r = rsub.add_parser("show", help="a run's config, status, final and best metrics")
     r.add_argument("run_dir")
@@ -133,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="export a run (or an adapter) as a GGUF LoRA adapter, a "
                                       "merged GGUF, a PEFT adapter or an Ollama Modelfile; verified")
-    p.add_argument("run_dir", nargs="?", help="run directory (its newest checkpoint)")
+    p.add_argument("run_dir", nargs="?", help="run directory (its best checkpoint: --checkpoint)")
     p.add_argument("--to", required=True, choices=("gguf-lora", "merged", "peft", "ollama"))
     p.add_argument("--out", "-o", help="output file (gguf-lora, merged) or folder (peft, ollama); "
                                        "default: RUN_DIR/exports/")
@@ -147,7 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapter", "-a", help="export this adapter (GGUF LoRA file or PEFT folder) "
                                            "instead of a run; needs --model")
     p.add_argument("--model", "-m", help="base GGUF model (default: the run's)")
-    p.add_argument("--step", type=int, help="export this checkpoint step instead of the newest")
+    p.add_argument("--checkpoint", default="best", metavar="best|final|STEP",
+                   help="which checkpoint of the run: the best by validation loss (GRPO: "
+                        "reward), the final (newest) one, or a step (default: best)")
     p.add_argument("--no-llamacpp", action="store_true",
                    help="skip the llama.cpp comparison even if llama-cpp-python is installed")
     p.add_argument("--json", action="store_true", help="print the verification report as JSON")
@@ -330,23 +336,37 @@ def cmd_queue(args) -> int:
     return 0
 
 
+def _run_row(r) -> list[str]:
+    """A `runs list` row of a RunEntry (app.engine.runs.rundir)."""
+    name = lambda path: os.path.basename(path) if path else "-"
+    steps = "-" if r.step is None else f"{r.step}" + (f"/{r.total_steps}" if r.total_steps else "")
+    best = "-" if not r.best else (f"{r.best['metric'].replace('_', ' ')} "
+                                   f"{r.best['value']:.4g} @{r.best['step']}")
+    return [r.name, r.kind, name(r.model), name(r.dataset),
+            time.strftime("%Y-%m-%d %H:%M", time.localtime(r.created)) if r.created else "-",
+            "-" if r.duration_s is None else _fmt_seconds(r.duration_s), steps, best, r.state]
+
+
+def _print_table(header: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+
+
 def cmd_runs(args) -> int:
-    from app.engine.runs.rundir import RunDir, list_runs
+    from app.engine.runs.rundir import (RunDir, best_checkpoint, best_evaluation, list_runs,
+                                        registered_runs, run_entry)
 
     if args.runs_command == "list":
-        runs = list_runs(args.dir)
-        rows = [{"run_dir": str(r.path), "name": r.name, "status": _run_status(r.path)}
-                for r in runs]
+        rows = ([run_entry(r.path) for r in list_runs(args.dir)] if args.dir
+                else registered_runs())
         if args.json:
-            print(json.dumps(rows, indent=2))
+            print(json.dumps([dataclasses.asdict(r) for r in rows], indent=2, default=str))
         elif not rows:
             print("no runs found")
         else:
-            width = max(len(r["name"]) for r in rows)
-            for r in rows:
-                st = r["status"]
-                print(f"{r['name']:<{width}}  {st.get('state', 'new'):<10}  "
-                      f"{st.get('problem') or _fmt_progress(st)}")
+            _print_table(["NAME", "KIND", "MODEL", "DATASET", "CREATED", "DURATION", "STEPS",
+                          "BEST", "STATUS"], [_run_row(r) for r in rows])
         return 0
     run = RunDir(args.run_dir)
     run.config()  # not a run directory: a clear error
@@ -362,6 +382,11 @@ def cmd_runs(args) -> int:
     st = summary["status"]
     print(f"state    {st.get('state', 'new')}" + (f"  ({_fmt_progress(st)})" if _fmt_progress(st)
                                                   else ""))
+    best = best_evaluation(run.metrics())
+    if best:
+        kept = best_checkpoint(run.path)
+        print(f"best     {best['metric'].replace('_', ' ')} {best['value']:.5g} at step "
+              f"{best['step']}" + (f" (checkpoint {kept[1].name})" if kept else ""))
     if st.get("error"):
         print(f"error    {st['error'].get('kind')}: {st['error'].get('message')}")
         if st["error"].get("hint"):
@@ -380,13 +405,39 @@ def cmd_runs(args) -> int:
     return 0
 
 
+def _export_step(run_dir: str, checkpoint: str) -> int | None:
+    """The checkpoint step `workbench export --checkpoint` names, said on stderr (None: the
+    run's newest checkpoint, else its adapter.gguf)."""
+    from app.engine.runs.rundir import RunDir, best_checkpoint
+    from app.engine.training.checkpoints import latest_checkpoint
+
+    if checkpoint.isdigit():
+        return int(checkpoint)
+    if checkpoint not in ("best", "final"):
+        raise ConfigError(f"--checkpoint {checkpoint!r} is neither best, final nor a step number.")
+    best = best_checkpoint(run_dir) if checkpoint == "best" else None
+    if best:
+        step, _, metric = best
+        what = "reward" if RunDir(run_dir).config().get("kind") == "grpo" else "validation loss"
+        print(f"exporting the best checkpoint, step {step} ({what} {metric:.4g}); "
+              "--checkpoint final|STEP to choose", file=sys.stderr)
+        return step
+    newest = latest_checkpoint(RunDir(run_dir).checkpoints_dir)
+    if newest is not None:
+        print(f"exporting the final checkpoint, step {newest.name[5:]}"
+              + (" (no evaluation chose a best one)" if checkpoint == "best" else ""),
+              file=sys.stderr)
+    return None
+
+
 def cmd_export(args) -> int:
     from app.engine.export.exporter import export, source_from_adapter, source_from_run
 
     if args.run_dir and args.adapter:
         raise ConfigError("Give a run directory or --adapter, not both.")
     if args.run_dir:
-        source = source_from_run(args.run_dir, step=args.step, model_path=args.model)
+        source = source_from_run(args.run_dir, step=_export_step(args.run_dir, args.checkpoint),
+                                 model_path=args.model)
     elif args.adapter:
         if not args.model:
             raise ConfigError("--adapter needs the base model (--model).")

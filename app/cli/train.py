@@ -13,8 +13,24 @@ import sys
 from pathlib import Path
 
 from app.cli.foreground import (TARGET_ALIASES, Progress, add_compute_options, run_in_foreground,
-                                start_run)
+                                show_defaults, start_run)
 from app.engine.errors import ConfigError
+
+# The options whose help shows their default (read from the config classes when it is printed).
+TRAIN_DEFAULTS = {
+    "--mode": "train.mode", "--rank": "train.lora_rank", "--alpha": "train.lora_alpha",
+    "--targets": "train.lora_targets", "--dropout": "train.lora_dropout",
+    "--optimizer": "train.optimizer", "--lr": "train.lr", "--schedule": "train.schedule",
+    "--warmup": "train.warmup_steps", "--warmup-fraction": "train.warmup_fraction",
+    "--epochs": "run.epochs", "--max-steps": "run.max_steps", "--grad-accum": "train.grad_accum",
+    "--gclip": "train.gclip", "--max-grad-norm": "train.max_grad_norm",
+    "--weight-decay": "train.weight_decay", "--checkpoint-interval": "train.checkpoint_interval",
+    "--seed": "train.seed", "--format": "data.format", "--val-split": "data.val_fraction",
+    "--normalize": "data.normalize", "--overflow": "data.overflow", "--packing": "data.packing",
+    "--chat-loss": "data.chat_loss", "--eval-every": "run.eval_every",
+    "--save-every": "run.save_every", "--patience": "run.patience"}
+LR_HELP = "learning rate (full fine-tuning: 0.0001 unless set)"
+
 
 def add_train_parsers(sub) -> None:
     p = sub.add_parser("train", help="train a LoRA adapter or fine-tune a model on a dataset")
@@ -26,49 +42,57 @@ def add_train_parsers(sub) -> None:
                    help="add the run to the job queue instead of running it here")
     p.add_argument("--json", action="store_true", help="print events as JSON lines")
     g = p.add_argument_group("what to train")
-    g.add_argument("--mode", choices=("lora", "full", "hybrid"))
-    g.add_argument("--rank", type=int)
+    g.add_argument("--mode", choices=("lora", "full", "hybrid"), help="what trains")
+    g.add_argument("--rank", type=int, help="LoRA rank")
     g.add_argument("--expert-rank", type=int, help="rank of the expert adapters (default: the "
                    "rank, at most 8 on models with more than 32 experts)")
-    g.add_argument("--alpha", type=float)
+    g.add_argument("--alpha", type=float, help="LoRA alpha (scale: alpha / rank)")
     g.add_argument("--targets", help="comma list: attn, ffn, experts, shared, router, output")
     g.add_argument("--full-targets", help="hybrid runs: norms, router, embeddings, output")
     g.add_argument("--dropout", type=float, help="LoRA dropout")
     g.add_argument("--adapter", help="continue training this GGUF LoRA adapter")
     g = p.add_argument_group("optimisation")
-    g.add_argument("--optimizer", choices=("adamw", "sgd", "lbfgs"))
-    g.add_argument("--lr", type=float)
-    g.add_argument("--schedule", choices=("constant", "linear", "cosine"))
-    g.add_argument("--warmup", type=int, help="warmup steps")
-    g.add_argument("--epochs", type=int)
+    g.add_argument("--optimizer", choices=("adamw", "sgd", "lbfgs"), help="optimizer")
+    g.add_argument("--lr", type=float, help=LR_HELP)
+    g.add_argument("--schedule", choices=("constant", "linear", "cosine"),
+                   help="learning-rate schedule after the warmup")
+    g.add_argument("--warmup", type=int, help="warmup steps (0: --warmup-fraction of the steps)")
+    g.add_argument("--warmup-fraction", type=float, help="warmup over this part of the steps")
+    g.add_argument("--epochs", type=int, help="passes over the data")
     g.add_argument("--max-steps", type=int, help="cap on optimizer steps (--epochs 0: exactly)")
     g.add_argument("--batch", type=int, help="windows per optimizer step (accumulated)")
-    g.add_argument("--grad-accum", type=int)
+    g.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step")
     g.add_argument("--gclip", type=float, help="element-wise gradient clip (0: off)")
-    g.add_argument("--weight-decay", type=float)
+    g.add_argument("--max-grad-norm", type=float, help="global gradient-norm clip (0: off)")
+    g.add_argument("--weight-decay", type=float, help="decoupled weight decay")
     g.add_argument("--checkpoint-interval", type=int, help="gradient checkpointing every N layers")
-    g.add_argument("--seed", type=int)
+    g.add_argument("--seed", type=int, help="data order, split and initialisation")
     add_compute_options(g)
     g = p.add_argument_group("data")
-    g.add_argument("--ctx", type=int, help="context (tokens per window)")
+    g.add_argument("--ctx", type=int, help="context (tokens per window), at most the model's; "
+                                           "default: the smaller of 512 and the model's")
     g.add_argument("--format", help="auto, text, completion, chat, alpaca, sharegpt")
     g.add_argument("--val-split", type=float, help="validation fraction")
     g.add_argument("--val-data", help="a separate validation file")
     g.add_argument("--weights", help="reward-weights file")
-    g.add_argument("--normalize", choices=("none", "mean-std", "min-max", "clip"))
+    g.add_argument("--normalize", choices=("none", "mean-std", "min-max", "clip"),
+                   help="reward-weight normalisation")
     g.add_argument("--allow-negative", action="store_true", help="allow negative weights")
     g.add_argument("--strict", action="store_true", help="refuse to start on any bad row")
     g.add_argument("--overflow", choices=("truncate", "split", "drop"), help="rows longer than ctx")
-    g.add_argument("--packing", choices=("pack", "pad", "none"))
+    g.add_argument("--packing", choices=("pack", "pad", "none"), help="short rows per window")
     g.add_argument("--chat-loss", choices=("assistant", "last"), help="which assistant turns train")
     g.add_argument("--completion-as-chat", action="store_true",
                    help="render prompt/completion rows with the chat template")
     g.add_argument("--parse-special", action="store_true",
                    help="special-token texts in text/completion rows become their tokens")
     g = p.add_argument_group("run")
-    g.add_argument("--eval-every", type=int)
-    g.add_argument("--save-every", type=int)
+    g.add_argument("--eval-every", type=int,
+                   help="steps between validations (0: each epoch's end)")
+    g.add_argument("--save-every", type=int,
+                   help="steps between checkpoints (0: each epoch's end)")
     g.add_argument("--patience", type=int, help="early stopping (evaluations without gain)")
+    show_defaults(p, TRAIN_DEFAULTS)
 
     p = sub.add_parser("resume", help="continue an interrupted or finished run")
     p.add_argument("run_dir")
@@ -84,7 +108,9 @@ def add_train_parsers(sub) -> None:
 def run_config_from_args(args):
     """A RunConfig from --config (if any) with the command-line options on top. Every problem
     of the file is reported at once, before the options go on top of it."""
+    from app.engine.model.card import describe_model
     from app.engine.runtime.schema import check, read_config_file
+    from app.engine.training.config import TrainConfig, check_context, default_context, default_lr
     from app.engine.training.sft import RunConfig
 
     base = read_config_file(args.config) if args.config else {}
@@ -102,7 +128,9 @@ def run_config_from_args(args):
     options = {"mode": args.mode, "lora_rank": args.rank, "expert_rank": args.expert_rank,
                "lora_alpha": args.alpha,
                "lora_dropout": args.dropout, "optimizer": args.optimizer, "lr": args.lr,
-               "schedule": args.schedule, "warmup_steps": args.warmup, "gclip": args.gclip,
+               "schedule": args.schedule, "warmup_steps": args.warmup,
+               "warmup_fraction": args.warmup_fraction, "gclip": args.gclip,
+               "max_grad_norm": args.max_grad_norm,
                "weight_decay": args.weight_decay, "checkpoint_interval": args.checkpoint_interval,
                "seed": args.seed, "device": args.device,
                "weight_cache_mb": args.weight_cache_mb,
@@ -123,8 +151,13 @@ def run_config_from_args(args):
             data[flag] = True
     if "model" not in base or "data" not in base:
         raise ConfigError("A run needs a model and a dataset.", "Pass --model and --data.")
+    if "lr" not in train:
+        train["lr"] = default_lr(train.get("mode", TrainConfig.mode))
+    card = describe_model(base["model"])
+    data.setdefault("context", default_context(card))
     config = RunConfig.from_dict(base)
     config.validate()
+    check_context(config.data_config.context, card)
     return config
 
 

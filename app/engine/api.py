@@ -23,13 +23,13 @@ from app.engine.runs.kinds import GRPO, KINDS, SFT, RunKind, kind_of
 from app.engine.runs.queue import PENDING, Job, JobQueue, JobStateError
 from app.engine.runs.rundir import (RUN_NAME_MAX, RunDir, default_run_name, default_runs_dir,
                                     list_runs)
-from app.engine.runs.rundir import RunEntry, best_checkpoint, registered_runs
+from app.engine.runs.rundir import RunEntry, best_checkpoint, registered_runs, run_entry
 from app.engine.runs.worker import ensure_worker, stop_worker, worker_pid, worker_running
 from app.engine.runtime.backend import gpu_available
 from app.engine.runtime.schema import check, read_config_file
 from app.engine.text.chat_template import chat_prompt_ids, generation_prompt_ids
 from app.engine.training.config import TrainConfig
-from app.engine.training.config import check_context, default_context
+from app.engine.training.config import check_context, default_context, default_lr
 from app.engine.training.grpo import GrpoConfig, build_grpo_config
 from app.engine.training.memory import TrainingMemory, estimate_memory
 from app.engine.training.reward_functions import (RewardSpec, trust_reward_files,
@@ -44,6 +44,7 @@ __all__ = [
     "PENDING", "Job", "JobQueue", "JobStateError",
     "ensure_worker", "stop_worker", "worker_pid", "worker_running",
     "RunEntry", "best_checkpoint", "registered_runs", "check_context", "default_context",
+    "default_lr", "run_entry",
     "GRPO", "KINDS", "SFT", "RunKind", "kind_of",
     # models: the card, LoRA targets, loading for the Playground
     "ModelCard", "describe_model", "human_bytes", "human_count", "lora_param_count",

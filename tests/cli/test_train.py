@@ -45,7 +45,7 @@ def test_resume_extends_a_finished_run(tmp_path, capsys):
     assert run_cli(["resume", str(tmp_path / "run"), "--extend-epochs", "1", "--json"]) == 0
     steps = [json.loads(l) for l in capsys.readouterr().out.splitlines() if l.startswith("{")]
     steps = [e["step"] for e in steps if e["type"] == "step"]
-    assert steps[0] == 5 and steps[-1] == 2 * 29                # chat.jsonl: 29 steps per epoch
+    assert steps[0] == 5 and steps[-1] == 2 * 59     # chat.jsonl: 59 steps per epoch at context 256
 
 
 def test_train_into_the_queue(tmp_path, capsys):

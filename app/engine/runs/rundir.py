@@ -364,12 +364,14 @@ def registered_runs() -> list[RunEntry]:
     entries = {e["path"]: e for e in registry_entries()}
     for run in list_runs():
         entries.setdefault(str(run.path), {"path": str(run.path)})
-    rows = [_entry(e) for e in entries.values()]
+    rows = [run_entry(path, e) for path, e in entries.items()]
     return sorted(rows, key=lambda r: -r.created)
 
 
-def _entry(record: dict) -> RunEntry:
-    run = RunDir(record["path"])
+def run_entry(path: str | os.PathLike, registered: dict | None = None) -> RunEntry:
+    """The list row of the run at `path` (`registered`: its registry record, if any)."""
+    record = registered or {}
+    run = RunDir(path)
     fields = dict(path=run.path, name=run.name, kind=record.get("kind") or "sft",
                   model=record.get("model"), dataset=record.get("dataset"),
                   created=record.get("created") or 0.0, duration_s=None, step=None,

@@ -3,7 +3,7 @@ structure), checked by the run-config schema (`app.engine.runtime.schema`)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import ClassVar
 
 from app.engine.data.dataset import DataConfig
@@ -15,6 +15,11 @@ from app.engine.runtime.schema import (AT_LEAST_0, AT_LEAST_1, FRACTION, POSITIV
 from app.engine.training.optimizers import SCHEDULES
 
 TRAIN_MODES = ("lora", "full", "hybrid")
+# Learning rates (bench/defaults_sweep.py, docs/USER_GUIDE.md "Why these defaults"): one for
+# LoRA at any rank and alpha (the sweep found the best rate the same at ranks 4 to 64, and
+# scaling it by 1/alpha worse), another for full fine-tuning (the earlier default, not swept).
+LORA_LR = 5e-3
+FULL_LR = 1e-4
 OPTIMIZERS = ("adamw", "sgd", "lbfgs")
 
 
@@ -27,6 +32,11 @@ class TrainConfig:
     full_targets: tensor kinds or groups for hybrid runs: "norms", "router", "embeddings",
     "output", or kinds such as "attn_q".
     weight_decay: decoupled, on matrices only; 1-D tensors (norms, biases) are never decayed.
+    warmup_steps: linear warmup; 0: warmup_fraction of the run's steps.
+
+    The defaults (lr, schedule, warmup, clipping) come from the sweep in bench/defaults_sweep.py
+    (docs/USER_GUIDE.md, "Why these defaults"); lr is LoRA's: a full fine-tuning run that sets
+    none gets default_lr("full") from the CLI and the window.
     """
 
     mode: str = "lora"
@@ -38,15 +48,16 @@ class TrainConfig:
     lora_dropout: float = 0.0       # on 2-D targets' LoRA input; 3-D expert adapters have none (as PEFT)
     full_targets: tuple[str, ...] = ()
     optimizer: str = "adamw"
-    lr: float = 1e-4
+    lr: float = LORA_LR
     weight_decay: float = 0.0
     beta1: float = 0.9
     beta2: float = 0.999
     eps: float = 1e-8
     gclip: float = 0.0
-    max_grad_norm: float = 0.0
-    schedule: str = "constant"
+    max_grad_norm: float = 1.0
+    schedule: str = "cosine"
     warmup_steps: int = 0
+    warmup_fraction: float = 0.05
     min_lr: float = 0.0
     max_steps: int = 100
     grad_accum: int = 1
@@ -62,7 +73,8 @@ class TrainConfig:
                                                             for kind in kinds)])),
         lora_dropout=FRACTION, full_targets=TEXT, optimizer=OPTIMIZERS, lr=POSITIVE,
         weight_decay=AT_LEAST_0, beta1=FRACTION, beta2=FRACTION, eps=POSITIVE, gclip=AT_LEAST_0,
-        max_grad_norm=AT_LEAST_0, schedule=SCHEDULES, warmup_steps=AT_LEAST_0, min_lr=AT_LEAST_0,
+        max_grad_norm=AT_LEAST_0, schedule=SCHEDULES, warmup_steps=AT_LEAST_0,
+        warmup_fraction=FRACTION, min_lr=AT_LEAST_0,
         max_steps=AT_LEAST_1, grad_accum=AT_LEAST_1, checkpoint_interval=AT_LEAST_0,
         vocab_chunk=AT_LEAST_1, seed=AT_LEAST_0, device=("cpu", "cuda"),
         weight_cache_mb=AT_LEAST_0)
@@ -71,6 +83,12 @@ class TrainConfig:
     def cache_budget(self) -> int | None:
         """weight_cache_mb in bytes, for load_model (None: its default)."""
         return None if self.weight_cache_mb is None else self.weight_cache_mb << 20
+
+    def for_steps(self, total: int) -> "TrainConfig":
+        """This config for a run of `total` optimizer steps: max_steps, and the warmup in steps
+        (warmup_steps, else warmup_fraction of `total`)."""
+        warmup = self.warmup_steps or round(self.warmup_fraction * total)
+        return replace(self, max_steps=total, warmup_steps=min(warmup, total))
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
@@ -89,6 +107,12 @@ class TrainConfig:
         check(asdict(self), TrainConfig)
         if self.mode == "hybrid" and not self.full_targets:
             raise ConfigError("A hybrid run needs full_targets (e.g. norms, router).")
+
+
+def default_lr(mode: str) -> float:
+    """The learning rate a run of `mode` gets unless the user sets one: FULL_LR for full
+    fine-tuning, LORA_LR for LoRA and hybrid runs."""
+    return FULL_LR if mode == "full" else LORA_LR
 
 
 def model_context(model) -> int:

@@ -101,6 +101,8 @@ STD_EPS = 1e-6
 
 # ---- configuration --------------------------------------------------------------------------------
 
+GRPO_LR = 1e-4   # GRPO's own default learning rate (TrainConfig's is swept for supervised runs)
+
 @dataclass(frozen=True)
 class GrpoConfig:
     """One GRPO run, completely (saved as the run directory's config.json with "kind": "grpo").
@@ -113,7 +115,7 @@ class GrpoConfig:
     model: str
     prompts: str
     rewards: tuple[RewardSpec, ...] = (RewardSpec("exact"),)
-    train: TrainConfig = field(default_factory=TrainConfig)
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(lr=GRPO_LR))
     group_size: int = 8              # G completions per prompt
     prompts_per_step: int = 4        # P prompts per step
     temperature: float = 1.0
@@ -191,7 +193,7 @@ class GrpoConfig:
         if kind != KIND:
             raise ConfigError(f"This is a '{kind}' run configuration, not a GRPO one.")
         check(d, cls)       # every unknown key, wrong type or value out of range
-        train = TrainConfig.from_dict(d.pop("train", {}))
+        train = TrainConfig.from_dict({"lr": GRPO_LR, **d.pop("train", {})})
         rewards = tuple(RewardSpec.from_dict(r) for r in d.pop("rewards", [{"kind": "exact"}]))
         return cls(train=train, rewards=rewards, **d)
 
@@ -486,7 +488,7 @@ def train_grpo(config: GrpoConfig, report: Report, should_stop: ShouldStop,
                                'Rows need "messages" or "prompt", and the reference field the '
                                "rewards use.")
         adapter = load_adapter(config.adapter) if config.adapter else None
-        session = TrainSession(model, dataclasses.replace(config.train, max_steps=total), adapter)
+        session = TrainSession(model, config.train.for_steps(total), adapter)
         state = {"bad_streak": 0, "skipped_steps": 0, "last_eval_step": -1,
                  "best_reward": -math.inf, "best_step": 0}
         ckpt_dir = resume(session, checkpoints, state, report)

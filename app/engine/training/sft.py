@@ -151,7 +151,7 @@ def train(config: RunConfig, report: Report, should_stop: ShouldStop,
         total = min(total, config.max_steps)
     n_epochs = config.epochs or math.ceil(total / steps_per_epoch)
     adapter = load_adapter(config.adapter) if config.adapter else None
-    session = TrainSession(model, dataclasses.replace(tc, max_steps=total), adapter)
+    session = TrainSession(model, tc.for_steps(total), adapter)
     state = {"epoch": 0, "step_in_epoch": 0, "best_loss": math.inf, "best_step": 0,
              "evals_without_gain": 0, "bad_streak": 0, "skipped_steps": 0}
     ckpt_dir = resume(session, checkpoints, state, report)

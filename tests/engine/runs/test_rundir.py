@@ -21,7 +21,9 @@ from app.engine.errors import CheckpointError, ConfigError, EngineError
 from app.engine.runs.rundir import RunDir, list_runs
 from app.engine.runtime.files import (DiskFullError, StorageError, atomic_write_bytes,
                                       atomic_write_json, read_json)
-from tests.conftest import REPO
+from tests.conftest import REPO, SAMPLE_DATA
+
+MODEL = str(SAMPLE_DATA / "tiny-moe.gguf")   # the CLI reads its context before a run folder exists
 
 
 def _leftovers(folder) -> list[str]:
@@ -322,7 +324,7 @@ def test_a_run_folder_name_over_255_bytes_is_a_config_error(tmp_path, capsys):
         RunDir.create(tmp_path / ("a" * 300), {})
     with pytest.raises(ConfigError, match="is 256 bytes long"):
         RunDir.create(tmp_path / ("é" * 128) / "run", {})           # 2 bytes a letter
-    assert run_cli(["train", "-m", "model.gguf", "-d", "data.jsonl", "--queue",
+    assert run_cli(["train", "-m", MODEL, "-d", "data.jsonl", "--queue",
                     str(tmp_path / "q.sqlite3"), "-o", str(tmp_path / ("r" * 300))]) == 2
     err = capsys.readouterr().err
     assert "is 300 bytes long; file systems allow at most 255" in err
@@ -335,7 +337,7 @@ def test_default_run_names_are_shortened_at_a_character(tmp_path, monkeypatch, c
     assert rd.default_run_name("data")[-5:] == "-data"
     monkeypatch.setattr(rd, "default_runs_dir", lambda: tmp_path / "runs")
     data = tmp_path / ("d" * 249 + ".jsonl")                        # a 255-byte file name
-    assert run_cli(["train", "-m", "model.gguf", "-d", str(data), "--queue",
+    assert run_cli(["train", "-m", MODEL, "-d", str(data), "--queue",
                     str(tmp_path / "q.sqlite3")]) == 0
     [run] = list_runs(tmp_path / "runs")
     assert len(os.fsencode(run.name)) == rd.RUN_NAME_MAX and run.name.endswith("dddd")

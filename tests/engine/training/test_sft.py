@@ -38,7 +38,8 @@ def data_file(tmp_path):
 
 def _config(data_file, **kw):
     train_cfg = TrainConfig(mode="lora", lr=1e-2, lora_targets=("attention", "experts", "router"),
-                            lora_dropout=0.1, schedule=kw.pop("schedule", "cosine"))
+                            lora_dropout=0.1, schedule=kw.pop("schedule", "cosine"),
+                            warmup_fraction=kw.pop("warmup_fraction", 0.05))
     return RunConfig(model=str(GOLDEN / "mixtral-q8_0.gguf"), data=str(data_file), train=train_cfg,
                      data_config=DataConfig(context=48, val_fraction=0.2), epochs=2,
                      norms_every=3, eval_every=4, **kw)
@@ -80,8 +81,10 @@ def test_pause_and_resume_is_bit_identical(tmp_path, data_file, pause_after):
 
 def test_extend_a_finished_run_by_an_epoch(tmp_path, data_file):
     two = []
-    train(_config(data_file, schedule="constant"), two.append, lambda: None, tmp_path / "a")
-    one = dataclasses.replace(_config(data_file, schedule="constant"), epochs=1)
+    # a constant rate without warmup: the schedule does not depend on the run's length
+    constant = dict(schedule="constant", warmup_fraction=0.0)
+    train(_config(data_file, **constant), two.append, lambda: None, tmp_path / "a")
+    one = dataclasses.replace(_config(data_file, **constant), epochs=1)
     first, more = [], []
     train(one, first.append, lambda: None, tmp_path / "b")
     train(dataclasses.replace(one, epochs=2), more.append, lambda: None, tmp_path / "b")
