@@ -52,9 +52,22 @@ def kernels() -> SimpleNamespace:
 
     f32 = np.float32
 
-    @jit.njit(inline="always")
+    def helper(stub):
+        """Register the decorated implementation of the one-argument `stub`, inlined where a
+        kernel calls it.
+        Kernels call helpers through such plain-function stubs, not through other compiled
+        functions: Numba's disk cache misses, in every new process, a kernel whose closure
+        holds a compiled function (3 s per kernel recompiled on each start)."""
+        def register(impl):
+            overload(stub, jit_options=dict(inline="always"))(lambda x: impl)
+            return impl
+        return register
+
     def exp32(x):
         """Cephes expf for a float32 x, branch-free (selects) so that loops over it vectorize."""
+
+    @helper(exp32)
+    def _exp32(x):
         xc = min(max(x, f32(EXP_LO)), f32(EXP_HI))
         n = np.floor(xc * f32(1.44269504088896341) + f32(0.5))   # x = n ln2 + r, |r| <= ln2/2
         r = xc - n * f32(0.693359375) + n * f32(2.12194440e-4)    # ln2 in two parts
@@ -90,22 +103,24 @@ def kernels() -> SimpleNamespace:
             return lambda x: f32(1.0) - f32(2.0) / (exp32(f32(2.0) * x) + f32(1.0))
         return lambda x: np.tanh(x)
 
-    @jit.njit(inline="always")
-    def sum8(a):
-        """a: (C,) -> sum in float64 over eight lanes."""
+    def sum8(x):
+        """x: (C,) -> sum in float64 over eight lanes."""
+
+    @helper(sum8)
+    def _sum8(x):
         s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = 0.0
-        n = a.size - a.size % 8
+        n = x.size - x.size % 8
         for j in range(0, n, 8):
-            s0 += np.float64(a[j])
-            s1 += np.float64(a[j + 1])
-            s2 += np.float64(a[j + 2])
-            s3 += np.float64(a[j + 3])
-            s4 += np.float64(a[j + 4])
-            s5 += np.float64(a[j + 5])
-            s6 += np.float64(a[j + 6])
-            s7 += np.float64(a[j + 7])
-        for j in range(n, a.size):
-            s0 += np.float64(a[j])
+            s0 += np.float64(x[j])
+            s1 += np.float64(x[j + 1])
+            s2 += np.float64(x[j + 2])
+            s3 += np.float64(x[j + 3])
+            s4 += np.float64(x[j + 4])
+            s5 += np.float64(x[j + 5])
+            s6 += np.float64(x[j + 6])
+            s7 += np.float64(x[j + 7])
+        for j in range(n, x.size):
+            s0 += np.float64(x[j])
         return ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
 
     @jit.njit()
@@ -160,22 +175,24 @@ def kernels() -> SimpleNamespace:
                 for j in range(n_rot, d):
                     out[t, h, j] = x[t, h, j]
 
-    @jit.njit(inline="always")
-    def max8(a):
-        """a: (C,) -> max over eight lanes (selects, which vectorize; no NaN expected)."""
-        m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = a.dtype.type(-np.inf)
-        n = a.size - a.size % 8
+    def max8(x):
+        """x: (C,) -> max over eight lanes (selects, which vectorize; no NaN expected)."""
+
+    @helper(max8)
+    def _max8(x):
+        m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = x.dtype.type(-np.inf)
+        n = x.size - x.size % 8
         for j in range(0, n, 8):
-            m0 = a[j] if a[j] > m0 else m0
-            m1 = a[j + 1] if a[j + 1] > m1 else m1
-            m2 = a[j + 2] if a[j + 2] > m2 else m2
-            m3 = a[j + 3] if a[j + 3] > m3 else m3
-            m4 = a[j + 4] if a[j + 4] > m4 else m4
-            m5 = a[j + 5] if a[j + 5] > m5 else m5
-            m6 = a[j + 6] if a[j + 6] > m6 else m6
-            m7 = a[j + 7] if a[j + 7] > m7 else m7
-        for j in range(n, a.size):
-            m0 = a[j] if a[j] > m0 else m0
+            m0 = x[j] if x[j] > m0 else m0
+            m1 = x[j + 1] if x[j + 1] > m1 else m1
+            m2 = x[j + 2] if x[j + 2] > m2 else m2
+            m3 = x[j + 3] if x[j + 3] > m3 else m3
+            m4 = x[j + 4] if x[j + 4] > m4 else m4
+            m5 = x[j + 5] if x[j + 5] > m5 else m5
+            m6 = x[j + 6] if x[j + 6] > m6 else m6
+            m7 = x[j + 7] if x[j + 7] > m7 else m7
+        for j in range(n, x.size):
+            m0 = x[j] if x[j] > m0 else m0
         return max(max(max(m0, m1), max(m2, m3)), max(max(m4, m5), max(m6, m7)))
 
     @jit.njit()
