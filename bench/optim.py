@@ -7,20 +7,23 @@ one warm-up round, in M parameters/s (and the best of the repeats). The variants
 interleaved, one step of each per round, so background load affects them alike.
 
 Rows: ``naive`` writes the formula as NumPy expressions (a new array per operation);
-``in-place, whole arrays`` is optim.AdamW with chunking disabled (in-place ufuncs over whole
-tensors); ``optim.AdamW`` is the default (in-place ufuncs over cache-sized chunks); the last rows
-add weight decay and both clippings, and SGD. The optim rows include the global-norm / NaN
-check that the naive version does not do.
+``in-place, whole arrays`` is optim.AdamW's NumPy update (WORKBENCH_KERNELS=numpy) with chunking
+disabled (in-place ufuncs over whole tensors); ``in-place, chunks`` the NumPy update as it runs
+(in-place ufuncs over cache-sized chunks); ``compiled`` the default, one Numba pass per chunk
+(app.engine.kernels.compiled_adamw); then weight decay and both clippings on each path, and SGD.
+The optim rows include the global-norm / NaN check that the naive version does not do.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
 import numpy as np
 
+from app.engine.kernels import jit
 from app.engine.training import optimizers as optim
 
 
@@ -67,25 +70,32 @@ def main() -> None:
             naive_adamw(params, grads, m, v, step[0], xp=xp)
         return run
 
-    def optim_variant(make, chunk_bytes=None):
+    def optim_variant(make, chunk_bytes=None, kernels="numpy"):
         opt = make(fresh())
 
         def run():
-            saved = optim._CHUNK_BYTES
+            saved = optim._CHUNK_BYTES, os.environ.get(jit.ENV_VAR)
             if chunk_bytes is not None:
                 optim._CHUNK_BYTES = chunk_bytes
+            os.environ[jit.ENV_VAR] = kernels
             try:
                 opt.step(grads)
             finally:
-                optim._CHUNK_BYTES = saved
+                optim._CHUNK_BYTES = saved[0]
+                os.environ.pop(jit.ENV_VAR)
+                if saved[1] is not None:
+                    os.environ[jit.ENV_VAR] = saved[1]
         return run
+
+    clipped = lambda p: optim.AdamW(p, weight_decay=0.01, gclip=0.02, max_grad_norm=1.0)
 
     variants = [
         ("naive expressions", naive_variant()),
         ("AdamW in-place, whole arrays", optim_variant(optim.AdamW, chunk_bytes=2**62)),
         (f"AdamW in-place, {optim._CHUNK_BYTES // 1024} KiB chunks", optim_variant(optim.AdamW)),
-        ("  + weight_decay, gclip, max_grad_norm", optim_variant(
-            lambda p: optim.AdamW(p, weight_decay=0.01, gclip=0.02, max_grad_norm=1.0))),
+        ("  + weight_decay, gclip, max_grad_norm", optim_variant(clipped)),
+        ("AdamW compiled, one pass", optim_variant(optim.AdamW, kernels="compiled")),
+        ("  + weight_decay, gclip, max_grad_norm ", optim_variant(clipped, kernels="compiled")),
         ("SGD (+ weight_decay)", optim_variant(lambda p: optim.SGD(p, lr=1e-3, weight_decay=0.01))),
     ]
     # Interleave the variants (one timed step of each per round) so that load from other
