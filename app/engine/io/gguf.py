@@ -156,6 +156,12 @@ class _Cursor:
         raise self.fail(f"{what} has unknown value type {vtype}")
 
 
+def _shown(magic: bytes) -> str:
+    """A file's first bytes for a message: as text when printable ("GGML"), else in hex."""
+    text = magic.decode("ascii", "replace")
+    return f'"{text}"' if text.isprintable() and text.isascii() else "the bytes " + magic.hex(" ")
+
+
 class GGUFFile:
     """A parsed, validated GGUF file with memory-mapped tensor data."""
 
@@ -193,7 +199,8 @@ class GGUFFile:
         magic = bytes(cur.buf[0:4])
         if magic != GGUF_MAGIC:
             raise ModelFormatError(
-                f"{Path(self.path).name} is not a GGUF file (it starts with {magic!r}, not b'GGUF').",
+                f"{Path(self.path).name} is not a GGUF file: it starts with {_shown(magic)}, "
+                "not \"GGUF\".",
                 "Pick a .gguf model; convert other formats with llama.cpp's convert_hf_to_gguf.py.")
         cur.pos = 4
         self.version = cur.u32("version")
