@@ -14,17 +14,19 @@ them with llama.cpp's rules (`llama_vocab::impl::load`, src/llama-vocab.cpp) and
   (`Prepend` + `Replace`), not `Metaspace`, which skips the prefix when the text already starts
   with a space. Gemma needs nothing more: its multi-space and newline tokens are user-defined,
   so they are split off before the model sees the text, exactly as llama.cpp does.
-* `gpt2` (byte-level BPE): the file's merges, and the pre-tokenizer regexes llama.cpp uses for
-  the file's `tokenizer.ggml.pre` (applied in sequence, each isolating its matches), then the
-  GPT-2 byte alphabet.
+* `gpt2` (BPE): the file's merges, and the pre-tokenizer llama.cpp uses for the file's
+  `tokenizer.ggml.pre` (pretokenizers.py: every name llama.cpp accepts, as regex splits), then
+  the GPT-2 byte alphabet. A few pre-tokenizers (gemma4, sarvam-moe, whitespace) skip the byte
+  alphabet: raw UTF-8 with `<0xXX>` byte-fallback tokens, spaces written U+2581 for the first two.
+* `gemma4`: BPE with the `gemma4` pre-tokenizer, whatever the file's `tokenizer.ggml.pre` says.
 
 Special tokens follow llama.cpp's partitioning: CONTROL and UNKNOWN tokens are cut out of the
 text only with `parse_special=True`; USER_DEFINED tokens always are. They become HF added
 tokens (special and non-special) and `encode_special_tokens` switches the former off.
 Known, accepted differences from llama.cpp: where two special-token occurrences overlap, HF
 takes the leftmost-longest match while llama.cpp matches the longest token text first over the
-whole string; Phi-3's right-strip after special tokens strips Unicode whitespace, llama.cpp only
-ASCII whitespace.
+whole string; the whitespace stripped beside special tokens (Phi-3, jina-v2's mask) is Unicode
+whitespace in HF, ASCII whitespace in llama.cpp.
 
 Decoding does not use HF: it replays llama.cpp's `token_to_piece` and `detokenize` (leading-space
 removal, `clean_spaces`, BOS/EOS removal) over per-token byte pieces, which is short and exact.
@@ -32,11 +34,11 @@ removal, `clean_spaces`, BOS/EOS removal) over per-token byte pieces, which is s
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
 import threading
-from dataclasses import dataclass
 from itertools import chain
 from typing import Any
 
@@ -46,9 +48,10 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from app.engine.errors import ModelFormatError, UnsupportedModelError
 from app.engine.io.gguf import read_gguf
+from app.engine.text.pretokenizers import PRE_RULES, TYPES, PreRules, PreType
 
 # Bump when a change here alters token ids or the rules hashed by `Tokenizer.hash()`.
-_IMPLEMENTATION_VERSION = 1
+_IMPLEMENTATION_VERSION = 2
 
 # `tokenizer.ggml.token_type` values (gguf constants / llama.h `llama_token_type`).
 _TYPE_NORMAL, _TYPE_UNKNOWN, _TYPE_CONTROL, _TYPE_USER_DEFINED, _TYPE_UNUSED, _TYPE_BYTE = range(1, 7)
@@ -60,6 +63,7 @@ _ATTR_NORMAL = 1 << 2
 _ATTR_CONTROL = 1 << 3
 _ATTR_USER_DEFINED = 1 << 4
 _ATTR_BYTE = 1 << 5
+_ATTR_LSTRIP = 1 << 7
 _ATTR_RSTRIP = 1 << 8
 
 _TYPE_TO_ATTR = {
@@ -92,71 +96,6 @@ _FIM_EOG = ("pad", "rep", "sep")
 # gpt-oss: llama.cpp always renders these, as USER_DEFINED tokens.
 _ALWAYS_USER_DEFINED = frozenset({"<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"})
 
-# ---- pre-tokenizer regexes: verbatim from llama.cpp's `llm_tokenizer_bpe` -------------------
-_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
-_GPT2_RE = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
-_REGEXES: dict[str, tuple[str, ...]] = {
-    "default": (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_RE, r"\p{N}+", r"[0-9][0-9][0-9]"),
-    "gpt2": (_GPT2_RE,),
-    "llama3": (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-               r"|\s*[\r\n]+|\s+(?!\S)|\s+",),
-    "qwen2": (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-              r"|\s*[\r\n]+|\s+(?!\S)|\s+",),
-    "qwen35": (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+"
-               r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",),
-    "starcoder": (r"\p{N}", _GPT2_RE),
-    # llama.cpp's own spelling of the tekken / gpt-4o regexes: "upper" means a letter that is
-    # not a-z, "lower" a letter that is not A-Z.
-    "tekken": (r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+"
-               r"|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*"
-               r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",),
-    "gpt4o": (r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+" + _CONTRACTIONS
-              + r"?|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*" + _CONTRACTIONS
-              + r"?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",),
-    "deepseek3": (r"\p{N}{1,3}", r"[一-龥぀-ゟ゠-ヿ]+",
-                  r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?"
-                  r"[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
-}
-
-
-@dataclass(frozen=True)
-class _PreRules:
-    """What a `tokenizer.ggml.pre` name means to llama.cpp (`llama_vocab::impl::load`)."""
-
-    regexes: str                 # key into _REGEXES
-    ignore_merges: bool = False  # a whole pre-token found in the vocab is emitted as is
-    add_bos: bool = False        # default of add_bos_token before the file's key
-    clean_spaces: bool = True    # detokenizer's clean_up_tokenization_spaces
-    no_bos: bool = False         # the family has no BOS token unless the file names one
-
-
-_LLAMA3 = _PreRules("llama3", ignore_merges=True, add_bos=True)
-_QWEN2 = _PreRules("qwen2", clean_spaces=False)
-_GPT4O = _PreRules("gpt4o", clean_spaces=False)
-_PRE_RULES: dict[str, _PreRules] = {
-    "default": _PreRules("default"),
-    **dict.fromkeys(["gpt-2", "phi-2", "gigachat", "a.x-4.0", "mellum", "mpt", "olmo", "jais",
-                     "exaone4"], _PreRules("gpt2")),
-    **dict.fromkeys(["trillion", "granite-docling"], _PreRules("gpt2", clean_spaces=False)),
-    **dict.fromkeys(["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral",
-                     "midm-2.0", "lfm2", "jina-v5-nano"], _LLAMA3),
-    **dict.fromkeys(["dbrx", "smaug-bpe"], _PreRules("llama3")),
-    "chatglm-bpe": _PreRules("llama3", no_bos=True),
-    **dict.fromkeys(["glm4", "glm5"], _PreRules("llama3", ignore_merges=True, no_bos=True)),
-    **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "hunyuan", "solar-open",
-                     "grok-2"], _QWEN2),
-    **dict.fromkeys(["stablelm2", "megrez"], _PreRules("qwen2")),
-    "qwen35": _PreRules("qwen35", clean_spaces=False),
-    **dict.fromkeys(["starcoder", "refact", "codeshell", "exaone", "minerva-7b", "mellum2"],
-                    _PreRules("starcoder")),
-    **dict.fromkeys(["command-r", "smollm"], _PreRules("starcoder", clean_spaces=False)),
-    "tekken": _PreRules("tekken", ignore_merges=True, add_bos=True, clean_spaces=False),
-    **dict.fromkeys(["gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"], _GPT4O),
-    **dict.fromkeys(["deepseek-v3", "hunyuan-dense", "joyai-llm", "hy_v4"],
-                    _PreRules("deepseek3", clean_spaces=False)),
-}
-
-
 def _byte_alphabet() -> dict[str, int]:
     """GPT-2 alphabet character -> byte value."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
@@ -178,9 +117,9 @@ _TO_LATIN1 = {**{c: "\uffff" for c in range(256)}, **{ord(ch): chr(b) for ch, b 
 
 # ---- the vocabulary, resolved with llama.cpp's rules ------------------------------------------
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class _Vocab:
-    kind: str                       # "spm" or "bpe"
+    kind: str                       # "spm" or "bpe" (llama.cpp's vocab type)
     pre: str                        # tokenizer.ggml.pre as llama.cpp resolved it
     tokens: list[str]
     attrs: np.ndarray               # (V,) int32 llama_token_attr bits, after llama.cpp's overrides
@@ -195,7 +134,8 @@ class _Vocab:
     add_space_prefix: bool
     clean_spaces: bool
     ignore_merges: bool
-    regexes: tuple[str, ...]
+    escape_whitespaces: bool        # BPE: spaces are U+2581 in the vocabulary
+    pre_type: PreType | None        # BPE only
 
 
 def _as_list(value: Any) -> list:
@@ -271,8 +211,8 @@ def _resolve_attrs(tokens: list[str], types: np.ndarray, meta: dict[str, Any],
     eog.update(i for i in (_token_id(meta, "eot", None, len(tokens)),
                            _token_id(meta, "eom", None, len(tokens)), eos_id) if i is not None)
     _harmony_end_fix(tokens, attrs, eog)
-    if _is_phi3(meta):
-        _phi3_rstrip(index, attrs)
+    _normal_s_fix(tokens, attrs, eog)
+    _strip_attrs(meta, index, attrs)
     return attrs, frozenset(eog)
 
 
@@ -286,20 +226,44 @@ def _harmony_end_fix(tokens: list[str], attrs: np.ndarray, eog: set[int]) -> Non
         attrs[end] = _ATTR_USER_DEFINED
 
 
-def _is_phi3(meta: dict[str, Any]) -> bool:
+def _normal_s_fix(tokens: list[str], attrs: np.ndarray, eog: set[int]) -> None:
+    """gemma4 / plamo: `</s>` is a normal token there, not an end of generation (:3004-3032)."""
+    texts = {tokens[i]: i for i in eog}
+    if "</s>" in texts and ("<|tool_response>" in texts or "<|plamo:eos|>" in texts):
+        eog.discard(texts["</s>"])
+        attrs[texts["</s>"]] = _ATTR_NORMAL
+
+
+def _strip_attrs(meta: dict[str, Any], index: dict[str, int], attrs: np.ndarray) -> None:
+    """Whitespace llama.cpp strips beside some special tokens, chosen by the pre-tokenizer,
+    architecture or `general.name` as llama.cpp does (:3089-3138): before the mask token of
+    jina-v2 / nomic-bert-moe / jina-bert-v3 and modern-bert; after Phi-3's special tokens, except
+    <unk>, <s> and <|endoftext|>."""
     name = str(meta.get("general.name", "")).lower()
-    return "phi-3" in name or "phi3" in name
+    pre, arch = str(meta.get("tokenizer.ggml.pre", "")), str(meta.get("general.architecture", ""))
+    if any(p in pre for p in ("jina-v2-de", "jina-v2-es", "jina-v2-code")) or \
+            any(a in arch for a in ("nomic-bert-moe", "jina-bert-v3")):
+        if "<mask>" in index:
+            attrs[index["<mask>"]] |= _ATTR_LSTRIP
+    elif "phi-3" in name or "phi3" in name:
+        attrs[(attrs & (_ATTR_CONTROL | _ATTR_USER_DEFINED | _ATTR_UNKNOWN)) != 0] |= _ATTR_RSTRIP
+        if "</s>" in index:
+            attrs[index["</s>"]] |= _ATTR_RSTRIP
+        for text in ("<unk>", "<s>", "<|endoftext|>"):
+            if text in index:
+                attrs[index[text]] &= ~_ATTR_RSTRIP
+    elif "modern-bert" in name and "[MASK]" in index:
+        attrs[index["[MASK]"]] |= _ATTR_LSTRIP
 
 
-def _phi3_rstrip(index: dict[str, int], attrs: np.ndarray) -> None:
-    """llama.cpp strips whitespace after Phi-3's special tokens, except after <unk>, <s> and
-    <|endoftext|> (chosen by `general.name`, as llama.cpp does)."""
-    attrs[(attrs & (_ATTR_CONTROL | _ATTR_USER_DEFINED | _ATTR_UNKNOWN)) != 0] |= _ATTR_RSTRIP
-    if "</s>" in index:
-        attrs[index["</s>"]] |= _ATTR_RSTRIP
-    for text in ("<unk>", "<s>", "<|endoftext|>"):
-        if text in index:
-            attrs[index[text]] &= ~_ATTR_RSTRIP
+# tokenizer.ggml.model -> llama.cpp's default BOS, EOS and UNK ids (`llama_vocab::impl::load`).
+_MODEL_DEFAULTS: dict[str, tuple[int | None, int | None, int | None]] = {
+    "llama": (1, 2, 0),              # SPM, :1971-1980
+    "gpt2": (11, 11, None),          # BPE, :1993-2037
+    "gemma4": (None, None, None),    # BPE with the gemma4 pre-tokenizer, :2110-2152
+}
+# SPM has no pre-tokenizer; its flags (:2430-2435).
+_SPM_RULES = PreRules("DEFAULT", add_bos=True, clean_spaces=False)
 
 
 def _tokenizer_model(meta: dict[str, Any]) -> str:
@@ -307,26 +271,27 @@ def _tokenizer_model(meta: dict[str, Any]) -> str:
     if model is None:
         raise ModelFormatError("The file has no tokenizer (tokenizer.ggml.model is missing).",
                                "Use a model file that includes its tokenizer.")
-    if model not in ("llama", "gpt2"):
+    if model not in _MODEL_DEFAULTS:
         raise UnsupportedModelError(
             f"The model's tokenizer type is {model!r}; the workbench supports 'llama' "
-            "(SentencePiece) and 'gpt2' (byte-level BPE).",
+            "(SentencePiece), 'gpt2' and 'gemma4' (BPE).",
             "Pick a model with one of these tokenizers (Llama, Mistral, Gemma, Qwen, Phi, ...).")
     return model
 
 
-def _pre_rules(meta: dict[str, Any]) -> tuple[str, _PreRules]:
-    """A BPE file's pre-tokenizer; a missing name means "default", as in llama.cpp."""
-    pre = meta.get("tokenizer.ggml.pre") or "default"
-    if pre not in _PRE_RULES:
+def _pre_rules(meta: dict[str, Any], model: str) -> tuple[str, PreRules]:
+    """A BPE file's pre-tokenizer: a `gemma4` file's is always gemma4 (:2151), a missing name
+    means "default" (:2159-2167), an unknown one is refused, as in llama.cpp."""
+    pre = "gemma4" if model == "gemma4" else meta.get("tokenizer.ggml.pre") or "default"
+    if pre not in PRE_RULES:
         raise UnsupportedModelError(
             f"The model's pre-tokenizer {pre!r} is not supported; supported: "
-            f"{', '.join(sorted(_PRE_RULES))}.",
+            f"{', '.join(sorted(PRE_RULES))}.",
             "Pick a model whose tokenizer the workbench knows, or report the model name.")
-    if "tokenizer.ggml.merges" not in meta:
+    if "tokenizer.ggml.merges" not in meta and pre != "kimi-k2":  # kimi-k2 may lack them, :1999-2008
         raise ModelFormatError("The BPE tokenizer has no merges (tokenizer.ggml.merges).",
                                "Re-convert the model with a current llama.cpp.")
-    return pre, _PRE_RULES[pre]
+    return pre, PRE_RULES[pre]
 
 
 def _read_vocab(meta: dict[str, Any]) -> _Vocab:
@@ -337,15 +302,15 @@ def _read_vocab(meta: dict[str, Any]) -> _Vocab:
     types = _per_token(meta, "tokenizer.ggml.token_type", n, _TYPE_NORMAL, np.int32)
     scores = _per_token(meta, "tokenizer.ggml.scores", n, 0.0, np.float32)
     if model == "llama":
-        pre, rules, merges = "default", _PreRules("default", add_bos=True, clean_spaces=False), []
-        bos_id, eos_id = _token_id(meta, "bos", 1, n), _token_id(meta, "eos", 2, n)
-        unk_id = _token_id(meta, "unknown", 0, n)
+        pre, rules, pre_type, merges = "default", _SPM_RULES, None, []
     else:
-        pre, rules = _pre_rules(meta)
-        merges = _as_list(meta["tokenizer.ggml.merges"])
-        bos_id = _token_id(meta, "bos", None if rules.no_bos else 11, n)
-        eos_id, unk_id = _token_id(meta, "eos", 11, n), _token_id(meta, "unknown", None, n)
+        pre, rules = _pre_rules(meta, model)
+        pre_type, merges = TYPES[rules.type], _as_list(meta.get("tokenizer.ggml.merges", []))
+    bos, eos, unk = _MODEL_DEFAULTS[model]
+    bos_id = _token_id(meta, "bos", None if rules.no_bos else bos, n)
+    eos_id, unk_id = _token_id(meta, "eos", eos, n), _token_id(meta, "unknown", unk, n)
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", rules.add_bos))
+    add_bos = add_bos or (pre_type is not None and pre_type.force_bos)
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
     if add_bos and bos_id is None or add_eos and eos_id is None:
         raise ModelFormatError("The tokenizer must add a BOS/EOS token but the file names none.",
@@ -357,7 +322,7 @@ def _read_vocab(meta: dict[str, Any]) -> _Vocab:
         add_bos=add_bos, add_eos=add_eos,
         add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", model == "llama")),
         clean_spaces=rules.clean_spaces, ignore_merges=rules.ignore_merges,
-        regexes=_REGEXES[rules.regexes] if model == "gpt2" else ())
+        escape_whitespaces=rules.escape_whitespaces, pre_type=pre_type)
 
 
 # ---- the HF pipeline --------------------------------------------------------------------------
@@ -414,7 +379,8 @@ def _added_tokens(vocab: _Vocab, hf_vocab: dict[str, int]) -> list[AddedToken]:
     partition = _ATTR_CONTROL | _ATTR_USER_DEFINED | _ATTR_UNKNOWN
     return [
         AddedToken(names[i], special=bool(vocab.attrs[i] & (_ATTR_CONTROL | _ATTR_UNKNOWN)),
-                   normalized=False, rstrip=bool(vocab.attrs[i] & _ATTR_RSTRIP))
+                   normalized=False, lstrip=bool(vocab.attrs[i] & _ATTR_LSTRIP),
+                   rstrip=bool(vocab.attrs[i] & _ATTR_RSTRIP))
         for i in np.flatnonzero(vocab.attrs & partition).tolist()
         if names[i] == vocab.tokens[i]
     ]
@@ -431,11 +397,16 @@ def _build_backend(vocab: _Vocab) -> HFTokenizer:
             steps.insert(0, normalizers.Prepend("▁"))
         backend.normalizer = normalizers.Sequence(steps)
     else:
+        pre_type = vocab.pre_type
         backend = HFTokenizer(models.BPE(vocab=hf_vocab, merges=_bpe_merges(vocab.merges, hf_vocab),
-                                         ignore_merges=vocab.ignore_merges))
-        splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in vocab.regexes]
-        backend.pre_tokenizer = pre_tokenizers.Sequence(
-            [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+                                         ignore_merges=vocab.ignore_merges,
+                                         byte_fallback=not pre_type.byte_encode))
+        if vocab.escape_whitespaces:
+            backend.normalizer = normalizers.Replace(" ", "▁")
+        steps = [pre_tokenizers.Split(Regex(r), behavior=b) for r, b in pre_type.splits]
+        if pre_type.byte_encode:
+            steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
+        backend.pre_tokenizer = pre_tokenizers.Sequence(steps)
     added = _added_tokens(vocab, hf_vocab)
     backend.add_special_tokens([t for t in added if t.special])
     backend.add_tokens([t for t in added if not t.special])
@@ -469,7 +440,7 @@ def _piece(vocab: _Vocab, token_id: int) -> bytes:
     if attr & (_ATTR_UNKNOWN | _ATTR_CONTROL | _ATTR_USER_DEFINED):
         return text.encode("utf-8", "surrogateescape")
     if attr & _ATTR_NORMAL:
-        if vocab.kind == "spm":
+        if vocab.kind == "spm" or vocab.escape_whitespaces:
             return text.replace("▁", " ").encode("utf-8", "surrogateescape")
         return _byte_level_decode(text)
     if attr & _ATTR_BYTE:
@@ -608,7 +579,7 @@ class Tokenizer:
         """SHA-256 hex digest of everything that decides token ids, for caching tokenized data.
 
         Covers the vocabulary, scores, merges, attributes after llama.cpp's overrides, special
-        ids and flags, the pre-tokenizer regexes, and an implementation version bumped whenever
+        ids and flags, the pre-tokenizer's splits, and an implementation version bumped whenever
         this module would tokenize differently. The chat template is not included.
         """
         if self._hash is None:
@@ -616,10 +587,11 @@ class Tokenizer:
             h = hashlib.sha256()
             rules = {
                 "impl": _IMPLEMENTATION_VERSION, "kind": v.kind, "pre": v.pre,
-                "regexes": v.regexes, "bos": v.bos_id, "eos": v.eos_id, "unk": v.unk_id,
+                "pre_type": dataclasses.asdict(v.pre_type) if v.pre_type else None,
+                "bos": v.bos_id, "eos": v.eos_id, "unk": v.unk_id,
                 "eog": sorted(v.eog_ids), "add_bos": v.add_bos, "add_eos": v.add_eos,
                 "add_space_prefix": v.add_space_prefix, "clean_spaces": v.clean_spaces,
-                "ignore_merges": v.ignore_merges,
+                "ignore_merges": v.ignore_merges, "escape_whitespaces": v.escape_whitespaces,
             }
             h.update(json.dumps(rules, sort_keys=True).encode())
             for block in (v.tokens, v.merges):
