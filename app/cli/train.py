@@ -20,7 +20,7 @@ from app.engine.errors import ConfigError
 TRAIN_DEFAULTS = {
     "--mode": "train.mode", "--rank": "train.lora_rank", "--alpha": "train.lora_alpha",
     "--targets": "train.lora_targets", "--dropout": "train.lora_dropout",
-    "--optimizer": "train.optimizer", "--lr": "train.lr", "--schedule": "train.schedule",
+    "--optimizer": "train.optimizer", "--schedule": "train.schedule",
     "--warmup": "train.warmup_steps", "--warmup-fraction": "train.warmup_fraction",
     "--epochs": "run.epochs", "--max-steps": "run.max_steps", "--grad-accum": "train.grad_accum",
     "--gclip": "train.gclip", "--max-grad-norm": "train.max_grad_norm",
@@ -29,7 +29,8 @@ TRAIN_DEFAULTS = {
     "--normalize": "data.normalize", "--overflow": "data.overflow", "--packing": "data.packing",
     "--chat-loss": "data.chat_loss", "--eval-every": "run.eval_every",
     "--save-every": "run.save_every", "--patience": "run.patience"}
-LR_HELP = "learning rate (full fine-tuning: 0.0001 unless set)"
+LR_HELP = ("learning rate (default: 0.005 x sqrt(16 / alpha) for LoRA, whatever the rank; "
+           "0.0001 for full fine-tuning)")
 
 
 def add_train_parsers(sub) -> None:
@@ -152,7 +153,8 @@ def run_config_from_args(args):
     if "model" not in base or "data" not in base:
         raise ConfigError("A run needs a model and a dataset.", "Pass --model and --data.")
     if "lr" not in train:
-        train["lr"] = default_lr(train.get("mode", TrainConfig.mode))
+        train["lr"] = default_lr(train.get("mode", TrainConfig.mode),
+                                 train.get("lora_alpha", TrainConfig.lora_alpha))
     card = describe_model(base["model"])
     data.setdefault("context", default_context(card))
     config = RunConfig.from_dict(base)

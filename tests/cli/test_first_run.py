@@ -11,7 +11,7 @@ import pytest
 from app.cli.main import build_parser, run_cli
 from app.cli.train import run_config_from_args
 from app.engine.runs.rundir import registered_runs
-from app.engine.training.config import FULL_LR, LORA_LR, TrainConfig
+from app.engine.training.config import FULL_LR, LORA_LR, LORA_LR_ALPHA, TrainConfig, default_lr
 from app.engine.training.sft import RunConfig
 from tests.conftest import SAMPLE_DATA
 
@@ -31,8 +31,8 @@ def test_help_prints_the_defaults_of_the_config_classes(capsys):
     for expected in (f"LoRA rank (default: {t.lora_rank})", f"(default: {t.schedule})",
                      f"global gradient-norm clip (0: off) (default: {t.max_grad_norm:g})",
                      f"(default: {t.warmup_fraction:g})", f"(default: {RunConfig.epochs})",
-                     f"learning rate (full fine-tuning: {FULL_LR:g} unless set) "
-                     f"(default: {t.lr:g})"):
+                     f"(default: {LORA_LR:g} x sqrt({LORA_LR_ALPHA:g} / alpha) for LoRA",
+                     f"{FULL_LR:g} for full fine-tuning"):                # train.LR_HELP
         assert expected in text
 
 
@@ -40,7 +40,10 @@ def test_the_defaults_reach_the_run_with_the_models_context():
     config = _config()
     assert config.data_config.context == 256      # the sample model's context, not 512
     assert (config.train.lr, config.train.schedule, config.train.max_grad_norm) == (
-        LORA_LR, "cosine", 1.0)
+        TrainConfig().lr, "cosine", 1.0)
+    assert TrainConfig().lr == default_lr("lora", TrainConfig().lora_alpha) == 3.5e-3
+    assert _config("--alpha", "16", "--rank", "64").train.lr == LORA_LR == 5e-3
+    assert _config("--alpha", "128").train.lr == 1.8e-3
     assert _config("--mode", "full").train.lr == FULL_LR
     assert _config("--mode", "full", "--lr", "1e-3").train.lr == 1e-3
 

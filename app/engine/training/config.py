@@ -3,6 +3,7 @@ structure), checked by the run-config schema (`app.engine.runtime.schema`)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, replace
 from typing import ClassVar
 
@@ -15,11 +16,21 @@ from app.engine.runtime.schema import (AT_LEAST_0, AT_LEAST_1, FRACTION, POSITIV
 from app.engine.training.optimizers import SCHEDULES
 
 TRAIN_MODES = ("lora", "full", "hybrid")
-# Learning rates (bench/defaults_sweep.py, docs/USER_GUIDE.md "Why these defaults"): one for
-# LoRA at any rank and alpha (the sweep found the best rate the same at ranks 4 to 64, and
-# scaling it by 1/alpha worse), another for full fine-tuning (the earlier default, not swept).
-LORA_LR = 5e-3
+# Learning rates (bench/defaults_sweep.py, docs/USER_GUIDE.md "Why these defaults"). LoRA's best
+# rate did not move with the rank (4 to 64 at one alpha) and fell with the alpha about as
+# 1 / sqrt(alpha): LORA_LR at alpha LORA_LR_ALPHA, times sqrt(LORA_LR_ALPHA / alpha) at another.
+# Full fine-tuning keeps the earlier default (not swept).
+LORA_LR, LORA_LR_ALPHA = 5e-3, 16.0
 FULL_LR = 1e-4
+
+
+def default_lr(mode: str, alpha: float = LORA_LR_ALPHA) -> float:
+    """The learning rate a run gets unless the user sets one: FULL_LR for full fine-tuning;
+    for LoRA and hybrid runs LORA_LR * sqrt(LORA_LR_ALPHA / alpha), to two digits (5e-3 at
+    alpha 16, 3.5e-3 at 32, 1.8e-3 at 128) whatever the rank."""
+    if mode == "full":
+        return FULL_LR
+    return float(f"{LORA_LR * math.sqrt(LORA_LR_ALPHA / alpha):.2g}")
 OPTIMIZERS = ("adamw", "sgd", "lbfgs")
 
 
@@ -35,8 +46,8 @@ class TrainConfig:
     warmup_steps: linear warmup; 0: warmup_fraction of the run's steps.
 
     The defaults (lr, schedule, warmup, clipping) come from the sweep in bench/defaults_sweep.py
-    (docs/USER_GUIDE.md, "Why these defaults"); lr is LoRA's: a full fine-tuning run that sets
-    none gets default_lr("full") from the CLI and the window.
+    (docs/USER_GUIDE.md, "Why these defaults"); lr is default_lr at the default alpha: the CLI
+    and the window use default_lr(mode, alpha) for a run that sets none.
     """
 
     mode: str = "lora"
@@ -48,7 +59,7 @@ class TrainConfig:
     lora_dropout: float = 0.0       # on 2-D targets' LoRA input; 3-D expert adapters have none (as PEFT)
     full_targets: tuple[str, ...] = ()
     optimizer: str = "adamw"
-    lr: float = LORA_LR
+    lr: float = default_lr("lora", 32.0)   # lora_alpha's default: 3.5e-3
     weight_decay: float = 0.0
     beta1: float = 0.9
     beta2: float = 0.999
@@ -107,12 +118,6 @@ class TrainConfig:
         check(asdict(self), TrainConfig)
         if self.mode == "hybrid" and not self.full_targets:
             raise ConfigError("A hybrid run needs full_targets (e.g. norms, router).")
-
-
-def default_lr(mode: str) -> float:
-    """The learning rate a run of `mode` gets unless the user sets one: FULL_LR for full
-    fine-tuning, LORA_LR for LoRA and hybrid runs."""
-    return FULL_LR if mode == "full" else LORA_LR
 
 
 def model_context(model) -> int:
