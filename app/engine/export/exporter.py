@@ -933,9 +933,8 @@ def export(source: ExportSource, to: str, out: str | os.PathLike | None = None, 
         errors, warnings = llamacpp_lora_problems(source.adapter.tensors, model.tensor_shapes,
                                                   {n: t.ggml_type for n, t in
                                                    model.gguf.tensors.items()})
-        if errors and to != "merged":
-            raise ConfigError(errors[0], "Export it with --to merged, or train without a "
-                                         "token_embd target on this model.")
+        if errors:
+            raise ConfigError(errors[0], "Train without the embeddings target on this model.")
     for name, arr in source.full.items():
         if model.tensor_shapes.get(name) != tuple(arr.shape):
             raise ConfigError(f"The trained tensor {name!r} does not fit the model.",
@@ -947,7 +946,7 @@ def export(source: ExportSource, to: str, out: str | os.PathLike | None = None, 
                                else verification_prompt(model))]
     report = ExportReport(to, str(out), source=source.describe(), prompt_tokens=tokens,
                           settings={"type": adapter_type, "scale": scale})
-    if source.adapter is not None and to != "merged":
+    if source.adapter is not None:
         report.warnings += warnings
     base_name = model.metadata.get("general.name") or Path(source.model_path).stem
     if to == "gguf-lora":

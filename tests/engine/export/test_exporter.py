@@ -632,3 +632,15 @@ def test_quantize_wrapper():
             quantize(np.zeros((1, 256), np.float32), t)
     with pytest.raises(UnsupportedModelError):
         quantize(np.zeros((1, 48), np.float32), 8)        # 48 is not a multiple of 32
+
+
+def test_an_embedding_adapter_on_a_tied_model_is_refused_by_the_same_rule(tmp_path):
+    """The rule training start applies (model.lora.llamacpp_lora_problems): llama.cpp would
+    abort on the adapter, so no format writes one."""
+    model = load_model(GOLDEN / "gemma3-f32.gguf")
+    v, c = model.tensor_shapes["token_embd.weight"]
+    adapter = LoraAdapter(4.0, {"token_embd.weight": (np.zeros((v, 2), np.float32),
+                                                      np.ones((c, 2), np.float32))}, "gemma3")
+    for to in ("gguf-lora", "ollama"):
+        with pytest.raises(ConfigError, match="ties its output head"):
+            _export(ExportSource(model.path, adapter), to, tmp_path / to, "gemma3")
