@@ -94,9 +94,27 @@ def _default_system(chat_template: str, eos: str) -> str | None:
     return None
 
 
+def _llama3_system_preamble(chat_template: str, eos: str) -> str | None:
+    """Llama 3.1/3.2 templates open every chat with a system turn that starts with a preamble
+    (knowledge cutoff, date; 3.2's date is the day it renders, so the export's): the Go
+    template for that, or None."""
+    head = "<|start_header_id|>system<|end_header_id|>\n\n"
+    text = _render(chat_template, PROBES[1], eos)
+    end = PROBES[1][0]["content"] + "<|eot_id|>"
+    if not text.startswith(head) or end not in text:
+        return None
+    preamble = text[len(head):text.index(end)]
+    if not preamble or "{{" in preamble:
+        return None
+    return (head + preamble + "{{ .System }}<|eot_id|>{{ range .Messages }}"
+            '{{ if ne .Role "system" }}<|start_header_id|>{{ .Role }}<|end_header_id|>\n\n'
+            "{{ .Content }}<|eot_id|>{{ end }}{{ end }}")
+
+
 def go_template(family: Family, chat_template: str, eos: str) -> str:
     """The family's Go template fitted to this Jinja template: its generation prompt (e.g.
-    DeepSeek R1's `<think>`), Mistral's spacing, a ChatML default system prompt (Qwen 2.5)."""
+    DeepSeek R1's `<think>`), Mistral's spacing, a ChatML default system prompt (Qwen 2.5), the
+    system preamble of Llama 3.1/3.2."""
     template = family.messages.replace("{eos}", eos)
     with_prompt = _render(chat_template, PROBES[0], eos)
     without = _render(chat_template, PROBES[0], eos, generation=False)
@@ -104,6 +122,8 @@ def go_template(family: Family, chat_template: str, eos: str) -> str:
     generation = with_prompt[len(without):] if fits else family.prompt
     if family.name == "Mistral" and "[INST] " not in with_prompt:
         template = template.replace("[INST] ", "[INST]").replace(" [/INST]", "[/INST]")
+    if family.name == "Llama 3":
+        template = _llama3_system_preamble(chat_template, eos) or template
     if family.name == "ChatML":
         default = _default_system(chat_template, eos)
         if default is not None and "{{" not in default:

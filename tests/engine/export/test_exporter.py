@@ -326,7 +326,9 @@ FAMILY_TEMPLATES = {"ChatML": ["Qwen-Qwen2.5-7B-Instruct.jinja", "Qwen-QwQ-32B.j
                     "Gemma": ["google-gemma-2-2b-it.jinja"],
                     "Phi": ["microsoft-Phi-3.5-mini-instruct.jinja"],
                     "DeepSeek": ["deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja"],
-                    "Llama 3": [LLAMA3], "Mistral": [MISTRAL]}
+                    "Llama 3": [LLAMA3, "meta-llama-Llama-3.1-8B-Instruct.jinja",
+                                "meta-llama-Llama-3.2-3B-Instruct.jinja"],
+                    "Mistral": [MISTRAL]}
 CONVERSATION = [{"role": "system", "content": "You answer in one word."},
                 {"role": "user", "content": "Capital of France?"},
                 {"role": "assistant", "content": "Paris"},
@@ -352,12 +354,20 @@ def test_ollama_go_template_renders_as_the_jinja_one(family, source):
 
 
 def test_ollama_template_differences_are_said_not_written(tmp_path):
-    """A Llama 3.1 template (a dated system header on every chat) is the Llama 3 family, but
-    its Go template differs: the Modelfile writes its stops, no TEMPLATE, and says why."""
-    jinja = (TEMPLATES / "meta-llama-Llama-3.1-8B-Instruct.jinja").read_text()
-    result = ollama_template(jinja, "<|eot_id|>")
-    assert result.family == "Llama 3" and not result.matches
-    assert "Cutting Knowledge" in result.note
+    """Mistral Nemo's template (the system prompt goes into the last user turn) is the Mistral
+    family, but its Go template differs: no TEMPLATE is written, and the note says why."""
+    jinja = (TEMPLATES / "mistralai-Mistral-Nemo-Instruct-2407.jinja").read_text()
+    result = ollama_template(jinja, "</s>")
+    assert result.family == "Mistral" and not result.matches
+    assert "differs from it: a system/user/assistant/user conversation" in result.note
+    path = _with_chat_template(tmp_path, "qwen2", jinja)
+    source = source_from_adapter(GOLDEN / "qwen2-lora.gguf", path)
+    report = _export(source, "ollama", tmp_path / "o", "qwen2")
+    assert report.ok, report.to_text()
+    text = (tmp_path / "o" / "Modelfile").read_text()
+    parsed = parse_modelfile(text)
+    assert parsed["template"] is None and "# TEMPLATE not written: Mistral" in text
+    assert parsed["stops"][:2] == ["[INST]", "[/INST]"]
     assert ollama_template("{{ messages }}").family is None
     training = ollama_template(None)
     assert training.template == CHATML_GO and training.matches
@@ -377,13 +387,20 @@ def test_go_template_renderer_subset():
         render_go("{{ .Missing }}", msgs)
 
 
-def test_ollama_modelfile_with_chatml_template_and_merged_model(tmp_path):
-    f = read_gguf(GOLDEN / "qwen2-f32.gguf")
+def _with_chat_template(tmp_path, name: str, template: str) -> Path:
+    """A copy of a golden F32 model with tokenizer.chat_template set."""
+    f = read_gguf(GOLDEN / f"{name}-f32.gguf")
     meta, types = dict(f.metadata), dict(f.value_types)
-    meta["tokenizer.chat_template"] = CHATML
+    meta["tokenizer.chat_template"] = template
     types["tokenizer.chat_template"] = (8, None)
-    path = tmp_path / "qwen2-chat.gguf"
+    path = tmp_path / f"{name}-chat.gguf"
     write_gguf(path, meta, {n: (f.raw(n), i.ggml_type) for n, i in f.tensors.items()}, types)
+    f.close()
+    return path
+
+
+def test_ollama_modelfile_with_chatml_template_and_merged_model(tmp_path):
+    path = _with_chat_template(tmp_path, "qwen2", CHATML)
     full = {"blk.0.attn_norm.weight": np.full(32, 1.5, np.float32)}
     report = _export(ExportSource(str(path), None, full), "ollama", tmp_path / "o", "qwen2")
     assert report.ok, report.to_text()
