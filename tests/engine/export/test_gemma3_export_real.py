@@ -54,3 +54,65 @@ def test_ollama_gemma3_has_no_adapter_a_template_and_stops(tmp_path, trained):
     assert parsed["template"] and "<|im_start|>" in parsed["template"]   # ChatML: it trained so
     assert {"<|im_end|>", "<end_of_turn>"} <= set(parsed["stops"])
     assert "refuses adapters" in text
+
+
+LLAMACPP_PPL = r"""
+import json, math, sys
+import numpy as np
+from llama_cpp import Llama
+a = json.loads(sys.argv[1])
+kw = dict(model_path=a["model"], logits_all=True, n_ctx=a["ctx"], n_batch=a["ctx"],
+          n_ubatch=a["ctx"], n_threads=2, n_gpu_layers=0, verbose=False)
+if a.get("lora"):
+    kw.update(lora_path=a["lora"], lora_scale=1.0)
+llm = Llama(**kw)
+tokens = llm.tokenize(open(a["text"], "rb").read(), add_bos=True, special=False)
+n, total, count = a["ctx"], 0.0, 0
+for c in range(len(tokens) // n):           # llama-perplexity's perplexity()
+    chunk = list(tokens[c * n:(c + 1) * n])
+    chunk[0] = llm.token_bos()
+    llm.reset()
+    llm.eval(chunk)
+    logits = np.asarray(llm.scores[:n], np.float64)
+    for pos in range(n // 2, n - 1):
+        row = logits[pos]
+        total += row.max() + math.log(np.exp(row - row.max()).sum()) - row[chunk[pos + 1]]
+        count += 1
+print(json.dumps({"ppl": math.exp(total / count), "n_tokens": len(tokens)}))
+"""
+
+
+def _llamacpp_ppl(python, model, text, ctx, lora=None) -> dict:
+    import json
+    import subprocess
+
+    args = {"model": str(model), "text": str(text), "ctx": ctx, "lora": str(lora) if lora else None}
+    out = subprocess.run([python, "-c", LLAMACPP_PPL, json.dumps(args)], capture_output=True,
+                         text=True, timeout=900, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_eval_and_the_merge_against_llama_cpp(tmp_path, trained, gemma3_270m):
+    """workbench eval within 0.5% of llama.cpp's perplexity (same chunking), and the merged
+    model within 1% of base + --lora in llama.cpp itself."""
+    from app.engine.export.evaluate import perplexity
+    from app.engine.export.verify import llamacpp_python
+
+    python = llamacpp_python()
+    if python is None:
+        pytest.skip("llama-cpp-python is not installed (pip install -e '.[verify]')")
+    model, source = trained
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join([TEXT.replace("Sure! ", ""), "The harbour was quiet that night; the "
+                              "boats rocked gently and the lamps burned low."] * 12))
+    ours = perplexity(model, text, 128)
+    theirs = _llamacpp_ppl(python, gemma3_270m, text, 128)
+    assert ours.n_tokens == theirs["n_tokens"]
+    assert ours.ppl == pytest.approx(theirs["ppl"], rel=0.005)
+    adapter = tmp_path / "adapter.gguf"
+    assert export(source, "gguf-lora", adapter, model=model, llamacpp=False).ok
+    assert export(source, "merged", tmp_path / "merged.gguf", model=model, llamacpp=False).ok
+    with_lora = _llamacpp_ppl(python, gemma3_270m, text, 128, adapter)["ppl"]
+    merged = _llamacpp_ppl(python, tmp_path / "merged.gguf", text, 128)["ppl"]
+    assert merged == pytest.approx(with_lora, rel=0.01)
+    assert abs(with_lora - theirs["ppl"]) > 0.05 * theirs["ppl"]        # the adapter matters
