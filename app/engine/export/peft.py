@@ -237,9 +237,9 @@ def export_peft(adapter: LoraAdapter, out_dir: str | os.PathLike, *, arch: str, 
         warnings.append("DeepSeek's router (mlp.gate, a custom MoEGate) is not an nn.Linear: "
                         "PEFT cannot attach its adapter, convert_lora_to_gguf.py can.")
     if any(len(a.shape) == 3 for a, _ in adapter.tensors.values()):
-        warnings.append("Expert adapters are written per expert (transformers 4.x module "
-                        "layout, what convert_lora_to_gguf.py reads); transformers 5 fuses "
-                        "experts into 3-D parameters that PEFT targets differently.")
+        warnings.append("Expert adapters are written per expert (the transformers 4.x module "
+                        "layout convert_lora_to_gguf.py reads; transformers 5 maps them onto "
+                        "its fused experts). Import reads both layouts.")
     return PeftExport([str(weights), str(cfg_path)], config, len(ranks), warnings)
 
 
