@@ -19,8 +19,8 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import (QCheckBox, QFileDialog, QFrame, QGridLayout, QHBoxLayout, QLabel,
                                QLineEdit, QPushButton, QScrollArea, QVBoxLayout, QWidget)
 
-from app.engine.api import (GRPO, SFT, TARGET_GROUPS, ModelCard, TrainConfig, gpu_available,
-                            human_count, lora_param_count)
+from app.engine.api import (GRPO, SFT, TARGET_GROUPS, ModelCard, TrainConfig, default_lr,
+                            gpu_available, human_count, lora_param_count)
 from app.views.form_fields import (FormBase, combo, dspin, field_value, set_combo, set_field,
                                    spin)
 from app.views.tooltips import SETTINGS_TIPS
@@ -33,16 +33,26 @@ FORMATS = ("auto", "text", "completion", "chat", "alpaca", "sharegpt")
 DATA_KEYS = ("context", "format", "overflow", "packing", "chat_loss", "weights_source",
              "weight_field", "weights_path", "normalize", "clip_lo", "clip_hi",
              "allow_negative", "val_split")     # changes that change the linter's report
-# field -> (RunConfig section ("" = top level), key, default of a first run)
+# field -> (RunConfig section ("" = top level), key, default of a first run). How to train
+# (optimizer, schedule, warmup, clipping, ...) defaults to TrainConfig's values, the CLI's too:
+# one source; the learning rate follows the engine's default_lr for the mode and alpha. A first
+# run in the window is the README's first CLI run: rank 8, alpha 16 (half TrainConfig's: the
+# sweep in docs/USER_GUIDE.md finds ranks 4-64 alike at one alpha, and the smaller adapter is
+# quicker), 3 epochs, 10% held out, an evaluation every 30 steps, so it has a best checkpoint.
+_T = TrainConfig()
+FIRST_RANK, FIRST_ALPHA = 8, 16.0
 SIMPLE_FIELDS = {
-    "mode": ("train", "mode", "lora"), "rank": ("train", "lora_rank", 8),
-    "alpha": ("train", "lora_alpha", 16.0), "rslora": ("train", "rslora", False),
-    "dropout": ("train", "lora_dropout", 0.0), "optimizer": ("train", "optimizer", "adamw"),
-    "schedule": ("train", "schedule", "constant"), "warmup": ("train", "warmup_steps", 0),
-    "gclip": ("train", "gclip", 0.0), "weight_decay": ("train", "weight_decay", 0.0),
-    "seed": ("train", "seed", 0), "grad_accum": ("train", "grad_accum", 1),
-    "device": ("train", "device", "cpu"),
-    "checkpoint_interval": ("train", "checkpoint_interval", 0), "epochs": ("", "epochs", 3),
+    "mode": ("train", "mode", _T.mode), "rank": ("train", "lora_rank", FIRST_RANK),
+    "alpha": ("train", "lora_alpha", FIRST_ALPHA), "rslora": ("train", "rslora", _T.rslora),
+    "dropout": ("train", "lora_dropout", _T.lora_dropout),
+    "optimizer": ("train", "optimizer", _T.optimizer),
+    "schedule": ("train", "schedule", _T.schedule),
+    "warmup": ("train", "warmup_steps", _T.warmup_steps),
+    "gclip": ("train", "gclip", _T.gclip), "weight_decay": ("train", "weight_decay", _T.weight_decay),
+    "seed": ("train", "seed", _T.seed), "grad_accum": ("train", "grad_accum", _T.grad_accum),
+    "device": ("train", "device", _T.device),
+    "checkpoint_interval": ("train", "checkpoint_interval", _T.checkpoint_interval),
+    "epochs": ("", "epochs", 3),
     "max_steps": ("", "max_steps", 0), "eval_every": ("", "eval_every", 30),
     "save_every": ("", "save_every", 0), "patience": ("", "patience", 0),
     "norms_every": ("", "norms_every", 5), "format": ("data_config", "format", "auto"),
@@ -131,7 +141,7 @@ class SettingsForm(FormBase):
         opt = self._group("Optimiser")
         self._row(opt, "optimizer", "Optimiser", combo([("adamw", "AdamW"), ("sgd", "SGD"),
                                                           ("lbfgs", "L-BFGS")]))
-        self._row(opt, "lr", "Learning rate", QLineEdit("5e-3"))
+        self._row(opt, "lr", "Learning rate", QLineEdit(f"{default_lr(_T.mode, FIRST_ALPHA):g}"))
         self._row(opt, "schedule", "Schedule", combo(["constant", "linear", "cosine"]))
         self._row(opt, "warmup", "Warmup steps", spin(0, 10**7, t.warmup_steps))
         self._row(opt, "gclip", "Gradient clip", dspin(0, 1e6, t.gclip, 3, 0.1))
@@ -343,7 +353,9 @@ class SettingsForm(FormBase):
             full = set(t.get("full_targets", ()))
             for g, box in self.full_boxes.items():
                 box.setChecked(g in full)
-            f["lr"].setText(f"{float(t.get('lr', 5e-3)):g}")
+            lr = t.get("lr", default_lr(t.get("mode", _T.mode),
+                                        float(t.get("lora_alpha", FIRST_ALPHA))))
+            f["lr"].setText(f"{float(lr):g}")
             f["batch"].setValue(1)
             set_combo(f["weights_source"], "file" if dc.get("weights_path") else "row")
             f["weight_field"].setText(dc.get("weight_field") or "")
