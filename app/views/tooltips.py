@@ -110,16 +110,16 @@ EXPORT_TIPS = {
     "Run": tip("The run being exported (select another in Runs).", "", "RUN_DIR"),
     "Checkpoint": tip("Which of the run's adapters: the best checkpoint (lowest validation "
                       "loss), the final adapter, or any kept step.", "the best checkpoint",
-                      "--step N"),
+                      "--checkpoint best|final|STEP"),
     "Adapter": tip("A GGUF LoRA adapter file or a PEFT folder.", "adapter.gguf", "--adapter"),
     "Base model": tip("The GGUF model the adapter was trained on.", "a .gguf file",
                       "--model"),
     "Format": tip("GGUF LoRA for llama.cpp --lora, a merged GGUF model, a PEFT adapter for "
                   "Hugging Face, or an Ollama folder.", "GGUF LoRA", "--to"),
-    "Tensor type": tip("The adapter's tensor type: smaller files, slightly less exact.",
-                       "f16", "--type"),
-    "Fallback type": tip("Merged and Ollama exports: the type of quantized tensors whose own "
-                         "type cannot be written.", "q8_0", "--fallback-type"),
+    "Tensor type": tip("The adapter's tensor type (smaller files, slightly less exact); for a "
+                       "merged model, the type of the tensors the adapter changes (q8_0 only "
+                       "when it keeps the adapter's effect: the export checks).", "f16",
+                       "--type"),
     "Scale": tip("Multiplies the adapter's update (1: as trained).", "0.5-1.5", "--scale"),
     "Destination": tip("Where to write the export (empty: the run's exports/ folder).",
                        "the run's exports/ folder", "--out"),
