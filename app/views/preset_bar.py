@@ -14,22 +14,30 @@ from PySide6.QtCore import QSettings, Qt
 from PySide6.QtWidgets import (QComboBox, QHBoxLayout, QInputDialog, QLabel, QPushButton,
                                QVBoxLayout, QWidget)
 
+from app.engine.api import TrainConfig, default_lr
 from app.views.settings_form import SettingsForm
 from app.views.tooltips import NEW_RUN_TIPS
 
-SAFE = {"schedule": "cosine", "gclip": 1.0, "max_steps": 0}       # every preset's
+# Every preset trains as the engine's defaults do (docs/USER_GUIDE.md, "Why these defaults"):
+# its schedule, warmup over a fraction of the steps, global-norm clipping, and the learning rate
+# default_lr gives for the preset's alpha. Presets differ in size, length and targets.
+_T = TrainConfig()
+SAFE = {"schedule": _T.schedule, "warmup": _T.warmup_steps, "gclip": _T.gclip, "max_steps": 0}
 ALL_TARGETS = ["attention", "ffn", "experts", "router"]        # the groups a model lacks stay off
+
+
+def _preset(rank: int, alpha: float, **fields) -> dict:
+    return {**SAFE, "rank": rank, "alpha": alpha, "lr": f"{default_lr('lora', alpha):g}",
+            **fields}
+
+
 PRESETS = {
-    "Quick try": {**SAFE, "rank": 8, "alpha": 16.0, "lr": "2e-3", "warmup": 5, "epochs": 1,
-                  "eval_every": 10, "targets": ALL_TARGETS},
-    "Balanced": {**SAFE, "rank": 8, "alpha": 16.0, "lr": "1e-3", "warmup": 10, "epochs": 3,
-                 "eval_every": 20, "targets": ALL_TARGETS},
-    "Thorough": {**SAFE, "rank": 32, "alpha": 64.0, "lr": "5e-4", "warmup": 20, "epochs": 5,
-                 "eval_every": 20, "patience": 3, "targets": ALL_TARGETS + ["shared"]},
-    "Experts only": {**SAFE, "rank": 8, "alpha": 16.0, "lr": "1e-3", "warmup": 10, "epochs": 3,
-                     "eval_every": 20, "targets": ["experts"]},
-    "Attention only": {**SAFE, "rank": 8, "alpha": 16.0, "lr": "1e-3", "warmup": 10,
-                       "epochs": 3, "eval_every": 20, "targets": ["attention"]},
+    "Quick try": _preset(8, 16.0, epochs=1, eval_every=10, targets=ALL_TARGETS),
+    "Balanced": _preset(8, 16.0, epochs=3, eval_every=20, targets=ALL_TARGETS),
+    "Thorough": _preset(32, 64.0, epochs=5, eval_every=20, patience=3,
+                        targets=ALL_TARGETS + ["shared"]),
+    "Experts only": _preset(8, 16.0, epochs=3, eval_every=20, targets=["experts"]),
+    "Attention only": _preset(8, 16.0, epochs=3, eval_every=20, targets=["attention"]),
 }
 MOE_ONLY = ("Experts only", "Attention only")
 SAVED_KEYS = ("rank", "alpha", "dropout", "lr", "schedule", "warmup", "gclip", "weight_decay",
@@ -46,8 +54,13 @@ def describe(values: dict) -> str:
              "weight_decay": "weight decay", "epochs": "epochs", "max_steps": "max steps",
              "context": "context", "eval_every": "evaluate every", "save_every": "save every",
              "patience": "patience", "targets": "targets"}
+    zero = {"warmup": f"warmup over {_T.warmup_fraction:.0%} of the steps",
+            "gclip": f"gradient-norm clip {_T.max_grad_norm:g}", "max_steps": "no step cap"}
     parts = []
     for key, value in values.items():
+        if key in zero and not value:
+            parts.append(zero[key])
+            continue
         if key == "targets":
             value = ", ".join(value) or "none"
         elif isinstance(value, float):

@@ -398,11 +398,13 @@ def test_presets_set_the_fields_and_say_what_they_set(qtbot, view, settings):
     assert names[1:] == list(PRESETS)                    # the sample is MoE: all five
     bar.apply("Thorough")
     form = view.form
-    assert (form["rank"].value(), form["alpha"].value(), form["lr"].text()) == (32, 64.0, "5e-4")
-    assert form["schedule"].currentData() == "cosine" and form["gclip"].value() == 1.0
+    # the engine's rule for alpha 64 (default_lr), its schedule and its global-norm clipping
+    assert (form["rank"].value(), form["alpha"].value(), form["lr"].text()) == (32, 64.0, "0.0025")
+    assert form["schedule"].currentData() == "cosine" and form["gclip"].value() == 0.0
     assert form["epochs"].value() == 5 and form["patience"].value() == 3
     assert bar.line.text().startswith("Thorough: Sets ")
-    assert "rank 32" in bar.line.text() and "learning rate 5e-4" in bar.line.text()
+    assert "rank 32" in bar.line.text() and "learning rate 0.0025" in bar.line.text()
+    assert "gradient-norm clip 1" in bar.line.text()
     bar.apply("Experts only")
     assert form.targets() == ["experts"]
     assert "LoRA rank 8 on experts" in view.summary_label.text()
