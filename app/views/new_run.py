@@ -30,8 +30,9 @@ from PySide6.QtWidgets import (QFileDialog, QHBoxLayout, QLabel, QLineEdit, QMes
 
 from app.engine.api import (GRPO, KINDS, RUN_NAME_MAX, SFT, ConfigError, DataConfig, EngineError,
                             GrpoConfig, LintReport, ModelCard, RunConfig, build_grpo_config,
-                            default_run_name, describe_model, estimate_memory, human_bytes,
-                            lint_file, trust_reward_files, untrusted_reward_files)
+                            check_model_targets, default_run_name, describe_model,
+                            estimate_memory, human_bytes, lint_file, trust_reward_files,
+                            untrusted_reward_files)
 from app.views.context import AppContext, Background, sample_dataset_path, sample_model_path
 from app.views.dataset_panel import DatasetPanel
 from app.views.error_panel import ErrorPanel
@@ -390,10 +391,18 @@ class NewRunView(QWidget):
         path = self.run_dir_for(self.name_field.text())
         self._creating = str(path)
         self._update_summary()
-        self._bg.run("create", self.ctx.queue_new_run, path, config.to_dict(), start,
+        self._bg.run("create", self._check_and_queue, path, config, start,
                      on_done=lambda _pid: self._on_created(str(path), start),
                      on_error=self._on_create_failed)
         return str(path)
+
+    def _check_and_queue(self, path: Path, config, start: bool):
+        """(On the background thread.) The CLI's start-of-run rule first: LoRA targets that
+        match nothing on this model, or make an adapter llama.cpp cannot load (e.g. embeddings
+        of a tied model), are refused before a run folder exists; then queue the run."""
+        if config.train.mode != "full":
+            check_model_targets(config.model, config.train.lora_targets)
+        return self.ctx.queue_new_run(path, config.to_dict(), start)
 
     def _confirm_reward_code(self, config: GrpoConfig) -> bool:
         """Ask before custom reward files not yet trusted as they are now run; Yes trusts

@@ -436,3 +436,20 @@ def test_visual_details(qtbot, view):
     field = view.name_field                              # the placeholder is not cut
     assert field.width() >= field.fontMetrics().horizontalAdvance(field.placeholderText()) + 40
     assert view.picker.path_field.cursorPosition() == 0  # the path from its start
+
+
+def test_targets_llamacpp_cannot_load_are_refused_before_a_run_exists(view, ctx):
+    """The CLI's start-of-run rule (app.engine.model.lora.check_targets) runs where the window
+    queues a run: a target that matches nothing on the model (the sample has no shared experts;
+    the form only offers the model's groups, a loaded config may name others) queues nothing."""
+    import dataclasses
+
+    from app.engine.api import ConfigError
+
+    config = view.build_config()
+    config = dataclasses.replace(config, train=dataclasses.replace(config.train,
+                                                                   lora_targets=("shared",)))
+    path = ctx.runs_root() / "refused"
+    with pytest.raises(ConfigError, match="This model's targets"):
+        view._check_and_queue(path, config, False)
+    assert ctx.queue.list("queued") == [] and not path.exists()
