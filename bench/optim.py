@@ -95,7 +95,7 @@ def main() -> None:
         (f"AdamW in-place, {optim._CHUNK_BYTES // 1024} KiB chunks", optim_variant(optim.AdamW)),
         ("  + weight_decay, gclip, max_grad_norm", optim_variant(clipped)),
         ("AdamW compiled, one pass", optim_variant(optim.AdamW, kernels="compiled")),
-        ("  + weight_decay, gclip, max_grad_norm ", optim_variant(clipped, kernels="compiled")),
+        ("  + the same clippings, compiled", optim_variant(clipped, kernels="compiled")),
         ("SGD (+ weight_decay)", optim_variant(lambda p: optim.SGD(p, lr=1e-3, weight_decay=0.01))),
     ]
     # Interleave the variants (one timed step of each per round) so that load from other

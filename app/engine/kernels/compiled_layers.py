@@ -1,19 +1,20 @@
 """Compiled (Numba) element-wise layer kernels: RMSNorm, RoPE, attention's softmax and the gated
 activations, forward and backward.
 
-Each kernel is one pass over its rows where the NumPy twin (kernels/norm.py, kernels/rope.py)
-makes one per operation; the twins stay the reference:
+Each kernel is one pass over its rows where the NumPy twin (kernels/norm.py, rope.py,
+attention.py, activations.py) makes one per operation; the twins stay the reference:
 * RoPE, both ways: the twin's float32 operations in its order, so the same bits.
 * RMSNorm: the same float32 operations, but the row sums are taken in float64 over eight lanes
   (the twin: NumPy's pairwise sum, in float64 for mean(x^2), in float32 for the backward's
   mean(g x)), and the weight gradient is summed in float32 within fixed blocks of rows, then
   over the blocks in order (the twin: one float32 sum over all rows). The tests hold both to the
   float32 bound of those sums.
-* Softmax, SwiGLU and GeGLU's exact (tanh) GELU: float32 exp is `exp32` below, Cephes' expf (a degree-6 polynomial after
-  reduction by ln 2, within 2 ulp of exp), written so that LLVM vectorizes it: Numba's own
-  np.exp on float32 is a scalar libm call (no SVML here), which made a compiled SwiGLU 2.5x
-  slower than NumPy's vectorized exp. NumPy's exp is itself within an ulp or so, so these
-  kernels and their twins agree to the float32 bound of the operation, not bit for bit.
+* Softmax, SwiGLU and GeGLU's exact (tanh) GELU: float32 exp is `exp32` below, Cephes' expf
+  (a degree-6 polynomial after reduction by ln 2, within 2 ulp of exp), written so that LLVM
+  vectorizes it: Numba's own np.exp on float32 is a scalar libm call (no SVML here), which
+  made a compiled SwiGLU 2.5x slower than NumPy's vectorized exp. NumPy's exp differs from it
+  in the last bits, so these kernels and their twins agree to the float32 bound of the
+  operation, not bit for bit.
   tanh is 1 - 2 / (exp(2x) + 1). float64 arrays (the gradient checks) use np.exp and np.tanh.
   GeGLU's inference path (ggml's fp16 table) stays on the NumPy code.
 Rows are (n, C) C-contiguous arrays; the callers split them into row blocks for the engine's
@@ -54,8 +55,7 @@ def kernels() -> SimpleNamespace:
 
     def helper(stub):
         """Register the decorated implementation of the one-argument `stub`, inlined where a
-        kernel calls it.
-        Kernels call helpers through such plain-function stubs, not through other compiled
+        kernel calls it. Kernels call helpers through such plain-function stubs, not through other compiled
         functions: Numba's disk cache misses, in every new process, a kernel whose closure
         holds a compiled function (3 s per kernel recompiled on each start)."""
         def register(impl):
