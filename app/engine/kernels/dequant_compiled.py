@@ -35,6 +35,13 @@ def _f16_table() -> np.ndarray:
     return np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 
 
+def k_scale_min(blocks, i, j):
+    """Q4_K/Q5_K: the 6-bit scale and min of sub-block j (scale bytes at offset 4). A stub the
+    kernels call, its compiled body registered in _kernels: a kernel whose closure held a
+    compiled helper missed Numba's disk cache and recompiled in every process."""
+    raise NotImplementedError("compiled only")
+
+
 def _kernels() -> dict:
     """The per-type kernels, compiled, each (blocks (n, block_bytes) uint8, out (n, block_elems) float32,
     f16 (65536,) float32) -> fills out."""
@@ -55,14 +62,17 @@ def _kernels() -> dict:
             for j in range(32):
                 out[i, j] = d * np.float32(np.int8(blocks[i, 2 + j]))
 
-    @jit.njit(inline="always")
-    def k_scale_min(blocks, i, j):
-        """Q4_K/Q5_K: the 6-bit scale and min of sub-block j (scale bytes at offset 4)."""
-        if j < 4:
-            return blocks[i, 4 + j] & 63, blocks[i, 8 + j] & 63
-        sc = (blocks[i, 8 + j] & 15) | ((blocks[i, j] >> 6) << 4)
-        mn = (blocks[i, 8 + j] >> 4) | ((blocks[i, 4 + j] >> 6) << 4)
-        return sc, mn
+    from numba.extending import overload
+
+    @overload(k_scale_min, jit_options=dict(inline="always"))
+    def _k_scale_min(blocks, i, j):
+        def impl(blocks, i, j):
+            if j < 4:
+                return blocks[i, 4 + j] & 63, blocks[i, 8 + j] & 63
+            sc = (blocks[i, 8 + j] & 15) | ((blocks[i, j] >> 6) << 4)
+            mn = (blocks[i, 8 + j] >> 4) | ((blocks[i, 4 + j] >> 6) << 4)
+            return sc, mn
+        return impl
 
     @jit.njit()
     def q4_k(blocks, out, f16):
