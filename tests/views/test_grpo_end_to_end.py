@@ -78,7 +78,11 @@ def test_a_tiny_grpo_run_from_new_run_to_monitor(qtbot, ctx, tmp_path):
     qtbot.addWidget(runs)
     runs.refresh()
     assert runs.table.item(0, COL["Type"]).text() == "GRPO"
-    assert runs.table.item(0, COL["Reward"]).text() == f"{steps[-1]['reward_mean']:.4f}"
+    evals = [e for e in RunDir(path).metrics() if e.get("type") == "eval"]
+    best = max(e["reward_mean"] for e in evals)         # Best: the held-out reward's best
+    text = runs.table.item(0, COL["Best"]).text()
+    assert f"{best:.3f} at step " in text
+    assert int(text.rsplit(" ", 1)[1]) in [e["step"] for e in evals if e["reward_mean"] == best]
 
 
 @pytest.mark.slow
