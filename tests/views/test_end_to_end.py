@@ -50,9 +50,11 @@ class GapMeter:
 
 
 @pytest.fixture
-def real_ctx(tmp_path, settings, qapp):
+def real_ctx(tmp_path, settings, qapp, monkeypatch):
     """A context whose ensure_worker starts the real worker process on a private queue; the
-    worker is stopped (SIGTERM, then waited for) at the end."""
+    worker is stopped (SIGTERM, then waited for) at the end. The user's state (the list of
+    runs) is private too: a first run's window, not one that lists every run the suite made."""
+    monkeypatch.setenv("WORKBENCH_QUEUE", str(tmp_path / "queue.sqlite3"))
     ctx = AppContext(JobQueue(tmp_path / "queue.sqlite3"), settings, runs_root=tmp_path / "runs")
     yield ctx
     ctx.stop_worker()

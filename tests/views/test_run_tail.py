@@ -135,7 +135,7 @@ def test_describe_event():
     assert describe_event({"type": "step", "step": 1}) is None
 
 
-def test_the_gui_thread_never_waits_while_a_run_is_written(qtbot, tmp_path, capsys):
+def test_the_gui_thread_never_waits_while_a_run_is_written(qtbot, tmp_path, capsys, monkeypatch):
     """All three live screens, each in its own window, follow a run written fast by a
     background thread (600 steps in about a second, with norms and routing events of a
     16-layer, 32-expert model every 10 steps: 3.6 MB); a 10 ms timer on the GUI thread
@@ -152,6 +152,7 @@ def test_the_gui_thread_never_waits_while_a_run_is_written(qtbot, tmp_path, caps
     from app.views.runs_view import RunsView
 
     (tmp_path / "runs").mkdir()
+    monkeypatch.setenv("WORKBENCH_QUEUE", str(tmp_path / "queue.sqlite3"))  # its own run list
     ctx = AppContext(JobQueue(tmp_path / "queue.sqlite3"),
                      QSettings(str(tmp_path / "settings.ini"), QSettings.IniFormat),
                      runs_root=tmp_path / "runs")
