@@ -23,7 +23,8 @@ from app.engine.runs.kinds import GRPO, KINDS, SFT, RunKind, kind_of
 from app.engine.runs.queue import PENDING, Job, JobQueue, JobStateError
 from app.engine.runs.rundir import (RUN_NAME_MAX, RunDir, default_run_name, default_runs_dir,
                                     list_runs)
-from app.engine.runs.rundir import RunEntry, best_checkpoint, registered_runs, run_entry
+from app.engine.runs.rundir import (RunEntry, best_checkpoint, registered_run_paths,
+                                    registered_runs, run_entry)
 from app.engine.runs.worker import ensure_worker, stop_worker, worker_pid, worker_running
 from app.engine.runtime.backend import gpu_available
 from app.engine.runtime.schema import check, read_config_file
@@ -43,7 +44,8 @@ __all__ = [
     "RUN_NAME_MAX", "RunDir", "default_run_name", "default_runs_dir", "list_runs",
     "PENDING", "Job", "JobQueue", "JobStateError",
     "ensure_worker", "stop_worker", "worker_pid", "worker_running",
-    "RunEntry", "best_checkpoint", "registered_runs", "check_context", "default_context",
+    "RunEntry", "best_checkpoint", "registered_run_paths", "registered_runs",
+    "check_context", "default_context",
     "default_lr", "run_entry",
     "GRPO", "KINDS", "SFT", "RunKind", "kind_of",
     # models: the card, LoRA targets, loading for the Playground

@@ -1,7 +1,7 @@
 """What the Runs screen lists: one `RunRow` per run directory, gathered off the GUI thread.
 
 `collect_runs(queue, runs_root, registered)` reads the queue's jobs, the runs folder, the
-registered runs (`registered_runs`: made by the window, the CLI or Python, wherever their folder
+registered runs (`registered_run_paths`: made by the window, the CLI or Python, wherever their folder
 is; `Registered` re-reads that list every REGISTRY_S seconds) and each run's
 status.json (a GRPO run's latest mean reward included) and its new events (the best evaluation,
 when it started); config.json is re-read only when it changed. A listed folder that is gone
@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from app.engine.api import GRPO, SFT, EngineError, Job, RunDir, list_runs, registered_runs
+from app.engine.api import GRPO, SFT, EngineError, Job, RunDir, list_runs, registered_run_paths
 from app.views.run_best import Best, BestTracker
 
 REQUESTED = {"pause": "pausing\u2026", "cancel": "cancelling\u2026"}
@@ -30,7 +30,7 @@ class Registered:
 
     def __call__(self) -> list[str]:
         if time.monotonic() - self._read_at > REGISTRY_S:
-            self._paths = [str(e.path) for e in registered_runs()]
+            self._paths = registered_run_paths()          # paths only: rows read them
             self._read_at = time.monotonic()
         return self._paths
 

@@ -358,6 +358,16 @@ class RunEntry:
     best: dict | None          # {"metric": "val_loss"|"reward", "value": v, "step": s}
 
 
+def registered_run_paths() -> list[str]:
+    """The folders of registered_runs, newest registration first, the default runs folder's
+    other runs after them; no run is read (the window polls this)."""
+    paths = dict.fromkeys(e["path"] for e in sorted(registry_entries(),
+                                                     key=lambda e: -float(e.get("created") or 0)))
+    for run in list_runs():
+        paths.setdefault(str(run.path))
+    return list(paths)
+
+
 def registered_runs() -> list[RunEntry]:
     """Every run the workbench created (app.engine.runs.registry) and any other run folder in
     the default runs folder, newest first; a deleted folder is a "missing" entry."""
