@@ -1,0 +1,254 @@
+"""The clusters a user sends runs to: a name, the Ray dashboard's URL (the Jobs REST API), a path
+map, and what each run asks of it. Kept in `clusters.json` beside the queue's database (the
+user's state folder); the token is not in that file but in the OS keyring (`keyring`), or, on a
+machine without one, in the environment variable `cluster_token_env(name)`.
+
+The run directory is the contract between this machine and the cluster: runs live on storage
+both see, perhaps under other prefixes. A `PathMap` translates one to the other, prefix by
+prefix; a run folder under no local prefix cannot be sent (except to a loopback cluster, which
+sees this machine's paths as they are).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import PurePosixPath
+from urllib.parse import urlparse
+
+from app.engine.errors import ConfigError, EngineError
+from app.engine.runtime.files import atomic_write_json, read_json
+from app.engine.runtime.paths import user_state_dir
+
+KEYRING_SERVICE = "gguf-workbench"
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
+
+
+class ClusterError(EngineError):
+    kind = "cluster"
+
+
+def cluster_token_env(name: str) -> str:
+    """The environment variable that holds cluster `name`'s token where no keyring is."""
+    return "WORKBENCH_CLUSTER_TOKEN_" + re.sub(r"[^A-Za-z0-9]", "_", name).upper()
+
+
+def _normalise_prefix(prefix: str) -> str:
+    """'/mnt/runs/' -> '/mnt/runs' (POSIX form; the root stays '/')."""
+    text = str(PurePosixPath(prefix))
+    if not text.startswith("/"):
+        raise ConfigError(f"Path map prefix {prefix!r} is not an absolute path.",
+                          "Write both sides of each pair as absolute paths, e.g. "
+                          "/home/me/runs=/mnt/shared/runs.")
+    return text
+
+
+def _under(path: str, prefix: str) -> bool:
+    return path == prefix or prefix == "/" or path.startswith(prefix + "/")
+
+
+def _swap(path: str, old: str, new: str) -> str:
+    rest = path[len(old):].lstrip("/") if old != "/" else path.lstrip("/")
+    return str(PurePosixPath(new) / rest) if rest else new
+
+
+@dataclass(frozen=True)
+class PathMap:
+    """(local prefix, cluster prefix) pairs; the longest matching prefix wins."""
+    pairs: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "pairs", tuple((_normalise_prefix(a), _normalise_prefix(b))
+                                                for a, b in self.pairs))
+
+    @classmethod
+    def parse(cls, text: str) -> "PathMap":
+        """'LOCAL=CLUSTER[,LOCAL=CLUSTER...]' (the CLI's and the settings field's form)."""
+        pairs = []
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            local, sep, remote = item.partition("=")
+            if not sep or not local.strip() or not remote.strip():
+                raise ConfigError(f"Path map entry {item!r} is not LOCAL=CLUSTER.",
+                                  "Example: /home/me/runs=/mnt/shared/runs")
+            pairs.append((local.strip(), remote.strip()))
+        return cls(tuple(pairs))
+
+    def __str__(self) -> str:
+        return ",".join(f"{a}={b}" for a, b in self.pairs)
+
+    def _match(self, path: str, side: int) -> tuple[str, str] | None:
+        matches = [p for p in self.pairs if _under(path, p[side])]
+        return max(matches, key=lambda p: len(p[side])) if matches else None
+
+    def covers(self, local_path: str | os.PathLike) -> bool:
+        return self._match(os.path.abspath(local_path), 0) is not None
+
+    def to_cluster(self, local_path: str | os.PathLike) -> str:
+        path = os.path.abspath(local_path)
+        pair = self._match(path, 0)
+        if pair is None:
+            raise ConfigError(f"{path} is not under a shared folder of this cluster's path map.",
+                              "Put the run on storage the cluster sees, and map it in Settings "
+                              "> Clusters (LOCAL=CLUSTER).")
+        return _swap(path, pair[0], pair[1])
+
+    def to_local(self, cluster_path: str) -> str:
+        path = str(PurePosixPath(cluster_path))
+        pair = self._match(path, 1)
+        if pair is None:
+            raise ConfigError(f"{cluster_path} is not under a shared folder of this cluster's "
+                              "path map.", "Map its folder in Settings > Clusters.")
+        return _swap(path, pair[1], pair[0])
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """A Ray cluster as the workbench sees it. `url`: the dashboard's HTTP address (the Jobs API
+    is under /api/jobs/). `python`: the interpreter the cluster runs the job with (one that has
+    the workbench installed). `num_cpus`/`num_gpus`: what each run's entrypoint asks for."""
+    name: str
+    url: str
+    path_map: PathMap = field(default_factory=PathMap)
+    python: str = "python"
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+
+    def __post_init__(self):
+        if not NAME_PATTERN.match(self.name or ""):
+            raise ConfigError(f"Cluster name {self.name!r} is not usable.",
+                              "Use letters, digits, '.', '_' or '-' (up to 64), starting with a "
+                              "letter or digit.")
+        parsed = urlparse(self.url or "")
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            raise ConfigError(f"Cluster URL {self.url!r} is not an http(s) address.",
+                              "Give the Ray dashboard's address, e.g. http://head-node:8265.")
+        object.__setattr__(self, "url", self.url.rstrip("/"))
+        if isinstance(self.path_map, str):
+            object.__setattr__(self, "path_map", PathMap.parse(self.path_map))
+        elif not isinstance(self.path_map, PathMap):
+            object.__setattr__(self, "path_map", PathMap(tuple(map(tuple, self.path_map))))
+
+    @property
+    def is_loopback(self) -> bool:
+        """A head on this machine: it sees this machine's paths as they are."""
+        return urlparse(self.url).hostname in LOOPBACK_HOSTS
+
+    def cluster_path(self, local_path: str | os.PathLike) -> str:
+        """Where the cluster finds `local_path`; a ConfigError when it cannot (see PathMap)."""
+        if self.is_loopback and not self.path_map.covers(local_path):
+            return os.path.abspath(local_path)
+        return self.path_map.to_cluster(local_path)
+
+    def local_path(self, cluster_path: str) -> str:
+        if self.is_loopback and self.path_map._match(cluster_path, 1) is None:
+            return cluster_path
+        return self.path_map.to_local(cluster_path)
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["path_map"] = [list(p) for p in self.path_map.pairs]
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Cluster":
+        known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+        return cls(**known)
+
+
+class ClusterStore:
+    """clusters.json (default: in the user's state folder) plus the tokens in the keyring."""
+
+    def __init__(self, path: str | os.PathLike | None = None):
+        self.path = os.fspath(path) if path is not None else str(user_state_dir() / "clusters.json")
+
+    def _read(self) -> dict[str, dict]:
+        if not os.path.exists(self.path):
+            return {}
+        data = read_json(self.path, what="cluster list")
+        if not isinstance(data, dict) or not isinstance(data.get("clusters"), list):
+            raise ConfigError(f"{self.path} is not a cluster list.",
+                              "Remove the file and add the clusters again.")
+        return {c["name"]: c for c in data["clusters"] if isinstance(c, dict) and "name" in c}
+
+    def _write(self, clusters: dict[str, dict]) -> None:
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        atomic_write_json(self.path, {"clusters": [clusters[k] for k in sorted(clusters)]})
+
+    def list(self) -> list[Cluster]:
+        return [Cluster.from_dict(c) for c in self._read().values()]
+
+    def names(self) -> list[str]:
+        return sorted(self._read())
+
+    def get(self, name: str) -> Cluster:
+        clusters = self._read()
+        if name not in clusters:
+            known = ", ".join(sorted(clusters)) or "none yet"
+            raise ClusterError(f"No cluster named {name!r} (known: {known}).",
+                               "Add it with `workbench cluster add NAME URL` or in Settings.")
+        return Cluster.from_dict(clusters[name])
+
+    def save(self, cluster: Cluster, token: str | None = None) -> None:
+        """Add or replace `cluster`; a token given is stored in the keyring."""
+        clusters = self._read()
+        clusters[cluster.name] = cluster.to_dict()
+        if token:
+            set_token(cluster.name, token)
+        self._write(clusters)
+
+    def remove(self, name: str) -> None:
+        clusters = self._read()
+        if clusters.pop(name, None) is None:
+            raise ClusterError(f"No cluster named {name!r}.", "`workbench cluster list` shows them.")
+        self._write(clusters)
+        delete_token(name)
+
+    def token(self, name: str) -> str | None:
+        return get_token(name)
+
+
+def _keyring():
+    try:
+        import keyring
+    except ImportError:                                # pragma: no cover - a dependency
+        return None
+    return keyring
+
+
+def get_token(name: str) -> str | None:
+    """The token of cluster `name`: its environment variable first, then the keyring."""
+    env = os.environ.get(cluster_token_env(name))
+    if env:
+        return env
+    keyring = _keyring()
+    if keyring is None:
+        return None
+    try:
+        return keyring.get_password(KEYRING_SERVICE, f"cluster:{name}")
+    except Exception:        # keyring.errors.KeyringError and backend-specific failures
+        return None
+
+
+def set_token(name: str, token: str) -> None:
+    keyring = _keyring()
+    try:
+        if keyring is None:
+            raise RuntimeError("the keyring package is not installed")
+        keyring.set_password(KEYRING_SERVICE, f"cluster:{name}", token)
+    except Exception as e:
+        raise ClusterError(f"Cannot store the token of cluster {name!r} in the OS keyring: {e}",
+                           f"Set the environment variable {cluster_token_env(name)} to the "
+                           "token instead (for example in the shell that starts the workbench).")
+
+
+def delete_token(name: str) -> None:
+    keyring = _keyring()
+    if keyring is None:
+        return
+    try:
+        keyring.delete_password(KEYRING_SERVICE, f"cluster:{name}")
+    except Exception:        # no such password, or no keyring: nothing to delete
+        pass
+
