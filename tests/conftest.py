@@ -57,3 +57,6 @@ def pytest_collection_modifyitems(items):
     like the app's, not in one that has run 1,500 other tests (their threads, compiled code and
     heap; the longest gap was 45-69 ms alone and 89-95 ms at the end of the suite)."""
     items.sort(key=lambda item: item.name not in GUI_TIMING)
+
+
+pytest_plugins = ["tests.ray_head"]
