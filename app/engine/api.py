@@ -19,8 +19,10 @@ from app.engine.model.card import (ModelCard, describe_model, human_bytes, human
 from app.engine.model.lora import TARGET_GROUPS, load_adapter
 from app.engine.model.lora import check_model_targets  # the start-of-run LoRA target rule
 from app.engine.model.transformer import load_model
+from app.engine.runs.clusters import Cluster, ClusterError, ClusterStore, PathMap
+from app.engine.runs.executors import check_cluster
 from app.engine.runs.kinds import GRPO, KINDS, SFT, RunKind, kind_of
-from app.engine.runs.queue import PENDING, Job, JobQueue, JobStateError
+from app.engine.runs.queue import LOCAL, PENDING, Job, JobQueue, JobStateError
 from app.engine.runs.rundir import (RUN_NAME_MAX, RunDir, default_run_name, default_runs_dir,
                                     list_runs)
 from app.engine.runs.rundir import (RunEntry, best_checkpoint, registered_run_paths,
@@ -42,7 +44,9 @@ __all__ = [
     "ConfigError", "EngineError",
     # runs: the run directory, the queue, the worker process, the run kinds
     "RUN_NAME_MAX", "RunDir", "default_run_name", "default_runs_dir", "list_runs",
-    "PENDING", "Job", "JobQueue", "JobStateError",
+    "LOCAL", "PENDING", "Job", "JobQueue", "JobStateError",
+    # clusters: where a job runs (Settings > Clusters, New run's "Run on")
+    "Cluster", "ClusterError", "ClusterStore", "PathMap", "check_cluster",
     "ensure_worker", "stop_worker", "worker_pid", "worker_running",
     "RunEntry", "best_checkpoint", "registered_run_paths", "registered_runs",
     "check_context", "default_context",

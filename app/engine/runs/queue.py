@@ -19,27 +19,40 @@ once. `claim_next` is atomic: only one worker ever owns a job.
 
 The database lives at `platformdirs.user_data_dir("gguf-workbench")/queue.sqlite3`, or at
 `$WORKBENCH_QUEUE`, or at the path passed to `JobQueue(path)` (the CLI's `--queue PATH`).
+It stays on this machine (SQLite's WAL must not sit on a network filesystem), whatever runs
+the job.
+
+Where a job runs is its `executor`: "local" (the worker on this machine runs it) or the name of
+a cluster (`app.engine.runs.clusters`; the worker submits it there and polls it; see
+`app.engine.runs.executors`). `attempt` counts its submissions (a cluster job's Ray
+submission id is `wb-<job id>-a<attempt>`), and `handle` (JSON) says where the current
+attempt runs: local {"pid", "start_time"} (the worker's process; the start time guards against
+a reused pid), ray {"submission_id", "cluster"}.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sqlite3
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
 from app.engine.errors import EngineError
+from app.engine.runs.clusters import ClusterStore
+from app.engine.runs.executors.local import local_alive, local_handle
 from app.engine.runs.rundir import RunDir
 from app.engine.runtime.files import storage_error
 from app.engine.runtime.paths import default_queue_path
 from app.engine.runtime.processes import pid_alive, this_host
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+LOCAL = "local"  # the executor of a job this machine's worker runs
 
 STATES = ("queued", "running", "paused", "done", "failed", "cancelled")
 PENDING = ("queued", "paused")
@@ -71,10 +84,18 @@ CREATE TABLE IF NOT EXISTS jobs (
     error_kind       TEXT,
     error_message    TEXT,
     error_hint       TEXT,
-    error_detail     TEXT
+    error_detail     TEXT,
+    executor         TEXT    NOT NULL DEFAULT 'local',
+    attempt          INTEGER NOT NULL DEFAULT 0,
+    handle           TEXT
 );
 CREATE INDEX IF NOT EXISTS jobs_state_position ON jobs (state, position, id);
 """
+# Columns added after schema 1: (name, declaration), added to an older database when missing.
+_ADDED_COLUMNS = (("executor", "TEXT NOT NULL DEFAULT 'local'"),
+                  ("attempt", "INTEGER NOT NULL DEFAULT 0"),
+                  ("handle", "TEXT"))
+
 
 
 class QueueError(EngineError):
@@ -119,6 +140,13 @@ class Job:
     error_message: str | None
     error_hint: str | None
     error_detail: str | None
+    executor: str = LOCAL                 # "local" or a cluster's name
+    attempt: int = 0                      # submissions so far (the current one's number)
+    handle: dict | None = field(default=None, hash=False)  # where the current attempt runs
+
+    @property
+    def is_local(self) -> bool:
+        return self.executor == LOCAL
 
     @property
     def is_pending(self) -> bool:
@@ -288,6 +316,10 @@ class JobQueue:
                         for stmt in _SCHEMA.split(";"):
                             if stmt.strip():
                                 conn.execute(stmt)
+                        have = {r[1] for r in conn.execute("PRAGMA table_info(jobs)")}
+                        for name, declaration in _ADDED_COLUMNS:
+                            if name not in have:
+                                conn.execute(f"ALTER TABLE jobs ADD COLUMN {name} {declaration}")
                         conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
                         conn.execute("COMMIT")
                     elif version > SCHEMA_VERSION:
@@ -311,7 +343,8 @@ class JobQueue:
     # ---------------------------------------------------------------- helpers
     @staticmethod
     def _row_to_job(row: tuple) -> Job:
-        return Job(*row)
+        handle = row[-1]
+        return Job(*row[:-1], json.loads(handle) if handle else None)
 
     def _get(self, conn: sqlite3.Connection, job_id: int) -> Job:
         row = conn.execute(f"{_SELECT} WHERE id = ?", (int(job_id),)).fetchone()
@@ -389,16 +422,26 @@ class JobQueue:
         return [self._row_to_job(r) for r in rows]
 
     # ---------------------------------------------------------------- user requests
-    def add(self, run_dir: str | os.PathLike, priority: int = 0, *, check: bool = True) -> int:
+    def clusters(self) -> ClusterStore:
+        """The clusters this queue's jobs may run on: clusters.json beside the database."""
+        return ClusterStore(self.path.parent / "clusters.json")
+
+    def add(self, run_dir: str | os.PathLike, priority: int = 0, *, check: bool = True,
+            executor: str = LOCAL) -> int:
         """Queue a run directory; returns the job id.
 
         The job goes after every queued/paused job of the same or higher priority (ahead of
         lower ones). With `check`, the run directory must hold a readable config.json
-        (ConfigError otherwise). A run directory can have only one active job.
+        (ConfigError otherwise). A run directory can have only one active job. `executor`:
+        "local", or the name of a cluster in `clusters()` (ClusterError when unknown), which
+        must see the run directory through its path map (ConfigError otherwise; a loopback
+        cluster sees this machine's paths).
         """
         run = RunDir(run_dir)
         if check:
             run.config()
+        if executor != LOCAL:
+            self.clusters().get(executor).cluster_path(run.path)
         key = str(run.path)
         with self._tx(write=True) as conn:
             other = self._active_job_for(conn, key)
@@ -412,8 +455,9 @@ class JobQueue:
             index = next((i for i, (_, p) in enumerate(pending) if p < priority), len(pending))
             position = self._end_position(conn) if index == len(pending) else 0
             cur = conn.execute(
-                "INSERT INTO jobs (run_dir, state, priority, position, created_at) "
-                "VALUES (?, 'queued', ?, ?, ?)", (key, int(priority), position, time.time()))
+                "INSERT INTO jobs (run_dir, state, priority, position, created_at, executor) "
+                "VALUES (?, 'queued', ?, ?, ?, ?)",
+                (key, int(priority), position, time.time(), str(executor)))
             job_id = cur.lastrowid
             if index < len(pending):
                 ids = [i for i, _ in pending]
@@ -498,7 +542,8 @@ class JobQueue:
             self._update(conn, job.id, state="queued", requested_action="none",
                          position=self._end_position(conn), attempts=0, worker_id=None,
                          worker_host=None, worker_pid=None, heartbeat_at=None,
-                         started_at=None, finished_at=None, **_error_fields(None))
+                         started_at=None, finished_at=None, handle=None,
+                         **_error_fields(None))
             return self._get(conn, job.id)
 
     def reorder(self, job_id: int, position: int) -> Job:
@@ -536,15 +581,35 @@ class JobQueue:
         process's host and pid, for `recover_stale`). None when nothing is queued."""
         now = time.time()
         with self._tx(write=True) as conn:
-            row = conn.execute("SELECT id FROM jobs WHERE state = 'queued' "
+            row = conn.execute(f"{_SELECT} WHERE state = 'queued' "
                                "ORDER BY position, id LIMIT 1").fetchone()
             if row is None:
                 return None
-            self._update(conn, row[0], state="running", requested_action="none",
-                         worker_id=str(worker_id), worker_host=this_host(),
-                         worker_pid=os.getpid(), heartbeat_at=now, started_at=now,
-                         finished_at=None, **_error_fields(None))
-            return self._get(conn, row[0])
+            job = self._row_to_job(row)
+            if job.is_local:
+                fields = {"handle": json.dumps(local_handle(os.getpid())),
+                          "requested_action": "none"}
+            elif job.handle is None:
+                fields = {"requested_action": "none"}
+            else:  # a cluster job whose worker died: the new worker reattaches to its
+                fields = {}  # submission and honours the request left on it, if any
+            self._update(conn, job.id, state="running", worker_id=str(worker_id),
+                         worker_host=this_host(), worker_pid=os.getpid(), heartbeat_at=now,
+                         started_at=now, finished_at=None, **fields, **_error_fields(None))
+            return self._get(conn, job.id)
+
+    def record_attempt(self, job_id: int, worker_id: str, attempt: int,
+                       handle: dict | None) -> Job:
+        """The worker starts attempt `attempt` of its job (submitted as `handle`), or forgets
+        the handle (None) of an attempt that is over. JobLostError if it does not own it."""
+        with self._tx(write=True) as conn:
+            job = self._get(conn, job_id)
+            if job.state != "running" or job.worker_id != worker_id:
+                raise JobLostError(f"Worker {worker_id} no longer owns job {job.id} "
+                                   f"(it is {job.state}).")
+            self._update(conn, job.id, attempt=int(attempt),
+                         handle=None if handle is None else json.dumps(handle))
+            return self._get(conn, job.id)
 
     def heartbeat(self, job_id: int, worker_id: str, *, touch: bool = True) -> str | None:
         """Mark the job alive (unless not `touch`) and return the requested action:
@@ -580,6 +645,8 @@ class JobQueue:
                 fields["finished_at"] = now
             if state == "queued":
                 fields["position"] = self._front_position(conn)
+            if state != "queued" or job.is_local:  # a cluster job put back keeps its handle:
+                fields["handle"] = None            # the next worker reattaches to it
             self._update(conn, job.id, **fields)
             return self._get(conn, job.id)
 
@@ -597,15 +664,22 @@ class JobQueue:
                        conn.execute(f"{_SELECT} WHERE state = 'running' ORDER BY position, id")]
             for job in running:
                 old = job.heartbeat_at is None or now - job.heartbeat_at > timeout_s
-                dead = job.worker_host == host and not pid_alive(job.worker_pid)
+                dead = job.worker_host == host and not _worker_alive(job)
                 if not (old or dead):
+                    continue
+                if not job.is_local and job.handle is not None:
+                    # its cluster may still run it: the next worker reattaches (and honours
+                    # the request, if any); not an attempt lost
+                    self._update(conn, job.id, state="queued",
+                                 position=self._front_position(conn))
+                    changed.append(self._get(conn, job.id))
                     continue
                 attempts = job.attempts + 1
                 why = (f"its worker (pid {job.worker_pid}) is gone" if dead else
                        f"its worker sent no heartbeat for {now - (job.heartbeat_at or now):.0f} s")
                 if attempts >= max_attempts:
                     self._update(conn, job.id, state="failed", attempts=attempts,
-                                 requested_action="none", finished_at=now,
+                                 requested_action="none", finished_at=now, handle=None,
                                  error_kind="worker_died",
                                  error_message=(f"The worker running job {job.id} died "
                                                 f"{attempts} time(s) ({why})."),
@@ -615,11 +689,11 @@ class JobQueue:
                                  error_detail=None)
                 elif job.requested_action == "cancel":
                     self._update(conn, job.id, state="cancelled", attempts=attempts,
-                                 requested_action="none", finished_at=now)
+                                 requested_action="none", finished_at=now, handle=None)
                 else:
                     state = "paused" if job.requested_action == "pause" else "queued"
                     self._update(conn, job.id, state=state, attempts=attempts,
-                                 requested_action="none",
+                                 requested_action="none", handle=None,
                                  position=self._front_position(conn))
                 changed.append(self._get(conn, job.id))
         for job in changed:  # best effort: tell the run directory too
@@ -633,6 +707,14 @@ class JobQueue:
             except EngineError:
                 pass
         return changed
+
+
+def _worker_alive(job: Job) -> bool:
+    """Is the process that ran `job` on this host still alive (the same process, not a new
+    one that reuses its pid)?"""
+    if job.is_local and job.handle and job.handle.get("pid") == job.worker_pid:
+        return local_alive(job.handle)
+    return pid_alive(job.worker_pid)
 
 
 def _finished_hint(job: Job) -> str:

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from app.engine.errors import Cancelled, EngineError
+from app.engine.runs.executors.local import worker_log_path
 from app.engine.runs.queue import (DEFAULT_MAX_ATTEMPTS, DEFAULT_STALE_S, Job, JobLostError,
                                    JobQueue, QueueError)
 from app.engine.runtime.paths import default_queue_path
@@ -417,10 +418,6 @@ def worker_lock_path(queue_path: str | os.PathLike) -> Path:
     real = Path(os.path.realpath(queue_path))
     st = real.stat()
     return real.parent / f".workbench-queue-{st.st_dev}-{st.st_ino}.worker.lock"
-
-
-def worker_log_path(queue_path: str | os.PathLike) -> Path:
-    return Path(str(Path(queue_path).absolute()) + ".worker.log")
 
 
 def _try_lock(fd: int, shared: bool = False) -> bool:

@@ -1,0 +1,33 @@
+"""Executors: where a queued job runs. The queue and the worker stay on this machine; an
+executor runs one attempt of a job somewhere and answers for it by its *handle* (JSON, stored
+on the job):
+
+- `check()` -> a line saying what it is ("Ray 2.60.0, 2 CPUs, 0 GPUs"), or a ClusterError;
+- `submit(job, run_dir)` -> the handle of attempt `job.attempt`;
+- `poll(handle)` -> `Poll(state, message)`, state one of POLL_STATES;
+- `cancel(handle)`: stop it (the run saves a checkpoint within the stop grace and exits);
+- `logs(handle)` -> its output so far.
+
+`local` (`LocalExecutor`) is this machine's worker running the job in its own process (the
+handle is the worker's pid and start time); a cluster's is `RayExecutor` (the Ray Jobs REST
+API). `executor_for(job, store)` picks one. May import: runs.queue, runs.clusters, runs.rundir,
+runtime, errors.
+"""
+
+from __future__ import annotations
+
+from app.engine.runs.executors.base import ENDED, POLL_STATES, Executor, Poll
+from app.engine.runs.executors.local import LocalExecutor
+from app.engine.runs.executors.ray import (AlreadySubmitted, RayExecutor, check_cluster,
+                                           cluster_resources)
+
+__all__ = ["ENDED", "POLL_STATES", "AlreadySubmitted", "Executor", "LocalExecutor", "Poll",
+           "RayExecutor", "check_cluster", "cluster_resources", "executor_for"]
+
+
+def executor_for(job, store) -> Executor:
+    """The executor of `job` (a queue Job): LocalExecutor, or the RayExecutor of the cluster it
+    names in `store` (a ClusterStore; its token from the keyring or the environment)."""
+    if job.is_local:
+        return LocalExecutor()
+    return RayExecutor(store.get(job.executor), store.token(job.executor))

@@ -1,0 +1,184 @@
+"""A Ray cluster as an executor, through the Ray Jobs REST API of its dashboard, with the
+standard library's HTTP client only: the machine with the window needs no Ray installed.
+
+One attempt of a job is one Ray job, `submission_id(job.id, job.attempt)`: Ray refuses a second
+job with the same id, so an attempt is never started twice (`AlreadySubmitted`). The entrypoint
+runs `<cluster python> -m app queue run-remote <run dir as the cluster sees it>`
+(`app.engine.runs.remote`), asking the cluster's `num_cpus`/`num_gpus`; Ray's stop sends it
+SIGTERM and waits RAY_JOB_STOP_WAIT_TIME_S (the stop grace) before killing it.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import urllib.error
+import urllib.request
+from urllib.parse import quote
+
+from app.engine.runs.clusters import Cluster, ClusterError
+from app.engine.runs.executors.base import Poll
+
+DEFAULT_STOP_GRACE_S = 30.0   # how long a stopped run may take to checkpoint and exit
+HTTP_TIMEOUT_S = 10.0
+_STATES = {"PENDING": "pending", "RUNNING": "running", "SUCCEEDED": "succeeded",
+           "FAILED": "failed", "STOPPED": "stopped"}
+
+
+def submission_id(job_id: int, attempt: int) -> str:
+    """The Ray submission id of a job's attempt: the same id is never submitted twice."""
+    return f"wb-{int(job_id)}-a{int(attempt)}"
+
+
+class AlreadySubmitted(ClusterError):
+    """The cluster already has a job with this submission id (the attempt was submitted)."""
+
+    kind = "already_submitted"
+
+
+class _NotFound(ClusterError):
+    kind = "not_found"
+
+
+class RayClient:
+    """The few Jobs REST calls the workbench makes, with the cluster's token."""
+
+    def __init__(self, cluster: Cluster, token: str | None, timeout_s: float = HTTP_TIMEOUT_S):
+        self.cluster = cluster
+        self.token = token
+        self.timeout_s = timeout_s
+
+    def call(self, method: str, path: str, body: dict | None = None):
+        """The reply's JSON (or text, where it is not JSON); ClusterError with a clear message
+        when the head cannot be reached, refuses the token, or answers an error."""
+        headers = {"Content-Type": "application/json"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.cluster.url + path, data=data, method=method,
+                                         headers=headers)
+        name, url = self.cluster.name, self.cluster.url
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as reply:
+                text = reply.read().decode("utf-8", "replace")
+        except urllib.error.HTTPError as e:
+            text = e.read().decode("utf-8", "replace")
+            if e.code in (401, 403):
+                raise ClusterError(
+                    f"Cluster {name!r} ({url}) refused the request: its token is missing or "
+                    f"wrong ({e.code}: {text.strip()[:200]}).",
+                    "Set the token the head was started with (RAY_AUTH_TOKEN): `workbench "
+                    f"cluster add {name} {url} --token-stdin`, or Settings > Clusters.") from e
+            if e.code == 404:
+                raise _NotFound(f"Cluster {name!r}: {path} not found ({text.strip()[:200]}).")
+            if "already exists" in text:
+                raise AlreadySubmitted(f"Cluster {name!r} already has this job "
+                                       f"({text.strip().splitlines()[-1][:200]}).") from e
+            raise ClusterError(f"Cluster {name!r} ({url}) answered {e.code} to {method} "
+                               f"{path}: {_last_line(text)}",
+                               "See the Ray dashboard's logs on the head node.") from e
+        except (urllib.error.URLError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            raise ClusterError(f"Cluster {name!r} cannot be reached at {url} ({reason}).",
+                               "Check the URL (the Ray dashboard, port 8265 by default), that "
+                               "the head runs, and that this machine may reach it.") from e
+        try:
+            return json.loads(text)
+        except ValueError:
+            return text
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1][:300] if lines else "(no reply)"
+
+
+def cluster_resources(client: RayClient) -> dict[str, float]:
+    """The cluster's total resources ({"CPU": 2.0, "GPU": 0.0, ...}) from /api/cluster_status
+    (empty while the head has not reported them yet)."""
+    reply = client.call("GET", "/api/cluster_status")
+    status = (reply.get("data") or {}).get("clusterStatus") or {} if isinstance(reply, dict) \
+        else {}
+    usage = (status.get("loadMetricsReport") or {}).get("usage") or {}
+    return {key: float(pair[1]) for key, pair in usage.items()
+            if isinstance(pair, list) and len(pair) == 2}
+
+
+def check_cluster(cluster: Cluster, token: str | None) -> str:
+    """What the cluster is, in a line ("Ray 2.60.0, 2 CPUs, 0 GPUs"); a ClusterError saying
+    why not: unreachable, token missing or wrong, not a Ray dashboard."""
+    client = RayClient(cluster, token)
+    try:
+        version = client.call("GET", "/api/version")
+    except _NotFound as e:
+        raise ClusterError(f"{cluster.url} is not a Ray dashboard (no /api/version).",
+                           "Give the Ray dashboard's address, e.g. http://head-node:8265.") from e
+    if not isinstance(version, dict) or "ray_version" not in version:
+        raise ClusterError(f"{cluster.url} is not a Ray dashboard (its /api/version says "
+                           f"{str(version)[:100]!r}).",
+                           "Give the Ray dashboard's address, e.g. http://head-node:8265.")
+    resources = cluster_resources(client)
+    cpus, gpus = resources.get("CPU", 0.0), resources.get("GPU", 0.0)
+    return f"Ray {version['ray_version']}, {cpus:g} CPUs, {gpus:g} GPUs"
+
+
+class RayExecutor:
+    """Runs attempts of jobs on `cluster` (see the module's docstring)."""
+
+    def __init__(self, cluster: Cluster, token: str | None, *,
+                 stop_grace_s: float = DEFAULT_STOP_GRACE_S):
+        self.cluster = cluster
+        self.name = cluster.name
+        self.client = RayClient(cluster, token)
+        self.stop_grace_s = stop_grace_s
+
+    def check(self) -> str:
+        return check_cluster(self.cluster, self.client.token)
+
+    def resources(self) -> dict[str, float]:
+        return cluster_resources(self.client)
+
+    def entrypoint(self, run_dir) -> str:
+        where = self.cluster.cluster_path(run_dir)
+        return (f"{shlex.quote(self.cluster.python)} -m app queue run-remote "
+                f"{shlex.quote(where)} --grace {self.stop_grace_s:g}")
+
+    def submit(self, job, run_dir) -> dict:
+        """Start attempt `job.attempt` of `job`; AlreadySubmitted if the cluster has it."""
+        sid = submission_id(job.id, job.attempt)
+        self.client.call("POST", "/api/jobs/", {
+            "entrypoint": self.entrypoint(run_dir),
+            "submission_id": sid,
+            "entrypoint_num_cpus": self.cluster.num_cpus,
+            "entrypoint_num_gpus": self.cluster.num_gpus,
+            "runtime_env": {"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": f"{self.stop_grace_s:g}"}},
+            "metadata": {"workbench_job": str(job.id), "attempt": str(job.attempt)},
+        })
+        return self.handle(sid)
+
+    def handle(self, sid: str) -> dict:
+        return {"submission_id": sid, "cluster": self.cluster.name}
+
+    def poll(self, handle: dict) -> Poll:
+        try:
+            reply = self.client.call("GET", f"/api/jobs/{quote(handle['submission_id'])}")
+        except _NotFound:
+            return Poll("lost", f"cluster {self.name!r} has no job "
+                                f"{handle['submission_id']} (lost, or the head restarted)")
+        if not isinstance(reply, dict) or reply.get("status") not in _STATES:
+            raise ClusterError(f"Cluster {self.name!r} answered an unexpected job status: "
+                               f"{str(reply)[:200]}")
+        return Poll(_STATES[reply["status"]], reply.get("message") or "")
+
+    def cancel(self, handle: dict) -> None:
+        try:
+            self.client.call("POST", f"/api/jobs/{quote(handle['submission_id'])}/stop")
+        except _NotFound:
+            pass  # nothing left to stop
+
+    def logs(self, handle: dict) -> str:
+        try:
+            reply = self.client.call("GET", f"/api/jobs/{quote(handle['submission_id'])}/logs")
+        except _NotFound:
+            return ""
+        return reply.get("logs", "") if isinstance(reply, dict) else str(reply)
