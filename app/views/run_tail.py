@@ -374,9 +374,11 @@ def ema(values, weight: float, acc: float = 0.0, n: int = 0):
 
 
 class Series:
-    """Growing (step, value...) columns in a numpy buffer, for curves fed batch by batch.
-    A step at or before the last one (a run resumed from an earlier checkpoint) truncates
-    the columns back to it."""
+    """Growing (step, value...) columns in a numpy buffer, for curves fed batch by batch: the
+    one place where events become curve points. Steps are kept unique and increasing: a step
+    at or before the last one (a run resumed from an earlier checkpoint, a cluster job's new
+    attempt repeating steps, within a batch or across batches) truncates the columns back to
+    it, so the later event wins and the earlier attempt's points after it are dropped."""
 
     def __init__(self, n_cols: int):
         self.data = np.empty((256, n_cols))
@@ -387,6 +389,12 @@ class Series:
         if not rows:
             return
         new = np.asarray(rows, dtype=float)
+        restarts = np.flatnonzero(new[1:, 0] <= new[:-1, 0]) + 1     # a step repeated in it
+        for part in np.split(new, restarts) if restarts.size else (new,):
+            self._append(part)
+
+    def _append(self, new: np.ndarray) -> None:
+        """Append rows whose steps increase (truncating back to their first step)."""
         if self.n and new[0, 0] <= self.data[self.n - 1, 0]:
             self.n = int(np.searchsorted(self.data[:self.n, 0], new[0, 0]))
             self._ema = (None, np.empty(0), 0.0, 0)

@@ -113,6 +113,25 @@ def test_a_resumed_run_rewrites_the_repeated_steps(qtbot, ctx, monitor):
     np.testing.assert_array_equal(monitor.loss_curve.getData()[0], np.arange(1, 26))
 
 
+def test_a_restarted_attempt_read_at_once_keeps_the_later_points(qtbot, ctx, monitor):
+    """metrics.jsonl holds a lost attempt (steps 1-30) and the new attempt resumed from the
+    checkpoint at step 20 (steps 21-25, other losses): one read gets both; each step is drawn
+    once, with the new attempt's value, and nothing of the lost attempt after step 20."""
+    fake = FakeRun(ctx.runs_root() / "run")
+    fake.step(30)
+    for step in range(21, 26):
+        fake.run.append_metrics({"type": "step", "step": step, "total_steps": 100,
+                                 "loss": 9.0 + step, "lr": 0.001})
+    ctx.select_run(fake.path)
+    qtbot.waitUntil(lambda: n_points(monitor.loss_curve) == 25)
+    x, y = monitor.loss_curve.getData()
+    np.testing.assert_array_equal(x, np.arange(1, 26))
+    np.testing.assert_allclose(y[:20], [FakeRun.loss_at(s) for s in range(1, 21)])
+    np.testing.assert_allclose(y[20:], [9.0 + s for s in range(21, 26)])
+    monitor.redraw.flush()
+    np.testing.assert_array_equal(monitor.lr_curve.getData()[0], np.arange(1, 26))
+
+
 def test_switching_runs_resets_the_curves(qtbot, ctx, monitor):
     a = FakeRun(ctx.runs_root() / "a")
     a.step(30)

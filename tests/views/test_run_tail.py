@@ -212,6 +212,23 @@ def test_series_and_ema():
     assert n == 2
 
 
+def test_series_keeps_the_later_of_repeated_steps_within_a_batch():
+    """A cluster job's second attempt repeats steps 4-5 of the first; both attempts arrive in
+    one read: the later events win, the first attempt's points after step 4 are gone."""
+    s = Series(2)
+    s.extend([(1, 1.0), (2, 2.0)])
+    s.extend([(3, 3.0), (4, 4.0), (5, 5.0), (6, 6.0), (4, 40.0), (5, 50.0), (2, 20.0),
+              (3, 30.0)])
+    np.testing.assert_array_equal(s.col(0), [1, 2, 3])
+    np.testing.assert_array_equal(s.col(1), [1.0, 20.0, 30.0])
+    s.extend([(3, 33.0), (4, 44.0)])                       # across batches, at the last step
+    np.testing.assert_array_equal(s.col(0), [1, 2, 3, 4])
+    np.testing.assert_array_equal(s.col(1), [1.0, 20.0, 33.0, 44.0])
+    np.testing.assert_allclose(s.smoothed(0.5), [1.0, (0.25 + 10) / 0.75,
+                                                 (0.125 + 5 + 16.5) / 0.875,
+                                                 (0.0625 + 2.5 + 8.25 + 22) / 0.9375])
+
+
 def test_clock():
     assert clock(3725.4) == "1:02:05" and clock(None) == "-" and clock(float("nan")) == "-"
 
