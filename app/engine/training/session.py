@@ -3,6 +3,13 @@
 `TrainSession` owns what a run changes (a LoRA adapter and/or float32 master copies of fully
 trained tensors) and turns micro-batches into optimizer steps. It knows nothing of files,
 queues or threads; the run loop (reporting, evaluation, checkpoints) builds on it.
+
+Data parallel: a session given a `communicator` of world_size N is one rank of N sessions that
+start from the same state and step together. Each step gets the whole step's micro-batches on
+every rank, computes those of its rank (indices rank, rank + N, ...), and the ranks sum their
+gradients x tokens, losses, counts and routing before one division by the global token count:
+every rank's optimizer sees the gradient one process computes over all the micro-batches (up
+to the float32 summation order) and makes the same update.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from app.engine.data.batches import Batch
 from app.engine.runtime.backend import to_host
 from app.engine.model.params import TRAINABLE_TYPES
 from app.engine.training.config import TrainConfig
+from app.engine.training.communicator import Communicator, SingleProcess
 from app.engine.errors import CheckpointError, ConfigError
 from app.engine.model.lora import (LoraAdapter, LoraConfig, adapter_on, adapter_parameters,
                                    init_adapter, tensor_kind)
@@ -64,9 +72,11 @@ def full_trainable_names(model: Model, targets: Sequence[str] | None) -> list[st
 
 
 class TrainSession:
-    def __init__(self, model: Model, config: TrainConfig, adapter: LoraAdapter | None = None):
+    def __init__(self, model: Model, config: TrainConfig, adapter: LoraAdapter | None = None,
+                 communicator: Communicator | None = None):
         config.validate()
         self.model, self.config = model, config
+        self.communicator = communicator or SingleProcess()
         self.adapter = adapter
         if config.mode in ("lora", "hybrid") and adapter is None:
             self.adapter = init_adapter(model.tensor_shapes, model.config.arch, LoraConfig(
@@ -137,18 +147,20 @@ class TrainSession:
                                          c.checkpoint_interval, c.vocab_chunk)
 
     def _accumulate(self, micro_batches: Sequence[Batch]) -> "Accumulated":
-        """Gradient of the loss over all micro-batches, normalised by their total token count.
+        """Gradient of the loss over all micro-batches, normalised by their total token count
+        (with data parallelism: this rank's share, summed over the ranks by `_allreduced`).
 
         A single micro-batch's gradients are returned as the model computed them (already
         normalised by its tokens): copying them into an accumulator would cost a pass over
         every trained parameter for nothing."""
-        acc = GradAccumulator(average=True)
+        comm = self.communicator
+        acc = GradAccumulator(average=comm.world_size == 1)
         loss_sum = correct = tokens = 0.0
         routing: dict[int, np.ndarray] = {}
         first = None  # (grads, tokens) of the first micro-batch with trained tokens
-        for i, batch in enumerate(micro_batches):
-            self.params.dropout_seed = (self.config.seed, self.step_count, i)
-            loss, stats, grads = self.loss_and_grads(batch)
+        for i in range(comm.rank, len(micro_batches), comm.world_size):
+            self.params.dropout_seed = (self.config.seed, self.step_count, i)  # the global index
+            loss, stats, grads = self.loss_and_grads(micro_batches[i])
             for layer, counts in stats["routing"].items():
                 routing[layer] = routing.get(layer, 0) + counts
             n = stats["n_tokens"]
@@ -162,10 +174,39 @@ class TrainSession:
                 loss_sum += loss * n
                 correct += stats["n_correct"]
                 tokens += n
+        if comm.world_size > 1:
+            if first is not None and not acc.n_micro_batches:
+                acc.add(first[0], weight=first[1])
+            return self._allreduced(acc.result() if acc.n_micro_batches else {}, loss_sum,
+                                    correct, tokens, routing)
         if not tokens:
             raise ConfigError("The batch has no trained tokens (every label is masked).")
         result = acc.result() if acc.n_micro_batches else first[0]
         return Accumulated(loss_sum / tokens, correct / tokens, int(tokens), result, routing)
+
+    def _allreduced(self, sums: dict, loss_sum, correct, tokens, routing: dict) -> "Accumulated":
+        """This rank's sums (gradients x tokens by name, loss x tokens, correct tokens, tokens,
+        routing counts) added to the other ranks', the gradients divided by the global token
+        count. Every rank sends the same structure: zeros for a tensor or MoE layer its
+        micro-batches did not reach (a rank may have none at an epoch's short last step); a
+        tensor no rank has a gradient for stays out of the result, as in one process."""
+        xp, cfg = self.model.xp, self.model.config
+        total = self.communicator.allreduce_sum({
+            "grads": {name: sums[name] if name in sums else xp.zeros_like(w)
+                      for name, w in self.trainable.items()},
+            "has_grad": [int(name in sums) for name in self.trainable],
+            "loss": float(loss_sum), "correct": float(correct), "tokens": int(tokens),
+            "routing": {il: routing.get(il, np.zeros(cfg.n_expert, np.int64))   # (E,) each
+                        for il in range(cfg.n_layer) if cfg.layer_is_moe(il)}})
+        tokens = total["tokens"]
+        if not tokens:
+            raise ConfigError("The batch has no trained tokens (every label is masked).")
+        grads = {name: g for (name, g), has in zip(total["grads"].items(), total["has_grad"])
+                 if has}
+        for g in grads.values():
+            xp.divide(g, float(tokens), out=g)
+        return Accumulated(total["loss"] / tokens, total["correct"] / tokens, tokens, grads,
+                           total["routing"])
 
     def step(self, micro_batches: Sequence[Batch]) -> StepMetrics:
         """One optimizer step over the micro-batches (gradient accumulation)."""
@@ -192,12 +233,17 @@ class TrainSession:
                            result.tokens / elapsed if elapsed else 0.0, skipped, result.routing)
 
     def evaluate(self, batches: Sequence[Batch]) -> tuple[float, float]:
-        """(loss, token accuracy) over batches, forward only."""
+        """(loss, token accuracy) over batches, forward only (with data parallelism: each rank
+        evaluates every world_size-th batch and the sums are added over the ranks)."""
+        comm = self.communicator
         loss_sum = correct = tokens = 0.0
-        for b in batches:
+        for b in batches[comm.rank::comm.world_size]:
             loss, stats = self.model.loss(self.eval_params, b.tokens, b.labels, b.token_weights,
                                           b.positions, b.segments, self.config.vocab_chunk)
             loss_sum += loss * stats["n_tokens"]
             correct += stats["n_correct"]
             tokens += stats["n_tokens"]
+        if comm.world_size > 1:
+            loss_sum, correct, tokens = comm.allreduce_sum(
+                [float(loss_sum), float(correct), float(tokens)])
         return loss_sum / max(tokens, 1), correct / max(tokens, 1)

@@ -1,7 +1,11 @@
 """The training run: epochs of steps over a dataset, evaluation, checkpoints, exact resume.
 
 `train(config, report, should_stop, run_dir)` knows nothing of queues or GUIs: it reports
-events (dicts) through `report` and asks `should_stop()` between steps. `run_sft_job` adapts it to
+events (dicts) through `report` and asks `should_stop()` between steps. A run with `workers`
+N > 1 is N calls of `train`, one per rank, each with a communicator
+(app.engine.training.communicator; app.engine.runs.data_parallel starts them): a step takes N x
+grad_accum windows, each rank computes its share, and rank 0 alone reports, answers
+should_stop (for every rank) and reads and writes the checkpoints. `run_sft_job` adapts it to
 the worker's runner contract (app.engine.runs.worker). Everything a run needs is in `RunConfig`,
 saved as the run directory's config.json, so a run can always be repeated or resumed.
 """
@@ -21,6 +25,7 @@ from app.engine.runtime.backend import memory_report, peak_rss_mb
 from app.engine.training.checkpoints import (DamagedCheckpoint, list_checkpoints, load_checkpoint,
                                              prune_checkpoints, restart_hint, save_checkpoint,
                                              set_aside)
+from app.engine.training.communicator import Communicator, SingleProcess
 from app.engine.training.config import TrainConfig
 from app.engine.runtime.schema import AT_LEAST_0, AT_LEAST_1, TEXT, check
 from app.engine.training import events
@@ -51,7 +56,9 @@ RUN_LENGTHS = dict(eval_every=AT_LEAST_0, save_every=AT_LEAST_0, norms_every=AT_
 class RunConfig:
     """One run, completely: `epochs` passes over the data, capped at `max_steps` optimizer
     steps when that is set (epochs 0: exactly max_steps steps, cycling through the data).
-    train.max_steps is derived from these (it sets the schedule's length)."""
+    train.max_steps is derived from these (it sets the schedule's length). With `workers` N a
+    step takes N x train.grad_accum windows: the same steps as one worker with N times the
+    grad_accum."""
 
     model: str
     data: str
@@ -66,10 +73,11 @@ class RunConfig:
     norms_every: int = 10        # steps between LoRA-norm and routing events
     max_bad_steps: int = 5       # consecutive NaN/Inf steps before the run stops
     adapter: str | None = None   # start from an existing GGUF LoRA adapter
+    workers: int = 1             # data-parallel ranks (> 1: app.engine.runs.data_parallel)
 
     SCHEMA_RULES: ClassVar[dict] = dict(  # "kind" is not a field: config.json names the run's type
         kind=(KIND,), model=TEXT, data=TEXT, epochs=AT_LEAST_0, max_steps=AT_LEAST_0,
-        patience=AT_LEAST_0, **RUN_LENGTHS)
+        patience=AT_LEAST_0, workers=AT_LEAST_1, **RUN_LENGTHS)
 
     def validate(self) -> None:
         self.train.validate()
@@ -125,15 +133,24 @@ class _RunningStats:
 
 
 def train(config: RunConfig, report: Report, should_stop: ShouldStop,
-          checkpoints: str | Path | None = None) -> str:
+          checkpoints: str | Path | None = None, communicator: Communicator | None = None) -> str:
     """Run (or resume, from the newest checkpoint in `checkpoints`) a training run.
 
     Returns "done", "paused" or "cancelled". Events: start, step, eval, norms, routing,
     checkpoint, log, done (their fields: app.engine.training.events). Raises EngineError
     subclasses for bad input and TrainingDiverged after `max_bad_steps` consecutive non-finite
-    steps.
+    steps. With a `communicator` of config.workers ranks this is one rank of a data-parallel
+    run: only rank 0's `report`, `should_stop` and `checkpoints` are used.
     """
     config.validate()
+    comm = communicator or SingleProcess()
+    if comm.world_size != config.workers:
+        raise ConfigError(f"This run has workers {config.workers}: it trains data-parallel as "
+                          f"{config.workers} Ray workers, but was started as {comm.world_size}.",
+                          "Send it to a Ray cluster, or set workers to 1 to train in one process.")
+    lead = comm.rank == 0
+    if not lead:   # rank 0 alone reports and hears stop requests (broadcast between steps)
+        report, should_stop = (lambda event: None), (lambda: None)
     t_start = time.perf_counter()
     model = load_model(config.model, config.train.cache_budget, config.train.device)
     report(events.LOG_EVENT(message=f"tokenizing {Path(config.data).name}"))
@@ -142,7 +159,8 @@ def train(config: RunConfig, report: Report, should_stop: ShouldStop,
     if dataset.rejections.total:
         report(events.LOG_EVENT(message=dataset.rejections.summary()))
     tc = config.train
-    steps_per_epoch = dataset.steps_per_epoch(tc.grad_accum)
+    windows_per_step = tc.grad_accum * comm.world_size
+    steps_per_epoch = dataset.steps_per_epoch(windows_per_step)
     if steps_per_epoch == 0:
         raise DatasetError(f"{Path(config.data).name} gives no training windows.",
                            "Check the linter's report: every row may have been rejected.")
@@ -151,10 +169,15 @@ def train(config: RunConfig, report: Report, should_stop: ShouldStop,
         total = min(total, config.max_steps)
     n_epochs = config.epochs or math.ceil(total / steps_per_epoch)
     adapter = load_adapter(config.adapter) if config.adapter else None
-    session = TrainSession(model, tc.for_steps(total), adapter)
+    session = TrainSession(model, tc.for_steps(total), adapter, comm)
     state = {"epoch": 0, "step_in_epoch": 0, "best_loss": math.inf, "best_step": 0,
              "evals_without_gain": 0, "bad_streak": 0, "skipped_steps": 0}
-    ckpt_dir = resume(session, checkpoints, state, report)
+    ckpt_dir = resume(session, checkpoints, state, report) if lead else None
+    if comm.world_size > 1:   # every rank continues from rank 0's state (resumed or fresh)
+        trained, run_state = comm.broadcast((session.state_dict(), state) if lead else None)
+        if not lead:
+            session.load_state_dict(trained)
+            state.update(run_state)
     stats = dataset.stats
     report(events.SFT_START(total_steps=total, epochs=n_epochs, steps_per_epoch=steps_per_epoch,
                             trainable=session.n_trainable, train_rows=stats.train_rows,
@@ -191,7 +214,7 @@ def train(config: RunConfig, report: Report, should_stop: ShouldStop,
     while session.step_count < total and stop_reason is None:
         epoch = state["epoch"]
         running = _RunningStats()
-        for micro in dataset.train_batches(epoch, tc.grad_accum, state["step_in_epoch"]):
+        for micro in dataset.train_batches(epoch, windows_per_step, state["step_in_epoch"]):
             if session.step_count >= total:
                 break
             metrics, bad = guarded_step(
@@ -224,7 +247,7 @@ def train(config: RunConfig, report: Report, should_stop: ShouldStop,
             if stop_early:
                 stop_reason = "early_stop"
                 break
-            requested = should_stop()
+            requested = comm.broadcast(should_stop() if lead else None)
             if requested:
                 stop_reason = "cancelled" if requested == "cancel" else "paused"
                 break
