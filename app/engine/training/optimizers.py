@@ -39,7 +39,9 @@ strong-Wolfe line search), following the algorithm of ``torch.optim.LBFGS``.
 
 Every optimizer has ``state_dict()`` / ``load_state_dict()``: a nested dict of str, int, float
 and NumPy arrays (copies, on the host), so save -> load -> continue is bit-identical to not
-saving.
+saving. ``state_dict(copy=False)`` is for a checkpoint written before the next step: on the
+CPU it holds the live arrays themselves, so that saving a large adapter does not hold its
+optimizer state twice (AdamW's moments are two thirds of a run's trained memory).
 """
 
 from __future__ import annotations
@@ -115,9 +117,10 @@ def _check_params(params: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _host_copy(a) -> np.ndarray:
+def _on_host(a, copy: bool = True) -> np.ndarray:
+    """`a` as a NumPy array; a NumPy array is copied only when `copy` (a device array always is)."""
     h = to_host(a)
-    return h.copy() if h is a else h
+    return h.copy() if copy and h is a else h
 
 
 def _check_shape(src, dst, what: str) -> None:
@@ -324,11 +327,11 @@ class _ElementwiseOptimizer:
         return int(clipped) if xp is np else clipped
 
     # -- checkpoints
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, copy: bool = True) -> dict[str, Any]:
         d: dict[str, Any] = {"kind": self.kind, "step": self.step_count,
                              "hyperparams": self.hyperparameters()}
         for k in self._moments:
-            d[k] = {name: _host_copy(a) for name, a in self.state[k].items()}
+            d[k] = {name: _on_host(a, copy) for name, a in self.state[k].items()}
         return d
 
     def load_state_dict(self, d: Mapping[str, Any]) -> None:
@@ -702,20 +705,21 @@ class LBFGS:
         return orig_loss
 
     # -- checkpoints
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, copy: bool = True) -> dict[str, Any]:
         out: dict[str, Any] = {"kind": self.kind, "hyperparams": self.hyperparameters(),
                                "n_iter": self.n_iter, "func_evals": self.func_evals,
                                "h_diag": self._h_diag}
         k, dtype = len(self._s_hist), self._dtype
-        out["s_history"] = (np.stack([_host_copy(s) for s in self._s_hist]) if k
+        out["s_history"] = (np.stack([to_host(s) for s in self._s_hist]) if k   # a new array
                             else np.zeros((0, self._n), dtype))
-        out["y_history"] = (np.stack([_host_copy(y) for y in self._y_hist]) if k
+        out["y_history"] = (np.stack([to_host(y) for y in self._y_hist]) if k
                             else np.zeros((0, self._n), dtype))
         out["rho_history"] = np.array(self._rho_hist, np.float64)
         if self._d is not None:
-            out["d"], out["t"] = _host_copy(self._d), float(self._t)
+            out["d"], out["t"] = _on_host(self._d, copy), float(self._t)
         if self._prev_g is not None:
-            out["prev_grad"], out["prev_loss"] = _host_copy(self._prev_g), float(self._prev_loss)
+            out["prev_grad"], out["prev_loss"] = (_on_host(self._prev_g, copy),
+                                                  float(self._prev_loss))
         return out
 
     def load_state_dict(self, d: Mapping[str, Any]) -> None:

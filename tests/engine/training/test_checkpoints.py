@@ -252,3 +252,28 @@ def test_best_checkpoint_is_the_one_the_newest_run_state_names(tmp_path):
     assert best_checkpoint(tmp_path) == (90, tmp_path / "step-90", 0.8)
     save_checkpoint(tmp_path, 120, state, {"run": {"best_step": 0, "best_loss": float("inf")}})
     assert best_checkpoint(tmp_path) is None   # no evaluation made a best
+
+
+def test_a_checkpoint_of_a_large_adapter_is_written_without_a_second_copy_of_its_state(tmp_path):
+    """state_dict(copy=False) hands the live AdamW moments to the writer, and np.savez writes
+    each array in chunks of 16 MiB (numpy.lib.format.write_array's buffer): the whole save
+    allocates one chunk, not the two moments again (2x the trained tensors, as with copies)."""
+    import tracemalloc
+
+    from app.engine.training.optimizers import AdamW
+
+    params = {"w": np.random.default_rng(0).standard_normal((2048, 4096)).astype(np.float32)}
+    optimizer = AdamW(params)
+    optimizer.step({"w": np.ones_like(params["w"])})
+    peaks = {}
+    for copy in (False, True):
+        tracemalloc.start()
+        state = {"step": 1, "trainable": params, "optimizer": optimizer.state_dict(copy=copy)}
+        path = save_checkpoint(tmp_path / str(copy), 1, state)
+        peaks[copy] = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        saved = load_checkpoint(path).state
+        np.testing.assert_array_equal(saved["optimizer"]["v"]["w"], optimizer.state["v"]["w"])
+    nbytes = params["w"].nbytes                                        # 32 MiB
+    assert peaks[False] <= (16 << 20) + (1 << 20)
+    assert peaks[True] >= 2 * nbytes                                   # the copies this avoids
