@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, Any
 from PySide6.QtCore import QObject, QRunnable, QSettings, QThreadPool, Signal
 
 if TYPE_CHECKING:  # pragma: no cover
-    from app.engine.api import JobQueue
+    from app.engine.api import ClusterStore, JobQueue
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SAMPLE_DATA = REPO_ROOT / "sample_data"
 ORG_NAME = "gguf-workbench"
 SETTINGS_APP = "GGUF Workbench"        # = app.views.main_window.APP_NAME (recent files live here)
-SCREENS = ("new_run", "runs", "monitor", "experts", "playground", "export")
+SCREENS = ("new_run", "runs", "monitor", "experts", "playground", "export", "settings")
 
 
 def sample_model_path() -> str | None:
@@ -46,9 +46,11 @@ class AppContext(QObject):
       run_selected(str)   a run directory path; Monitor, Experts, Playground and Export follow it
       model_selected(str) a GGUF path picked anywhere
       runs_changed()      a run was queued, started or removed (the Runs screen refreshes)
+      clusters_changed()  a cluster was added, changed or removed (Settings > Clusters);
+                          New run's "Run on" reads the list again
       status_message(str) a short message for the window's status bar
       navigate(str)       ask the shell to show a screen by key (one of SCREENS: "new_run",
-                          "runs", "monitor", "experts", "playground", "export")
+                          "runs", "monitor", "experts", "playground", "export", "settings")
       error_reported(str, object, str)
                           title, exception, context: the window's error funnel shows it
                           (message, hint, expandable details; see error_panel.describe_error)
@@ -57,6 +59,7 @@ class AppContext(QObject):
     run_selected = Signal(str)
     model_selected = Signal(str)
     runs_changed = Signal()
+    clusters_changed = Signal()
     status_message = Signal(str)
     navigate = Signal(str)
     error_reported = Signal(str, object, str)
@@ -104,18 +107,28 @@ class AppContext(QObject):
 
         return ensure_worker(self.queue.path)
 
-    def queue_new_run(self, path: str | os.PathLike, config: dict, first: bool) -> int | None:
+    def queue_new_run(self, path: str | os.PathLike, config: dict, first: bool,
+                      executor: str = "local") -> int | None:
         """Write the run directory `path` with `config`, queue it (ahead of the waiting jobs
-        when `first`) and make sure a worker runs (its pid). Call it off the GUI thread."""
-        from app.engine.api import PENDING, RunDir
+        when `first`) to run on `executor` ("local" or a cluster's name) and make sure a worker
+        runs (its pid; it also submits and follows cluster jobs). A cluster that cannot see
+        `path` (its path map) refuses before the folder is made. Call it off the GUI thread."""
+        from app.engine.api import LOCAL, PENDING, RunDir
 
+        if executor != LOCAL:
+            self.clusters().get(executor).cluster_path(path)
         run = RunDir.create(path, config)
         priority = 0
         if first:
             pending = self.queue.list(PENDING)
             priority = max((j.priority for j in pending), default=0) + (1 if pending else 0)
-        self.queue.add(run.path, priority)
+        self.queue.add(run.path, priority, executor=executor)
         return self.ensure_worker()
+
+    def clusters(self) -> "ClusterStore":
+        """The clusters runs can be sent to: clusters.json beside the queue's database (the
+        tokens are in the OS keyring)."""
+        return self.queue.clusters()
 
     def stop_worker(self, timeout: float = 20.0) -> bool:
         """Stop the queue's worker (its running job is checkpointed and requeued) and wait

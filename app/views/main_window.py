@@ -1,7 +1,7 @@
 """The shell: a navigation list on the left, the screens in a stack, the worker in the status bar.
 
 Screens (all built as `Screen(ctx, parent)` around one `AppContext`): New run, Runs, Monitor,
-Experts, Playground, Export. They talk through the context (run_selected, model_selected,
+Experts, Playground, Export, Settings (clusters). They talk through the context (run_selected, model_selected,
 runs_changed, navigate, error_reported); errors reach the user through one banner (the
 ErrorPanel) above the screens.
 
@@ -33,13 +33,15 @@ RECENT_KEY = "recent/models"
 MAX_RECENT = 10
 LAST_RUN_KEY = "window/last_run"
 SCREEN_TITLES = {"new_run": "New run", "runs": "Runs", "monitor": "Monitor",
-                 "experts": "Experts", "playground": "Playground", "export": "Export"}
+                 "experts": "Experts", "playground": "Playground", "export": "Export",
+                 "settings": "Settings"}
 # key -> (module, class): the other screens are imported lazily, with a placeholder if missing
 SCREEN_CLASSES = {"runs": ("app.views.runs_view", "RunsView"),
                   "monitor": ("app.views.monitor", "MonitorView"),
                   "experts": ("app.views.experts", "ExpertsView"),
                   "playground": ("app.views.playground", "PlaygroundView"),
-                  "export": ("app.views.export_view", "ExportView")}
+                  "export": ("app.views.export_view", "ExportView"),
+                  "settings": ("app.views.settings_view", "SettingsView")}
 STATUS_INTERVAL_MS = 1000
 MESSAGE_MS = 10_000
 

@@ -176,3 +176,28 @@ GRPO_TIPS = {
     "samples_every": tip("Steps between the sampled completions shown in Monitor.", "5-20",
                          "--samples-every"),
 }
+
+# Settings > Clusters (app.views.clusters_panel), by field
+CLUSTER_ADD = "workbench cluster add NAME URL"
+CLUSTER_TIPS = {
+    "name": tip("What the window and the command line call the cluster (letters, digits, "
+                ". _ -). To rename one, add it again and remove the old one.", "lab-gpus",
+                CLUSTER_ADD),
+    "url": tip("The Ray dashboard's address: runs are sent through its Jobs API.",
+               "http://head-node:8265", CLUSTER_ADD),
+    "token": tip("The cluster's token (Ray started with token authentication). It is kept in "
+                 "the OS keyring, never in a file; left empty, the stored token stays.",
+                 "the RAY_AUTH_TOKEN of the head", CLUSTER_ADD),
+    "path_map": tip("Where the cluster sees this machine's folders: LOCAL=CLUSTER pairs, "
+                    "comma-separated. Runs must live under a mapped folder (a head on this "
+                    "machine sees its paths as they are).", "/home/me/runs=/mnt/shared/runs",
+                    CLUSTER_ADD),
+    "python": tip("The Python on the cluster's nodes that has the workbench installed.",
+                  "python, or /opt/workbench/.venv/bin/python", CLUSTER_ADD),
+    "num_cpus": tip("CPUs each run asks the cluster for.", "1-8", CLUSTER_ADD),
+    "num_gpus": tip("GPUs each run asks for (a cluster without one fails the run after a "
+                    "while instead of waiting forever).", "0 or 1", CLUSTER_ADD),
+}
+RUN_ON_TIP = tip("Train on this computer (the worker here), or send the run to a Ray cluster "
+                 "(Settings > Clusters). The run folder must be on storage the cluster sees.",
+                 "This computer", "workbench train ... --queue --on CLUSTER")

@@ -57,12 +57,14 @@ def open_and_wait(qtbot, win, path):
 # ---------------------------------------------------------------- the shell
 def test_navigation_lists_every_screen_and_switches(qtbot, window, ctx):
     titles = [window.nav.item(i).text() for i in range(window.nav.count())]
-    assert titles == ["New run", "Runs", "Monitor", "Experts", "Playground", "Export"]
+    assert titles == ["New run", "Runs", "Monitor", "Experts", "Playground", "Export",
+                      "Settings"]
     assert list(window.screens) == list(SCREENS)
     assert window.placeholders() == []               # every real screen is there
     assert type(window.screen("runs")).__name__ == "RunsView"
     assert type(window.screen("monitor")).__name__ == "MonitorView"
     assert type(window.screen("experts")).__name__ == "ExpertsView"
+    assert type(window.screen("settings").clusters).__name__ == "ClustersPanel"
     assert window.current_screen_key() == "new_run"
     rect = window.nav.visualItemRect(window.nav.item(4))
     qtbot.mouseClick(window.nav.viewport(), Qt.LeftButton, pos=rect.center())
