@@ -162,11 +162,12 @@ def start_run(args, config: dict, name: str, execute) -> int:
         from app.engine.runs.queue import JobQueue
 
         try:
-            job_id = JobQueue(args.queue or None).add(run_dir.path)
+            job_id = JobQueue(args.queue or None).add(run_dir.path,
+                                                      executor=args.on or "local")
         except BaseException:  # the queue refused it: the same command must work next time
             _take_back(run_dir, existed)
             raise
-        print(f"queued job {job_id}: {run_dir.path}")
+        print(f"queued job {job_id}: {run_dir.path}" + (f" on {args.on}" if args.on else ""))
         return 0
     print(f"run directory: {run_dir.path}", file=sys.stderr)
     return execute(run_dir, args.json)

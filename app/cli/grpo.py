@@ -60,6 +60,8 @@ def add_grpo_parser(sub) -> None:
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a paused or interrupted GRPO run")
     p.add_argument("--queue", nargs="?", const="", default=None, metavar="QUEUE",
                    help="add the run to the job queue instead of running it here")
+    p.add_argument("--on", metavar="CLUSTER", default=None,
+                   help="queue the run to run on this cluster (see: workbench cluster list)")
     p.add_argument("--json", action="store_true", help="print events as JSON lines")
     p.add_argument("--trust-reward-code", action="store_true", help=TRUST_HELP)
     g = p.add_argument_group("sampling and rewards")

@@ -26,6 +26,12 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scale", "-s", type=float, default=1.0, help="adapter user scale (default 1.0)")
 
 
+def _queue_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--queue", metavar="PATH",
+                   help="queue database (default: $WORKBENCH_QUEUE, else the user data dir); "
+                        "its clusters are in clusters.json beside it")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="workbench",
@@ -109,9 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
         ("reorder", "move a queued or paused job to POSITION (1 = next)"),
         ("worker", "run queued jobs in this process, one after another"))}
     for q in qp.values():
-        q.add_argument("--queue", metavar="PATH",
-                       help="queue database (default: $WORKBENCH_QUEUE, else the user data dir)")
+        _queue_option(q)
     qp["add"].add_argument("run_dir", help="run directory holding config.json")
+    qp["add"].add_argument("--on", metavar="CLUSTER", default="local",
+                           help="run it on this cluster (see: workbench cluster list)")
     qp["add"].add_argument("--priority", type=int, default=0,
                            help="higher goes ahead of queued jobs with a lower priority")
     qp["list"].add_argument("--state", action="append", help="only jobs in this state (repeatable)")
@@ -124,6 +131,34 @@ def build_parser() -> argparse.ArgumentParser:
     qp["worker"].add_argument("--nice", type=int, default=0, metavar="N",
                               help="lower this worker's CPU priority by N (POSIX nice; the "
                                    "window starts its worker with 10)")
+    qp["worker"].add_argument("--pending-timeout", type=float, default=None, metavar="S",
+                              help="fail a cluster job that pends longer than S seconds on a "
+                                   "cluster without the GPUs it asks (default 60)")
+    r = qsub.add_parser("run-remote", help="run one attempt of a run here, without a queue (the "
+                                           "entrypoint a cluster runs)")
+    r.add_argument("run_dir", help="run directory holding config.json, as this machine sees it")
+
+    p = sub.add_parser("cluster", help="the Ray clusters runs can be sent to: add, list, test, "
+                                       "remove")
+    csub = p.add_subparsers(dest="cluster_command", required=True, metavar="ACTION")
+    c = csub.add_parser("add", help="add (or replace) a cluster: its Ray dashboard URL")
+    c.add_argument("name")
+    c.add_argument("url", help="the Ray dashboard's address, e.g. http://head-node:8265")
+    c.add_argument("--token-stdin", action="store_true",
+                   help="read its token (RAY_AUTH_TOKEN of the head) from the first line of "
+                        "stdin; kept in the OS keyring")
+    c.add_argument("--path-map", default="", metavar="LOCAL=CLUSTER,...",
+                   help="where the cluster sees this machine's run folders")
+    c.add_argument("--python", default="python",
+                   help="the interpreter with the workbench installed on the cluster's nodes")
+    c.add_argument("--cpus", type=float, default=1.0, help="CPUs each run asks (default 1)")
+    c.add_argument("--gpus", type=float, default=0.0, help="GPUs each run asks (default 0)")
+    csub.add_parser("list", help="the clusters and their path maps")
+    for name, text in (("test", "check the connection and the token"),
+                       ("remove", "forget a cluster and its token")):
+        csub.add_parser(name, help=text).add_argument("name")
+    for c in csub.choices.values():
+        _queue_option(c)
 
     p = sub.add_parser("runs", help="inspect run directories: list, show")
     rsub = p.add_subparsers(dest="runs_command", required=True, metavar="ACTION")
@@ -284,11 +319,17 @@ def _run_status(run_dir) -> dict:
 def cmd_queue(args) -> int:
     from app.engine.runs.queue import JobQueue
 
-    queue = JobQueue(args.queue)
     action = args.queue_command
+    if action == "run-remote":
+        from app.engine.runs.remote import run_remote
+
+        return run_remote(args.run_dir)
+    queue = JobQueue(args.queue)
     if action == "add":
-        job_id = queue.add(args.run_dir, priority=args.priority)
-        print(f"queued job {job_id}: {queue.get(job_id).run_dir}")
+        job_id = queue.add(args.run_dir, priority=args.priority, executor=args.on)
+        job = queue.get(job_id)
+        where = "" if job.is_local else f" on {job.executor}"
+        print(f"queued job {job_id}: {job.run_dir}{where}")
         return 0
     if action == "list":
         jobs = queue.list(args.state)
@@ -299,7 +340,7 @@ def cmd_queue(args) -> int:
         if not jobs:
             print(f"no jobs in {queue.path}")
             return 0
-        print(f"{'ID':>4}  {'STATE':<22}  {'RUN':<30}  PROGRESS")
+        print(f"{'ID':>4}  {'STATE':<22}  {'ON':<12}  {'TRY':>3}  {'RUN':<30}  PROGRESS")
         for j in jobs:
             state = j.state + (f" ({j.requested_action} requested)"
                                if j.requested_action != "none" else "")
@@ -307,7 +348,8 @@ def cmd_queue(args) -> int:
             info = (f"{j.error_kind}: {j.error_message}" if j.state == "failed"
                     else status.get("problem") or _fmt_progress(status))
             name = j.run_dir if len(j.run_dir) <= 30 else "..." + j.run_dir[-27:]
-            print(f"{j.id:>4}  {state:<22}  {name:<30}  {info}")
+            print(f"{j.id:>4}  {state:<22}  {j.executor:<12}  {j.attempt:>3}  {name:<30}  "
+                  f"{info}")
         return 0
     if action == "worker":
         import logging
@@ -322,7 +364,9 @@ def cmd_queue(args) -> int:
         stop = threading.Event()
         previous = install_stop_signals(stop)
         try:
-            n = run_worker(queue, once=args.once, stop_event=stop)
+            options = {} if args.pending_timeout is None else \
+                {"pending_timeout_s": args.pending_timeout}
+            n = run_worker(queue, once=args.once, stop_event=stop, **options)
         finally:
             restore_signals(previous)
         print(f"worker stopped after {n} job(s)", file=sys.stderr)
@@ -333,6 +377,35 @@ def cmd_queue(args) -> int:
         job = getattr(queue, action)(args.id)
     note = f", {job.requested_action} requested" if job.requested_action != "none" else ""
     print(f"job {job.id}: {job.state}{note}")
+    return 0
+
+
+def cmd_cluster(args) -> int:
+    from app.engine.runs.clusters import Cluster, PathMap
+    from app.engine.runs.executors import check_cluster
+    from app.engine.runs.queue import JobQueue
+
+    store = JobQueue(args.queue).clusters()
+    action = args.cluster_command
+    if action == "add":
+        token = sys.stdin.readline().strip() if args.token_stdin else None
+        cluster = Cluster(args.name, args.url, PathMap.parse(args.path_map), python=args.python,
+                          num_cpus=args.cpus, num_gpus=args.gpus)
+        store.save(cluster, token)
+        print(f"cluster {cluster.name}: {cluster.url}" + (" (token saved)" if token else ""))
+    elif action == "list":
+        clusters = store.list()
+        if not clusters:
+            print("no clusters yet (add one: workbench cluster add NAME URL --token-stdin)")
+        for c in clusters:
+            token = "token set" if store.token(c.name) else "no token"
+            print(f"{c.name}  {c.url}  {c.num_cpus:g} CPU, {c.num_gpus:g} GPU per run  "
+                  f"python {c.python}  {token}  paths: {c.path_map or '(none)'}")
+    elif action == "test":
+        print(f"{args.name}: {check_cluster(store.get(args.name), store.token(args.name))}")
+    else:
+        store.remove(args.name)
+        print(f"removed cluster {args.name}")
     return 0
 
 
@@ -457,12 +530,14 @@ def cmd_export(args) -> int:
 
 COMMANDS = {"lint": cmd_lint, "info": cmd_info, "generate": cmd_generate, "logits": cmd_logits,
             "tokenize": cmd_tokenize, "new-model": cmd_new_model,
-            "queue": cmd_queue, "runs": cmd_runs, "train": cmd_train,
+            "queue": cmd_queue, "cluster": cmd_cluster, "runs": cmd_runs, "train": cmd_train,
             "resume": cmd_resume, "export": cmd_export, "grpo": cmd_grpo, "eval": cmd_eval}
 
 
 def run_cli(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in ("train", "grpo") and args.on and args.queue is None:
+        args.queue = ""  # `train --on CLUSTER` queues the run
     try:
         return COMMANDS[args.command](args)
     except EngineError as e:

@@ -41,6 +41,8 @@ def add_train_parsers(sub) -> None:
     p.add_argument("--out", "-o", help="run directory (default: a new folder under the runs dir)")
     p.add_argument("--queue", nargs="?", const="", default=None, metavar="QUEUE",
                    help="add the run to the job queue instead of running it here")
+    p.add_argument("--on", metavar="CLUSTER", default=None,
+                   help="queue the run to run on this cluster (see: workbench cluster list)")
     p.add_argument("--json", action="store_true", help="print events as JSON lines")
     g = p.add_argument_group("what to train")
     g.add_argument("--mode", choices=("lora", "full", "hybrid"), help="what trains")

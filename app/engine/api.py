@@ -23,8 +23,8 @@ from app.engine.runs.clusters import Cluster, ClusterError, ClusterStore, PathMa
 from app.engine.runs.executors import check_cluster
 from app.engine.runs.kinds import GRPO, KINDS, SFT, RunKind, kind_of
 from app.engine.runs.queue import LOCAL, PENDING, Job, JobQueue, JobStateError
-from app.engine.runs.rundir import (RUN_NAME_MAX, RunDir, default_run_name, default_runs_dir,
-                                    list_runs)
+from app.engine.runs.rundir import (RUN_NAME_MAX, RunDir, dedupe_steps, default_run_name,
+                                    default_runs_dir, list_runs)
 from app.engine.runs.rundir import (RunEntry, best_checkpoint, registered_run_paths,
                                     registered_runs, run_entry)
 from app.engine.runs.worker import ensure_worker, stop_worker, worker_pid, worker_running
@@ -43,7 +43,7 @@ __all__ = [
     # errors
     "ConfigError", "EngineError",
     # runs: the run directory, the queue, the worker process, the run kinds
-    "RUN_NAME_MAX", "RunDir", "default_run_name", "default_runs_dir", "list_runs",
+    "RUN_NAME_MAX", "RunDir", "dedupe_steps", "default_run_name", "default_runs_dir", "list_runs",
     "LOCAL", "PENDING", "Job", "JobQueue", "JobStateError",
     # clusters: where a job runs (Settings > Clusters, New run's "Run on")
     "Cluster", "ClusterError", "ClusterStore", "PathMap", "check_cluster",

@@ -230,8 +230,8 @@ class RunDir:
         return events, since_offset + end + 1
 
     def metrics(self) -> list[dict]:
-        """Every complete event in metrics.jsonl."""
-        return self.read_metrics(0)[0]
+        """Every complete event in metrics.jsonl, deduplicated by step (`dedupe_steps`)."""
+        return dedupe_steps(self.read_metrics(0)[0])
 
     def log(self, line: str) -> None:
         """Append a timestamped line to log.txt (multi-line text is kept together)."""
@@ -276,6 +276,24 @@ def _writer_gone(writer: Any) -> bool:
     if writer.get("started") is not None:    # Linux: also catches the pid's reuse since
         return process_started(pid) != writer["started"]
     return not pid_alive(pid)
+
+
+def dedupe_steps(events: Iterable[dict]) -> list[dict]:
+    """The events of a run whose attempts overlap: an attempt that resumed from a checkpoint
+    repeats the steps after it. A step event at or before a step already seen starts the later
+    attempt: the earlier attempt's events from that step on (steps, evals, checkpoints...) are
+    dropped, so the later event for a step wins. Events without a step are kept."""
+    out: list[dict] = []
+    last = -math.inf
+    for ev in events:
+        step = ev.get("step")
+        if event_type(ev) == STEP and isinstance(step, (int, float)):
+            if step <= last:
+                out = [e for e in out
+                       if not (isinstance(e.get("step"), (int, float)) and e["step"] >= step)]
+            last = step
+        out.append(ev)
+    return out
 
 
 def summarize_metrics(events: Iterable[dict]) -> tuple[dict, dict]:

@@ -48,7 +48,10 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from app.engine.errors import Cancelled, EngineError
+from app.engine.runs.clusters import ClusterError
+from app.engine.runs.executors import AlreadySubmitted, RayExecutor, executor_for
 from app.engine.runs.executors.local import worker_log_path
+from app.engine.runs.executors.ray import submission_id
 from app.engine.runs.queue import (DEFAULT_MAX_ATTEMPTS, DEFAULT_STALE_S, Job, JobLostError,
                                    JobQueue, QueueError)
 from app.engine.runtime.paths import default_queue_path
@@ -64,6 +67,7 @@ Runner = Callable[[RunDir, "JobControl"], Optional[str]]
 RESULTS = {None: "done", "done": "done", "paused": "paused", "cancelled": "cancelled"}
 DEFAULT_HEARTBEAT_S = 5.0
 DEFAULT_GRACE_S = 5.0  # how long a runner may leave a cancel, pause or stop unhonoured
+DEFAULT_PENDING_TIMEOUT_S = 60.0  # a cluster job pending longer: is it asking absent GPUs?
 
 
 class WorkerAlreadyRunning(EngineError):
@@ -296,24 +300,24 @@ def run_job_once(queue: JobQueue, job: Job, runner: Runner, worker_id: str, *,
             state, error = "failed", failure(e)
     except BaseException:  # KeyboardInterrupt, SystemExit: put the job back, then stop
         beat.stop()
-        _record(queue, job, worker_id, run, control, "queued", None)
+        _record(queue, job, worker_id, run, control.reporter, "queued", None)
         raise
     beat.stop()
     if control.lost:
         log.warning("job %s: lost to another worker; its outcome (%s) is not recorded",
                     job.id, state)
         return "lost"
-    _record(queue, job, worker_id, run, control, state, error)
+    _record(queue, job, worker_id, run, control.reporter, state, error)
     log.info("job %s: %s%s", job.id, state, f" ({error['kind']}: {error['message']})"
              if error else "")
     return state
 
 
-def _record(queue: JobQueue, job: Job, worker_id: str, run: RunDir, control: JobControl,
+def _record(queue: JobQueue, job: Job, worker_id: str, run: RunDir, reporter: RunReporter,
             state: str, error: dict | None) -> None:
     """Write the outcome to the run directory and the queue; failures are logged, not raised."""
     try:
-        control.reporter.finished(state, error, job_id=job.id)
+        reporter.finished(state, error, job_id=job.id)
         if error is not None:
             run.log(f"job {job.id}: failed: {error['kind']}: {error['message']}\n"
                     f"{error.get('detail') or ''}")
@@ -336,6 +340,161 @@ def _record(queue: JobQueue, job: Job, worker_id: str, run: RunDir, control: Job
               state)
 
 
+# --------------------------------------------------------------------------- a job on a cluster
+
+
+class _ClusterJob:
+    """One claimed job that a cluster runs: submitted (or reattached to by its handle), polled
+    every `poll_s` while the queue is heartbeated; a cancel or pause is a stop of the cluster's
+    job (it checkpoints within the stop grace); an attempt the cluster lost is submitted again
+    as the next attempt, which resumes from the last checkpoint."""
+
+    def __init__(self, queue: JobQueue, job: Job, executor: RayExecutor, worker_id: str, *,
+                 poll_s: float, pending_timeout_s: float, max_attempts: int,
+                 stop_event: threading.Event):
+        self.queue, self.job, self.executor, self.worker_id = queue, job, executor, worker_id
+        self.poll_s = poll_s
+        self.pending_timeout_s = pending_timeout_s
+        self.max_attempts = max_attempts
+        self.stop_event = stop_event
+        self.run = RunDir(job.run_dir)
+        self.reporter = RunReporter(self.run)
+
+    def _submit_next(self) -> None:
+        """Record attempt+1 and its handle, then submit it (recorded first: a worker that dies
+        in between leaves a handle the next worker finds unknown, never a second job)."""
+        attempt = self.job.attempt + 1
+        handle = self.executor.handle(submission_id(self.job.id, attempt))
+        self.job = self.queue.record_attempt(self.job.id, self.worker_id, attempt, handle)
+        try:
+            self.executor.submit(self.job, self.run.path)
+        except AlreadySubmitted:
+            log.warning("job %s: attempt %s was already submitted; polling it", self.job.id,
+                        attempt)
+        self.run.log(f"job {self.job.id}: attempt {attempt} submitted to cluster "
+                     f"{self.executor.name} as {handle['submission_id']}")
+
+    def run_to_end(self) -> tuple[str, dict | EngineError | None]:
+        """(the job's new state, its error) once the cluster's job has ended, or the worker
+        stops ("queued": the cluster carries on, the next worker reattaches)."""
+        if self.job.handle is None:
+            self._submit_next()
+        else:
+            self.run.log(f"job {self.job.id}: reattached to {self.job.handle['submission_id']}")
+        stopping: str | None = None     # the request sent to the cluster as a stop
+        pending_since = time.monotonic()
+        unreachable_since = None
+        while True:
+            try:
+                action = self.queue.heartbeat(self.job.id, self.worker_id)
+            except JobLostError:
+                raise
+            except QueueError as e:  # busy for a moment: the next beat will do
+                log.warning("job %s: heartbeat failed: %s", self.job.id, e.message)
+                action = None
+            if self.stop_event.is_set() and stopping is None:
+                return "queued", None
+            try:
+                poll = self.executor.poll(self.job.handle)
+                unreachable_since = None
+            except ClusterError as e:  # the head restarting, the network: tolerated a while
+                unreachable_since = unreachable_since or time.monotonic()
+                if time.monotonic() - unreachable_since > self.pending_timeout_s:
+                    raise
+                log.warning("job %s: %s", self.job.id, e.message)
+                self.stop_event.wait(self.poll_s)
+                continue
+            if action in ("cancel", "pause") and stopping is None and not poll.ended:
+                stopping = action
+                self.executor.cancel(self.job.handle)
+                self.run.log(f"job {self.job.id}: {action} requested; stopping "
+                             f"{self.job.handle['submission_id']}")
+            if poll.state != "pending":
+                pending_since = time.monotonic()
+            elif time.monotonic() - pending_since > self.pending_timeout_s:
+                infeasible = self._infeasible()
+                if infeasible is not None:
+                    self.executor.cancel(self.job.handle)
+                    return "failed", infeasible
+            if poll.ended:
+                outcome = self._ended(poll, stopping)
+                if outcome is not None:
+                    return outcome
+                pending_since = time.monotonic()
+                continue
+            self.stop_event.wait(self.poll_s)
+
+    def _infeasible(self) -> EngineError | None:
+        """The reason a job pends forever: it asks more GPUs than the cluster has."""
+        cluster = self.executor.cluster
+        have = self.executor.resources().get("GPU", 0.0)
+        if cluster.num_gpus <= have:
+            return None  # a busy cluster: keep waiting
+        return ClusterError(
+            f"Cluster {cluster.name!r} has {have:g} GPU(s); each run asks {cluster.num_gpus:g} "
+            f"(the job pended for more than {self.pending_timeout_s:g} s).",
+            f"Lower the GPUs per run: `workbench cluster add {cluster.name} {cluster.url} "
+            "--gpus 0`, or add GPU nodes to the cluster; then retry the job.")
+
+    def _ended(self, poll, stopping: str | None) -> tuple[str, dict | None] | None:
+        """The job's outcome when the cluster's job ended; None when the next attempt runs."""
+        status = self.run.status()
+        if poll.state == "succeeded" and status.get("state") == "done":
+            return "done", None
+        if stopping is not None:
+            return ("cancelled" if stopping == "cancel" else "paused"), None
+        if status.get("state") == "failed" and status.get("error"):
+            return "failed", status["error"]   # the run's own error: retrying will not help
+        why = f"{poll.state}: {poll.message}".strip(": ")
+        if self.job.attempt >= self.max_attempts:
+            return "failed", ClusterError(
+                f"Cluster {self.executor.name!r} lost job {self.job.id} {self.job.attempt} "
+                f"time(s); the last time: {why}",
+                "See the job's logs (Ray dashboard > Jobs), then retry it: it resumes from its "
+                "last checkpoint.")
+        self.run.log(f"job {self.job.id}: attempt {self.job.attempt} lost ({why}); resuming "
+                     "from the last checkpoint")
+        self._submit_next()
+        return None
+
+
+def run_cluster_job(queue: JobQueue, job: Job, worker_id: str, *, poll_s: float = 1.0,
+                    pending_timeout_s: float = DEFAULT_PENDING_TIMEOUT_S,
+                    max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+                    stop_event: threading.Event | None = None) -> str:
+    """Run one claimed cluster job to its end (see `_ClusterJob`) and record the outcome;
+    returns the job's new state, or "lost". Never raises for the job's own errors."""
+    stop_event = stop_event or threading.Event()
+    run = RunDir(job.run_dir)
+    reporter = RunReporter(run)
+    try:
+        store = queue.clusters()
+        cluster = _ClusterJob(queue, job, executor_for(job, store), worker_id, poll_s=poll_s,
+                              pending_timeout_s=pending_timeout_s, max_attempts=max_attempts,
+                              stop_event=stop_event)
+        if job.handle is None:
+            reporter.started(job_id=job.id, worker_id=worker_id, executor=job.executor)
+        state, error = cluster.run_to_end()
+    except JobLostError as e:
+        log.warning("%s", e.message)
+        return "lost"
+    except Exception as e:  # noqa: BLE001 - an unreachable cluster must not kill the worker
+        state, error = "failed", e
+    if isinstance(error, BaseException):
+        error = failure(error)
+    if state == "queued":  # the worker stops: the cluster carries on; no outcome to write
+        _finish_quietly(queue, job, worker_id, state)
+    else:
+        _record(queue, job, worker_id, run, reporter, state, error)
+    log.info("job %s on %s: %s", job.id, job.executor, state)
+    return state
+
+
+def _finish_quietly(queue: JobQueue, job: Job, worker_id: str, state: str) -> None:
+    with suppress(QueueError):
+        queue.finish(job.id, worker_id, state)
+
+
 # --------------------------------------------------------------------------- the worker loop
 
 
@@ -344,8 +503,13 @@ def run_worker(queue: JobQueue | str | os.PathLike, runner: Runner | None = None
                stop_event: threading.Event | None = None, *, worker_id: str | None = None,
                heartbeat_s: float = DEFAULT_HEARTBEAT_S, grace_s: float = DEFAULT_GRACE_S,
                stale_after_s: float = DEFAULT_STALE_S, max_attempts: int = DEFAULT_MAX_ATTEMPTS,
-               exclusive: bool = True) -> int:
+               exclusive: bool = True,
+               pending_timeout_s: float = DEFAULT_PENDING_TIMEOUT_S) -> int:
     """Run queued jobs until `stop_event` is set (or, with `once`, until none is queued).
+
+    Local jobs run in this process (`runner`); a cluster's jobs are submitted there and polled
+    every `poll_s` (`run_cluster_job`; one pending more than `pending_timeout_s` on a cluster
+    without the GPUs it asks fails with that reason).
 
     Recovers stale jobs first (and every `stale_after_s` while idle). With `exclusive` (the
     default, and what `workbench queue worker` does) it holds the queue's worker lock and
@@ -366,14 +530,14 @@ def run_worker(queue: JobQueue | str | os.PathLike, runner: Runner | None = None
                 "Only one worker may run per queue; it picks up the new jobs by itself.")
     try:
         return _loop(queue, runner, once, poll_s, stop_event, worker_id, heartbeat_s, grace_s,
-                     stale_after_s, max_attempts)
+                     stale_after_s, max_attempts, pending_timeout_s)
     finally:
         if lock is not None:
             lock.release()
 
 
 def _loop(queue, runner, once, poll_s, stop_event, worker_id, heartbeat_s, grace_s,
-          stale_after_s, max_attempts) -> int:
+          stale_after_s, max_attempts, pending_timeout_s) -> int:
     log.info("worker %s on %s", worker_id, queue.path)
     last_recover = -float("inf")
     n = 0
@@ -399,8 +563,13 @@ def _loop(queue, runner, once, poll_s, stop_event, worker_id, heartbeat_s, grace
                 break
             stop_event.wait(poll_s)
             continue
-        run_job_once(queue, job, runner, worker_id, heartbeat_s=heartbeat_s, grace_s=grace_s,
-                     stop_event=stop_event)
+        if job.is_local:
+            run_job_once(queue, job, runner, worker_id, heartbeat_s=heartbeat_s,
+                         grace_s=grace_s, stop_event=stop_event)
+        else:
+            run_cluster_job(queue, job, worker_id, poll_s=poll_s,
+                            pending_timeout_s=pending_timeout_s, max_attempts=max_attempts,
+                            stop_event=stop_event)
         n += 1
     log.info("worker %s: stopped after %d job(s)", worker_id, n)
     return n

@@ -11,6 +11,7 @@ SIGTERM and waits RAY_JOB_STOP_WAIT_TIME_S (the stop grace) before killing it.
 from __future__ import annotations
 
 import json
+import math
 import shlex
 import urllib.error
 import urllib.request
@@ -140,8 +141,7 @@ class RayExecutor:
 
     def entrypoint(self, run_dir) -> str:
         where = self.cluster.cluster_path(run_dir)
-        return (f"{shlex.quote(self.cluster.python)} -m app queue run-remote "
-                f"{shlex.quote(where)} --grace {self.stop_grace_s:g}")
+        return f"{shlex.quote(self.cluster.python)} -m app queue run-remote {shlex.quote(where)}"
 
     def submit(self, job, run_dir) -> dict:
         """Start attempt `job.attempt` of `job`; AlreadySubmitted if the cluster has it."""
@@ -151,7 +151,9 @@ class RayExecutor:
             "submission_id": sid,
             "entrypoint_num_cpus": self.cluster.num_cpus,
             "entrypoint_num_gpus": self.cluster.num_gpus,
-            "runtime_env": {"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": f"{self.stop_grace_s:g}"}},
+            # Ray reads it as an integer number of seconds
+            "runtime_env": {"env_vars": {
+                "RAY_JOB_STOP_WAIT_TIME_S": str(math.ceil(self.stop_grace_s))}},
             "metadata": {"workbench_job": str(job.id), "attempt": str(job.attempt)},
         })
         return self.handle(sid)

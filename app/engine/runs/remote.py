@@ -1,0 +1,77 @@
+"""One attempt of a run on a cluster node: `python -m app queue run-remote RUN_DIR`, the
+entrypoint a cluster's executor submits (`app.engine.runs.executors.ray`).
+
+No queue here (it stays on the machine with the window): the run directory is the whole
+contract. The run's kind loop runs on it as the worker would run it (resuming from its last
+checkpoint, writing metrics.jsonl, status.json and checkpoints), or, for a run whose config asks
+`workers` > 1, the data-parallel trainer (`app.engine.runs.data_parallel`). A stop (SIGTERM or
+SIGINT: Ray's stop of the job) asks the loop to pause: it saves a checkpoint after the current
+step and returns. Exit status: 0 when the run is done, 1 when it failed (its error in
+status.json), `EXIT_STOPPED` when it stopped before its end (the machine with the queue decides
+whether that was a pause, a cancel, or a lost attempt to resume).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from app.engine.errors import Cancelled
+from app.engine.runs.reporter import RunReporter, failure
+from app.engine.runs.rundir import RunDir
+from app.engine.runs.worker import RESULTS, default_runner, install_stop_signals, restore_signals
+
+EXIT_DONE, EXIT_FAILED, EXIT_STOPPED = 0, 1, 3
+
+
+class RemoteControl:
+    """The runner's control on a cluster node: stop requests come from signals, events go to
+    the run directory through the same RunReporter a queued or foreground run uses."""
+
+    def __init__(self, run_dir: RunDir, stop_event: threading.Event):
+        self.run_dir = run_dir
+        self.reporter = RunReporter(run_dir)
+        self._stop_event = stop_event
+
+    def should_stop(self) -> str | None:
+        return "pause" if self._stop_event.is_set() else None
+
+    def report(self, event: dict) -> dict:
+        return self.reporter.report(event)
+
+    def log(self, line: str) -> None:
+        self.run_dir.log(line)
+
+
+def remote_runner(run_dir: RunDir, control) -> str | None:
+    """The run's kind loop, or the data-parallel trainer when its config asks `workers` > 1."""
+    if int(run_dir.config().get("workers") or 1) > 1:
+        from app.engine.runs.data_parallel import run_data_parallel
+
+        return run_data_parallel(run_dir, control)
+    return default_runner(run_dir, control)
+
+
+def run_remote(run_dir: str | os.PathLike, runner=remote_runner) -> int:
+    """Run one attempt of the run in `run_dir` in this process; returns the exit status."""
+    run = RunDir(run_dir)
+    run.config()  # a run folder the node cannot read fails here, clearly
+    stop = threading.Event()
+    previous = install_stop_signals(stop)
+    control = RemoteControl(run, stop)
+    error = None
+    try:
+        control.reporter.started(pid=os.getpid())
+        run.log(f"attempt started on {os.uname().nodename} (pid {os.getpid()})")
+        try:
+            state = RESULTS.get(runner(run, control), "paused")
+        except Cancelled:
+            state = "paused"
+        except Exception as e:  # noqa: BLE001 - recorded in status.json for the queue's side
+            state, error = "failed", failure(e)
+        control.reporter.finished(state, error)
+        run.log(f"attempt ended: {state}" + (f": {error['kind']}: {error['message']}\n"
+                                             f"{error.get('detail') or ''}" if error else ""))
+    finally:
+        restore_signals(previous)
+    return {"done": EXIT_DONE, "failed": EXIT_FAILED}.get(state, EXIT_STOPPED)
