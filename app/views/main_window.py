@@ -1,9 +1,9 @@
 """The shell: a navigation list on the left, the screens in a stack, the worker in the status bar.
 
 Screens (all built as `Screen(ctx, parent)` around one `AppContext`): New run, Runs, Monitor,
-Experts, Playground, Export, Settings (clusters). They talk through the context (run_selected, model_selected,
-runs_changed, navigate, error_reported); errors reach the user through one banner (the
-ErrorPanel) above the screens.
+Experts, Playground, Export, Settings (clusters). They talk through the context
+(run_selected, model_selected, runs_changed, clusters_changed, navigate, error_reported);
+errors reach the user through one banner (the ErrorPanel) above the screens.
 
 Closing the window never stops training: the engine worker is its own process and the queue
 and run directories are the state. Opening the window again reattaches: the running job (or

@@ -1,9 +1,11 @@
 """New run: pick a model and a dataset, set the training up, queue it or start it now.
 
 Three tabs (Model, Dataset, Training) above an action bar that is always visible: the run's
-name and folder, a summary with the estimated memory, save/load settings, "Queue run" and
-"Start now". Starting creates the run directory (`RunDir.create`), adds it to the job queue,
-makes sure the engine worker runs (`ctx.ensure_worker()`), selects the run and shows Monitor.
+name and folder, "Run on" (`run_on.RunOnBox`: this computer or a cluster of Settings >
+Clusters, whose path map must cover the run folder), a summary with the estimated memory,
+save/load settings, "Queue run" and "Start now". Starting creates the run directory
+(`RunDir.create`), adds it to the job queue on the chosen executor, makes sure the engine
+worker runs (`ctx.ensure_worker()`), selects the run and shows Monitor.
 It opens with the bundled sample model and `sample_data/chat.jsonl`, so a first-time user can
 press Start.
 
@@ -28,11 +30,11 @@ from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtWidgets import (QFileDialog, QHBoxLayout, QLabel, QLineEdit, QMessageBox,
                                QPushButton, QStackedWidget, QTabWidget, QVBoxLayout, QWidget)
 
-from app.engine.api import (GRPO, KINDS, RUN_NAME_MAX, SFT, ConfigError, DataConfig, EngineError,
-                            GrpoConfig, LintReport, ModelCard, RunConfig, build_grpo_config,
-                            check_model_targets, default_run_name, describe_model,
-                            estimate_memory, human_bytes, lint_file, trust_reward_files,
-                            untrusted_reward_files)
+from app.engine.api import (GRPO, KINDS, LOCAL, RUN_NAME_MAX, SFT, ConfigError, DataConfig,
+                            EngineError, GrpoConfig, LintReport, ModelCard, RunConfig,
+                            build_grpo_config, check_model_targets, default_run_name,
+                            describe_model, estimate_memory, human_bytes, lint_file,
+                            trust_reward_files, untrusted_reward_files)
 from app.views.context import AppContext, Background, sample_dataset_path, sample_model_path
 from app.views.dataset_panel import DatasetPanel
 from app.views.error_panel import ErrorPanel
@@ -42,6 +44,7 @@ from app.views.memory_estimate import memory_sentence
 from app.views.model_card import ModelCardView, ModelPicker, discover_models
 from app.views.plots import box
 from app.views.preset_bar import PresetBar
+from app.views.run_on import RunOnBox
 from app.views.settings_file import read_settings, write_settings
 from app.views.settings_form import DATA_KEYS, SettingsForm
 from app.views.tooltips import NEW_RUN_TIPS
@@ -103,6 +106,7 @@ class NewRunView(QWidget):
         self.name_field.setMinimumWidth(hint_width)         # the whole placeholder shows
         self.name_field.setMaximumWidth(max(280, hint_width))
         self.name_field.setToolTip(NEW_RUN_TIPS["name"])
+        self.run_on = RunOnBox(self.ctx)
         self.summary_label = QLabel(objectName="runSummary", wordWrap=True,
                                     textFormat=Qt.PlainText)
         self.problems_label = QLabel(objectName="fieldError", wordWrap=True,
@@ -145,6 +149,9 @@ class NewRunView(QWidget):
         row1 = QHBoxLayout()
         row1.addWidget(QLabel("Run name", objectName="formLabel"))
         row1.addWidget(self.name_field)
+        row1.addSpacing(12)
+        row1.addWidget(self.run_on)
+        row1.addSpacing(12)
         row1.addWidget(self.summary_label, 1)
         row2 = QHBoxLayout()
         row2.addWidget(self.problems_label, 1)
@@ -171,6 +178,7 @@ class NewRunView(QWidget):
         self.form.changed.connect(self._on_form_changed)
         self.kind_box.currentIndexChanged.connect(lambda _i: self.set_run_type(self.kind()))
         self.name_field.textChanged.connect(lambda _t: self._update_summary())
+        self.run_on.changed.connect(self._update_summary)
         self.save_button.clicked.connect(self._save_dialog)
         self.load_button.clicked.connect(self._load_dialog)
         self.queue_button.clicked.connect(lambda: self.create_run(start=False))
@@ -358,6 +366,9 @@ class NewRunView(QWidget):
         elif len(os.fsencode(name)) > RUN_NAME_MAX:
             out.append(("training", f"The run name may be at most {RUN_NAME_MAX} bytes long "
                                     "(a folder name; accented letters take 2)."))
+        elif self.run_on.cluster() is not None:        # its path map must cover the folder
+            problem = self.run_on.problem(self.run_dir_for(name))
+            out += [("training", problem)] if problem else []
         return out
 
     def run_dir_for(self, name: str = "") -> Path:
@@ -392,17 +403,19 @@ class NewRunView(QWidget):
         self._creating = str(path)
         self._update_summary()
         self._bg.run("create", self._check_and_queue, path, config, start,
+                     self.run_on.executor(),
                      on_done=lambda _pid: self._on_created(str(path), start),
                      on_error=self._on_create_failed)
         return str(path)
 
-    def _check_and_queue(self, path: Path, config, start: bool):
+    def _check_and_queue(self, path: Path, config, start: bool, executor: str = LOCAL):
         """(On the background thread.) The CLI's start-of-run rule first: LoRA targets that
         match nothing on this model, or make an adapter llama.cpp cannot load (e.g. embeddings
-        of a tied model), are refused before a run folder exists; then queue the run."""
+        of a tied model), are refused before a run folder exists; then queue the run to run on
+        `executor` ("local" or a cluster's name)."""
         if config.train.mode != "full":
             check_model_targets(config.model, config.train.lora_targets)
-        return self.ctx.queue_new_run(path, config.to_dict(), start)
+        return self.ctx.queue_new_run(path, config.to_dict(), start, executor)
 
     def _confirm_reward_code(self, config: GrpoConfig) -> bool:
         """Ask before custom reward files not yet trusted as they are now run; Yes trusts
@@ -454,7 +467,9 @@ class NewRunView(QWidget):
                          f"{self.form['rank'].value()} on {', '.join(self.form.targets()) or '-'}")
         if self.memory_estimate:
             parts.append(f"\u2248 {human_bytes(self.memory_estimate)}")
-        parts.append(f"\u2192 {self.ctx.runs_root()}")
+        where = self.run_on.executor()
+        parts.append(f"\u2192 {self.ctx.runs_root()}" + (f" on {where}" if self.run_on.cluster()
+                                                         else ""))
         self.summary_label.setText(" \u00b7 ".join(parts))
         problems = self.problems()
         self.problems_label.setText("\n".join(m for _, m in problems[:3]))
