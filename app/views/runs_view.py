@@ -1,7 +1,8 @@
 """The Queue and runs screen: every job in the queue and every run in the runs folder (runs
 started from the command line too), with their type (SFT or GRPO), model, dataset, when they
 were created, how long they ran, their steps, their best evaluation (validation loss, or a GRPO
-run's held-out reward, and its step) and their status, and the actions on them.
+run's held-out reward, and its step), where they run (this computer or a cluster, and the
+attempt from the second on) and their status, and the actions on them.
 
 The rows are gathered in the reader thread (`run_rows.collect_runs`: the queue's jobs,
 `list_runs`, each run's status.json) every second and applied on the GUI thread; actions call the job
@@ -23,12 +24,13 @@ from PySide6.QtWidgets import (QAbstractItemView, QHBoxLayout, QHeaderView, QLab
                                QPushButton, QSpinBox, QTableWidget, QTableWidgetItem, QVBoxLayout,
                                QWidget)
 
-from app.engine.api import KINDS, ConfigError, EngineError, JobStateError, RunDir
+from app.engine.api import KINDS, LOCAL, ConfigError, EngineError, JobStateError, RunDir
 from app.views.error_panel import BUG_HINT, ErrorPanel
 from app.views.run_rows import Registered, RunRow, collect_runs
 from app.views.run_tail import BackgroundPoll, clock
 
-COLUMNS = ("Run", "Type", "Model", "Dataset", "Created", "Duration", "Steps", "Best", "Status")
+COLUMNS = ("Run", "Type", "Model", "Dataset", "Created", "Duration", "Steps", "Best", "Where",
+           "Status")
 COL = {name: i for i, name in enumerate(COLUMNS)}
 STATE_COLORS = {"running": "#2f6fde", "done": "#2e7d4f", "failed": "#c0392b",
                 "cancelled": "#6a737d", "paused": "#a15c07", "queued": "#4d545c",
@@ -52,6 +54,34 @@ def status_text(row: RunRow) -> str:
     if row.job is not None:
         text += f" \u00b7 job {row.job.id}"
     return text
+
+
+def attempt_of(row: RunRow) -> int:
+    """The job's attempt: a cluster job's submissions (Job.attempt), a local job's worker
+    deaths + 1 once it has started; 0 before."""
+    job = row.job
+    if job is None:
+        return 0
+    if job.executor != LOCAL:
+        return job.attempt
+    return job.attempts + 1 if job.started_at or job.attempts else 0
+
+
+def where_text(row: RunRow) -> tuple[str, str]:
+    """(text, tooltip) of the Where column: "this computer" or the cluster's name, and the
+    attempt from the second on ("lab \u00b7 attempt 2")."""
+    job = row.job
+    place = "this computer" if job is None or job.executor == LOCAL else job.executor
+    n = attempt_of(row)
+    text = place + (f" \u00b7 attempt {n}" if n > 1 else "")
+    if job is None:
+        return text, "Run here, outside the queue (the command line)"
+    tip = (f"Job {job.id} runs on this computer" if job.executor == LOCAL
+           else f"Job {job.id} runs on cluster {job.executor}")
+    if n:
+        tip += f", attempt {n}"
+    sid = (job.handle or {}).get("submission_id")
+    return text, tip + (f" (Ray submission {sid})" if sid else "")
 
 
 def error_from_dict(error: dict) -> EngineError:
@@ -185,12 +215,14 @@ class RunsView(QWidget):
             kind = KINDS[row.kind].label if row.kind in KINDS else row.kind
             created = (datetime.fromtimestamp(row.created).strftime("%Y-%m-%d %H:%M")
                        if row.created else "")
+            where, where_tip = where_text(row)
             texts = (row.name, kind, row.model, row.dataset, created,
                      clock(row.duration_s) if row.duration_s else "", "", best_text(row),
-                     status_text(row))
+                     where, status_text(row))
             for c, text in enumerate(texts):
                 t.item(i, c).setText(text)
             t.item(i, 0).setToolTip(row.path)
+            t.item(i, COL["Where"]).setToolTip(where_tip)
             t.item(i, COL["Status"]).setForeground(QColor(STATE_COLORS.get(row.state,
                                                                            "#1f2328")))
             bar = t.cellWidget(i, COL["Steps"]).bar

@@ -284,3 +284,42 @@ def test_the_best_evaluation_and_its_step(qtbot, ctx):
     loss = FakeRun.loss_at(30) + 0.1
     assert view.table.item(0, COL["Best"]).text() == f"validation {loss:.3f} at step 30"
     assert view.table.item(0, COL["Dataset"]).text()
+
+
+def test_where_each_run_runs_and_its_attempt(qtbot, ctx):
+    from app.engine.api import Cluster
+
+    ctx.clusters().save(Cluster("lab", "http://127.0.0.1:8265"))   # a head here: any folder
+    q = ctx.queue
+    local = make(ctx, "local", 5)
+    q.add(local.path)
+    sent = make(ctx, "sent", 3)
+    job = q.add(sent.path, executor="lab")
+    make(ctx, "terminal", 2)
+    view = refreshed(qtbot, RunsView(ctx))
+
+    def where(name):
+        i = [r.name for r in view.rows].index(name)
+        item = view.table.item(i, COL["Where"])
+        return item.text(), item.toolTip()
+
+    assert view.table.horizontalHeaderItem(COL["Where"]).text() == "Where"
+    assert where("local")[0] == "this computer"
+    assert where("sent") == ("lab", f"Job {job} runs on cluster lab")
+    assert where("terminal") == ("this computer",
+                                 "Run here, outside the queue (the command line)")
+    q.pause(q.add(make(ctx, "waiting").path))
+    claimed = q.claim_next("w")                                     # the local job first
+    assert claimed.run_dir == local.path
+    q.finish(claimed.id, "w", "done")
+    assert q.claim_next("w").id == job
+    q.record_attempt(job, "w", 1, {"submission_id": f"wb-{job}-a1", "cluster": "lab"})
+    view.refresh()
+    assert where("sent") == ("lab", f"Job {job} runs on cluster lab, attempt 1 "
+                                    f"(Ray submission wb-{job}-a1)")
+    q.record_attempt(job, "w", 2, {"submission_id": f"wb-{job}-a2", "cluster": "lab"})
+    view.refresh()                                 # the cluster lost the first attempt
+    assert where("sent") == ("lab \u00b7 attempt 2", f"Job {job} runs on cluster lab, "
+                                                     f"attempt 2 (Ray submission wb-{job}-a2)")
+    assert where("local") == ("this computer", f"Job {claimed.id} runs on this computer, "
+                                                "attempt 1")
