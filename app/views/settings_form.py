@@ -20,11 +20,15 @@ from PySide6.QtWidgets import (QCheckBox, QFileDialog, QFrame, QGridLayout, QHBo
                                QLineEdit, QPushButton, QScrollArea, QVBoxLayout, QWidget)
 
 from app.engine.api import (GRPO, SFT, TARGET_GROUPS, ModelCard, TrainConfig, default_lr,
-                            gpu_available, human_count, lora_param_count)
+                            gpu_available, human_bytes, human_count, lora_param_count)
 from app.views.form_fields import (FormBase, combo, dspin, field_value, set_combo, set_field,
                                    spin)
 from app.views.tooltips import SETTINGS_TIPS
 
+# A trained LoRA parameter's memory: float32 value, gradient and AdamW's two moments (the
+# estimate's adapter bytes, app.engine.model.card).
+BYTES_PER_TRAINED = 16
+AUTO_EXPERT_RANK = "auto"            # expert_rank None: the rank, at most 8 past 32 experts
 GROUP_LABELS = {"attention": "Attention (q, k, v, out)", "ffn": "Dense FFN",
                 "experts": "Experts (MoE)", "shared": "Shared experts", "router": "Router",
                 "output": "Output head", "embeddings": "Token embeddings"}
@@ -74,10 +78,13 @@ KIND_TEXTS = {"val_split": (("Validation split", ""), ("Held-out prompts", "")),
               "save_every": (("Save every", "end of epoch"), ("Save every", "at the end"))}
 
 
-def group_param_counts(card: ModelCard, rank: int) -> dict[str, int]:
-    """Trainable LoRA parameters per target group for `card`'s tensors at `rank`."""
+def group_param_counts(card: ModelCard, rank: int,
+                       expert_rank: int | None = None) -> dict[str, int]:
+    """Trainable LoRA parameters per target group for `card`'s tensors at `rank` (expert
+    stacks at `expert_rank`, None: the engine's default for their number of experts)."""
     shapes = card.tensor_shapes
-    out = {g: lora_param_count(shapes, rank, kinds) for g, kinds in TARGET_GROUPS.items()}
+    out = {g: lora_param_count(shapes, rank, kinds, expert_rank)
+           for g, kinds in TARGET_GROUPS.items()}
     for group, kinds in TARGET_GROUPS.items():  # output, token_embd: not block tensors, which
         for kind in kinds:                      # lora_param_count skips
             shape = shapes.get(f"{kind}.weight")
@@ -110,6 +117,7 @@ class SettingsForm(FormBase):
                                                   ("full", "Full fine-tuning"),
                                                   ("hybrid", "LoRA + full (hybrid)")]))
         self._row(train, "rank", "LoRA rank", spin(1, 4096, 8))
+        self._row(train, "expert_rank", "Expert rank", spin(0, 4096, 0, AUTO_EXPERT_RANK))
         self._row(train, "alpha", "LoRA alpha", dspin(0, 100000, 16, 2, 1))
         self._row(train, "rslora", "", QCheckBox("rsLoRA scaling (alpha / sqrt(rank))"))
         self._row(train, "dropout", "LoRA dropout", dspin(0, 0.95, t.lora_dropout, 2, 0.05))
@@ -233,13 +241,21 @@ class SettingsForm(FormBase):
     def set_card(self, card: ModelCard | None) -> None:
         """The model the run trains: targets it lacks are disabled, counts are shown."""
         self.card = card
+        self._update_visibility()
         self._update_counts()
         self.validate()
 
     def group_counts(self) -> dict[str, int]:
         if self.card is None:
             return {}
-        return group_param_counts(self.card, self.fields["rank"].value())
+        return group_param_counts(self.card, self.fields["rank"].value(), self.expert_rank())
+
+    def expert_rank(self) -> int | None:
+        return self.fields["expert_rank"].value() or None
+
+    def has_experts(self) -> bool:
+        return self.card is not None and any(len(shape) == 3
+                                             for shape in self.card.tensor_shapes.values())
 
     def trainable_params(self) -> int | None:
         """Trainable parameters of the chosen LoRA targets (None without a model or in full
@@ -261,7 +277,7 @@ class SettingsForm(FormBase):
                 label.setText("not in model")
                 box.setEnabled(False)
             else:
-                label.setText(f"{human_count(n)} params")
+                label.setText(f"{human_count(n)} params \u00b7 {human_bytes(n * BYTES_PER_TRAINED)}")
                 box.setEnabled(True)
         total = self.trainable_params()
         if self.mode() == "full":
@@ -309,7 +325,8 @@ class SettingsForm(FormBase):
         clip = [self.clip_lo.value(), self.clip_hi.value()] \
             if f["normalize"].currentData() == "clip" else None
         train = {
-            "mode": self.mode(), "lora_rank": f["rank"].value(), "lora_alpha": f["alpha"].value(),
+            "mode": self.mode(), "lora_rank": f["rank"].value(),
+            "expert_rank": self.expert_rank(), "lora_alpha": f["alpha"].value(),
             "rslora": f["rslora"].isChecked(), "lora_dropout": f["dropout"].value(),
             "lora_targets": self.targets(),
             "full_targets": self.full_targets() if self.mode() == "hybrid" else [],
@@ -347,6 +364,7 @@ class SettingsForm(FormBase):
             for key, (section, name, default) in SIMPLE_FIELDS.items():
                 set_field(f[key], {"train": t, "data_config": dc, "": d}[section].get(name,
                                                                                      default))
+            f["expert_rank"].setValue(t.get("expert_rank") or 0)
             targets = set(t.get("lora_targets", ("attention", "experts", "router")))
             for g, box in self.target_boxes.items():
                 box.setChecked(g in targets)
@@ -468,7 +486,7 @@ class SettingsForm(FormBase):
             return
         if key in ("mode", "weights_source", "normalize"):
             self._update_visibility()
-        if key in ("rank", "mode", "targets"):
+        if key in ("rank", "expert_rank", "mode", "targets"):
             self._update_counts()
         super()._changed(key)
 
@@ -477,6 +495,7 @@ class SettingsForm(FormBase):
         lora = mode in ("lora", "hybrid")
         for key in ("rank", "alpha", "rslora", "dropout", "targets", "trainable"):
             self._show(key, lora or key == "trainable")
+        self._show("expert_rank", lora and self.has_experts())
         self._show("full_targets", mode == "hybrid")
         for key in SFT_ONLY:
             self._show(key, self.kind != GRPO.name)

@@ -16,6 +16,10 @@ SETTINGS_TIPS = {
                 "model's unquantized tensors; hybrid does both.", "LoRA", "--mode"),
     "rank": tip("The adapters' size: more rank learns more, and overfits sooner.",
                 "4-16 for a style, 32-64 for new knowledge", "--rank"),
+    "expert_rank": tip("The rank of the adapters on the MoE experts (each expert has its own): "
+                       "they hold most of the trainable parameters on a model with many "
+                       "experts. auto: the LoRA rank, at most 8 past 32 experts.",
+                       "auto, or 4-16", "--expert-rank"),
     "alpha": tip("The adapters' strength: the update is scaled by alpha / rank.",
                  "2 x rank", "--alpha"),
     "rslora": tip("Scale by alpha / sqrt(rank) instead, so a higher rank keeps its strength.",

@@ -12,7 +12,7 @@ from PySide6.QtCore import Qt
 from app.engine.data.dataset import DataConfig
 from app.engine.data.lint import lint_file
 from app.engine.model.lora import TARGET_GROUPS
-from app.engine.model.card import describe_model, lora_param_count
+from app.engine.model.card import describe_model, human_bytes, human_count, lora_param_count
 from app.engine.runs.rundir import RunDir
 from app.views.model_card import discover_models
 from app.views.new_run import NewRunView
@@ -111,7 +111,7 @@ def test_target_checkboxes_show_parameter_counts(qtbot, view):
         label = form.target_counts[group].text()
         if n:
             assert form.target_boxes[group].isEnabled()
-            assert label.endswith("params")
+            assert label == f"{human_count(n)} params \u00b7 {human_bytes(16 * n)}"
         else:                                       # the sample has no dense FFN, no shared
             assert label == "not in model" and not form.target_boxes[group].isEnabled()
     assert form.group_counts()["experts"] == lora_param_count(shapes, 8, TARGET_GROUPS["experts"])
