@@ -7,8 +7,9 @@ have the plain names the docs use (`monitor.png`), the others a suffix with thei
 (`monitor-1920.png`).
 
 Opens the window on a private queue, runs folder and settings (nothing of the user's is
-touched), with the bundled sample model and dataset; shoots the New run tabs; starts a short
-real run in a real worker process; shoots Monitor and Experts when it has finished; exports a
+touched), with the bundled sample model and dataset; shoots the New run tabs; adds two
+example clusters (no token: nothing reaches the keyring) and shoots Settings > Clusters and New
+run with "Run on" a cluster (`--quick` stops there); starts a short real run (on this computer) in a real worker process; shoots Monitor and Experts when it has finished; exports a
 GGUF adapter and chats two turns in the Playground; shoots those. Then the GRPO addition demo: its
 New run tabs, a real 40-step run, Monitor's Rewards and Completions pages; then Runs (both
 runs) and an error. The worker it started is stopped at the end.
@@ -26,6 +27,20 @@ from pathlib import Path
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 SIZES = ((1280, 800), (1920, 1080))
+CLUSTER = "lab-gpus"            # an example cluster for the Settings and Run on screenshots
+
+
+def add_example_clusters(ctx, runs_root: str) -> None:
+    """Two clusters in the window's private store: a lab's GPU head whose path map covers the
+    runs folder, and a head on this machine."""
+    from app.engine.api import Cluster, PathMap
+
+    store = ctx.clusters()
+    store.save(Cluster(CLUSTER, "http://gpu-head.lab:8265",
+                       PathMap.parse(f"{runs_root}=/mnt/shared/workbench/runs"),
+                       "/opt/workbench/.venv/bin/python", 8, 1))
+    store.save(Cluster("this-machine", "http://127.0.0.1:8265"))
+    ctx.clusters_changed.emit()
 
 
 def parse_size(text: str) -> tuple[int, int]:
@@ -40,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=parse_size, action="append", metavar="WxH",
                         help="window size, repeatable; the first names the files plainly "
                              "(default: 1280x800 and 1920x1080)")
+    parser.add_argument("--quick", action="store_true",
+                        help="only the screens that need no run: New run, Settings > Clusters")
     args = parser.parse_args(argv)
     sizes = args.size or list(SIZES)
     out = Path(args.out_dir)
@@ -91,6 +108,19 @@ def main(argv: list[str] | None = None) -> int:
             for i, name in enumerate(("new-run-model", "new-run-dataset", "new-run-training")):
                 new_run.tabs.setCurrentIndex(i)
                 shoot(name)
+
+            add_example_clusters(ctx, os.path.join(tmp, "runs"))
+            window.show_screen("settings")
+            window.screen("settings").clusters.select(CLUSTER)
+            shoot("settings-clusters")
+            window.show_screen("new_run")
+            new_run.tabs.setCurrentIndex(0)
+            new_run.run_on.set_executor(CLUSTER)
+            new_run.name_field.setText("moe-on-the-lab")
+            shoot("new-run-run-on")
+            new_run.run_on.set_executor("local")        # the runs below run here
+            if args.quick:
+                return 0
 
             form = new_run.form
             form["epochs"].setValue(args.epochs)

@@ -6,7 +6,8 @@ keyring, never in a file; left empty, the stored one stays), the path map (LOCAL
 the cluster's Python and the CPUs/GPUs each run asks for. Saving, removing and "Test
 connection" (`check_cluster`: the cluster's Ray version and resources, or why not) run off the
 GUI thread (a keyring or an unreachable head can take seconds); their errors (no keyring, a
-wrong token, ...) show with their hint in the panel. A change emits `ctx.clusters_changed`.
+wrong token, ...) show with their hint in the panel. A change emits `ctx.clusters_changed`,
+which reloads the list (whoever changed the clusters).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class ClusterForm(FormBase):
         self._row(grid, "python", "Python on the cluster", QLineEdit(placeholderText="python"))
         self._row(grid, "num_cpus", "CPUs per run", dspin(0, 1024, 1, 1, 1))
         self._row(grid, "num_gpus", "GPUs per run", dspin(0, 64, 0, 2, 1))
+        for key in ("num_cpus", "num_gpus"):
+            self.fields[key].setMaximumWidth(120)
         self.set_tooltips(CLUSTER_TIPS)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
@@ -108,7 +111,8 @@ class ClustersPanel(QWidget):
         self._busy = False                            # saving or removing
         self._bg = Background(self, max_threads=2)
         self.list = QListWidget(objectName="clusterList")
-        self.list.setMaximumWidth(240)
+        self.list.setFixedWidth(220)
+        self.list.setMaximumHeight(260)               # beside the form, not the whole screen
         self.add_button = QPushButton("Add", toolTip="A new cluster: fill in the form, Save")
         self.remove_button = QPushButton("Remove", toolTip="Forget the selected cluster and "
                                          "its token (runs already sent stay on it)")
@@ -122,22 +126,25 @@ class ClustersPanel(QWidget):
                                  textFormat=Qt.PlainText)
         self.error_panel = ErrorPanel(margins=0)
         self.error_panel.hide()
-        left = box(QVBoxLayout, (self.list, 1), box(QHBoxLayout, self.add_button,
-                                                    self.remove_button), widget=True)
-        left.setMaximumWidth(240)
+        left = box(QVBoxLayout, self.list, box(QHBoxLayout, self.add_button,
+                                               self.remove_button), None, widget=True)
+        left.setFixedWidth(220)
         right = box(QVBoxLayout, self.form,
                     box(QHBoxLayout, (self.test_label, 1), self.test_button, self.save_button),
                     self.error_panel, None, widget=True)
+        right.setMaximumWidth(820)                    # fields a URL or a path map long
         layout = QHBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.setSpacing(16)
         layout.addWidget(left)
         layout.addWidget(right, 1)
+        layout.addStretch(0)
         self.list.currentTextChanged.connect(self._on_pick)
         self.add_button.clicked.connect(self.new_cluster)
         self.remove_button.clicked.connect(self.remove)
         self.save_button.clicked.connect(self.save)
         self.test_button.clicked.connect(self.test_connection)
+        ctx.clusters_changed.connect(lambda: self.reload())
         self.reload()
 
     # ---------------------------------------------------------------- the list
@@ -229,8 +236,7 @@ class ClustersPanel(QWidget):
     def _changed(self, select: str | None, message: str) -> None:
         self._set_busy(False)
         self.current = select
-        self.reload(select)
-        self.ctx.clusters_changed.emit()
+        self.ctx.clusters_changed.emit()              # reloads this list too
         self.ctx.status(message)
 
     def _failed(self, title: str, error: BaseException) -> None:

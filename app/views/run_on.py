@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QWidget
+from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QSizePolicy, QWidget
 
 from app.engine.api import LOCAL, Cluster, ConfigError, EngineError
 from app.views.tooltips import RUN_ON_TIP
@@ -33,7 +33,9 @@ class RunOnBox(QWidget):
         self.clusters: dict[str, Cluster] = {}
         self.combo = QComboBox(objectName="runOn")
         self.combo.setFocusPolicy(Qt.StrongFocus)
-        self.combo.setSizeAdjustPolicy(QComboBox.AdjustToContents)
+        self.combo.setSizeAdjustPolicy(QComboBox.AdjustToMinimumContentsLengthWithIcon)
+        self.combo.setMinimumContentsLength(16)         # a cluster's name; the list is wider
+        self.setSizePolicy(QSizePolicy.Maximum, QSizePolicy.Preferred)   # no more than it needs
         layout = QHBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addWidget(QLabel("Run on", objectName="formLabel"))
@@ -63,6 +65,8 @@ class RunOnBox(QWidget):
             item.setEnabled(False)
             item.setToolTip(why)
         self.combo.setToolTip(RUN_ON_TIP if self.clusters else f"{why}\n\n{RUN_ON_TIP}")
+        view = self.combo.view()
+        view.setMinimumWidth(view.sizeHintForColumn(0) + 24)
         i = self.combo.findData(keep)
         self.combo.setCurrentIndex(max(i, 0))
         self.combo.blockSignals(False)
