@@ -27,12 +27,15 @@ import types
 import numpy as np
 import pytest
 
+from app.engine import load_model
+from app.engine.data.batches import Batch
 from app.engine.data.dataset import DataConfig
 from app.engine.errors import ConfigError
 from app.engine.training.checkpoints import list_checkpoints, load_checkpoint
 from app.engine.training.communicator import (HostCommunicator, NcclCommunicator,
                                               SingleProcess, thread_communicators)
 from app.engine.training.config import TrainConfig
+from app.engine.training.session import TrainSession
 from app.engine.training.sft import RunConfig, train
 from tests import fake_cupy
 from tests.conftest import GOLDEN
@@ -156,6 +159,33 @@ def test_nccl_communicator_reduces_device_arrays_in_one_call_per_dtype(fake_gpu)
     # per rank: one float32 buffer (6 + 4 values), one float64 buffer of the host values (4)
     assert sorted(fake_gpu.calls) == [(0, 4, "float64"), (0, 10, "float32"),
                                       (1, 4, "float64"), (1, 10, "float32")]
+
+
+def test_sessions_on_the_device_step_together_through_nccl(fake_gpu):
+    """Two ranks' sessions on the (stand-in) GPU, their gradients summed by NCCL, equal one
+    session on the whole step: the same comparison as the run's below, one level down."""
+    model = load_model(GOLDEN / "mixtral-q8_0.gguf", device="cuda")
+    tokens = np.random.default_rng(3).integers(0, model.config.n_vocab, (4, 24))   # 4 x (T,)
+    micro = [Batch(t, np.roll(t, -1)) for t in tokens]
+    config = TrainConfig(mode="lora", lora_rank=4, lora_alpha=8, lr=1e-2, max_steps=K_STEPS,
+                         lora_targets=("attention", "experts", "router"), device="cuda")
+    one = TrainSession(model, config)
+    one_losses = [one.step(micro).loss for _ in range(K_STEPS)]
+    comms = thread_communicators(2)
+
+    def rank_work(rank):
+        session = TrainSession(model, config, communicator=NcclCommunicator(comms[rank],
+                                                                            nccl=fake_gpu))
+        return [session.step(micro).loss for _ in range(K_STEPS)], session
+    (losses, rank0), (_, rank1) = in_threads(rank_work, 2)
+    assert losses == pytest.approx(one_losses, rel=RTOL)
+    for name, a in one.trainable.items():
+        expected, got = fake_cupy.asnumpy(a), fake_cupy.asnumpy(rank0.trainable[name])
+        assert np.linalg.norm(got - expected) <= RTOL * np.linalg.norm(expected), name
+        np.testing.assert_array_equal(fake_cupy.asnumpy(rank1.trainable[name]), got,
+                                      err_msg="every rank makes the same update")
+    # each rank and step: the float32 gradients in one call, the host numbers in another
+    assert len(fake_gpu.calls) == 2 * 2 * K_STEPS
 
 
 def test_nccl_without_cupy_is_a_clear_error():
