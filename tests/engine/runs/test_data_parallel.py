@@ -12,7 +12,7 @@ import pytest
 
 from app.engine import load_model
 from app.engine.data.dataset import load_dataset
-from app.engine.errors import ConfigError
+from app.engine.errors import ConfigError, DatasetError
 from app.engine.runs.data_parallel import run_data_parallel
 from app.engine.runs.rundir import RunDir
 from app.engine.training.checkpoints import list_checkpoints
@@ -75,26 +75,27 @@ def test_grpo_runs_do_not_train_data_parallel(tmp_path):
     assert "workers to 1" in e.value.hint
 
 
-@pytest.fixture
-def ray_driver(ray_head, monkeypatch):
-    """This process joined to the loopback head (as the worker process joins a cluster)."""
+@pytest.fixture(scope="module")
+def ray_driver(ray_head):
+    """This process joined to the loopback head (as the worker process joins a cluster), once
+    for the module's Ray tests (joining takes seconds)."""
     import ray
     import ray._private.ray_constants
     from ray._private.authentication_test_utils import reset_auth_token_state
 
-    for key, value in ray_head.env().items():
-        monkeypatch.setenv(key, value)
-    # ray.init replaces a 127.0.0.1 address by this machine's outward IP, where the loopback head
-    # does not listen; with "clusters" off (Ray's switch for macOS/Windows) it keeps 127.0.0.1.
-    monkeypatch.setattr(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", False)
-    reset_auth_token_state()     # Ray read RAY_AUTH_MODE when it was imported: read it again
-    ray.init(address=ray_head.gcs_address, log_to_driver=False)
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
-        monkeypatch.undo()
-        reset_auth_token_state()
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in ray_head.env().items():
+            patch.setenv(key, value)
+        # ray.init replaces a 127.0.0.1 address by this machine's outward IP, where the loopback
+        # head does not listen; with "clusters" off (Ray's switch for macOS/Windows) it keeps it.
+        patch.setattr(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", False)
+        reset_auth_token_state()     # Ray read RAY_AUTH_MODE when it was imported: read it again
+        ray.init(address=ray_head.gcs_address, log_to_driver=False)
+        try:
+            yield ray
+        finally:
+            ray.shutdown()
+    reset_auth_token_state()
 
 
 @pytest.mark.slow
@@ -120,3 +121,11 @@ def test_two_ray_workers_equal_one_process_and_resume_after_a_pause(tmp_path, ra
     print(f"MEASURED on Ray: losses {loss_rel:.2e}, tensors {tensor_rel:.2e}")
     assert loss_rel < RTOL and tensor_rel < RTOL
     assert (dp.path / "adapter.gguf").exists()
+
+
+@pytest.mark.slow
+def test_a_ranks_engine_error_is_the_runs_error(tmp_path, ray_driver):
+    run = make_run(tmp_path, "dp", 2, "llama-q8_0.gguf")
+    (tmp_path / "data.jsonl").unlink()
+    with pytest.raises(DatasetError, match="data.jsonl"):
+        run_data_parallel(run, Control())
