@@ -127,7 +127,7 @@ class RunsView(QWidget):
             header.setSectionResizeMode(COL[name], QHeaderView.Stretch)  # table fits, no scroll
         self.table.setTextElideMode(Qt.ElideMiddle)
         header.setSectionResizeMode(COL["Steps"], QHeaderView.Fixed)
-        self.table.setColumnWidth(COL["Steps"], 150)
+        self.table.setColumnWidth(COL["Steps"], 100)
         self.table.itemSelectionChanged.connect(self._on_selection)
         self.table.cellDoubleClicked.connect(lambda *_: self.ctx.show_screen("monitor"))
 
@@ -223,6 +223,7 @@ class RunsView(QWidget):
                 t.item(i, c).setText(text)
             t.item(i, 0).setToolTip(row.path)
             t.item(i, COL["Where"]).setToolTip(where_tip)
+            t.item(i, COL["Best"]).setToolTip(texts[COL["Best"]])   # elided in a narrow window
             t.item(i, COL["Status"]).setForeground(QColor(STATE_COLORS.get(row.state,
                                                                            "#1f2328")))
             bar = t.cellWidget(i, COL["Steps"]).bar
