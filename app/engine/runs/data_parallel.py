@@ -11,11 +11,12 @@ count (app.engine.training.session).
 
 Rank 0 alone reads and writes the run directory (checkpoints, the final adapter) and resumes
 from its last checkpoint; the other ranks start from rank 0's state. Ray Train keeps its own
-bookkeeping in the run's `ray/` folder (storage every node of a cluster sees). Its events travel through
-a small actor (the hub) to this process, which records them with `control.report`; the runner
-polls `control.should_stop()` and leaves the request at the hub, where rank 0 reads it between
-steps and tells the other ranks (every rank stops after the same step). If this runner is
-interrupted, it kills the two actors: the workers' next collective fails and Ray Train ends them.
+bookkeeping in the run's `ray/` folder (storage every node of a cluster sees). Rank 0's events
+travel through a small actor (the hub) to this process, which records them with
+`control.report`; the runner polls `control.should_stop()` and leaves the request at the hub,
+where rank 0 reads it between steps and tells the other ranks (every rank stops after the same
+step). If this runner is interrupted, it kills the two actors: the workers' next collective
+fails and Ray Train ends them.
 
 Ray is optional (`pip install "ray[default,train]==2.60.0"`): without it a run with workers > 1
 fails with a ConfigError that says so. GRPO runs do not train data-parallel.
@@ -127,6 +128,14 @@ def rank_main(loop_config: dict) -> None:
         ray.get(hub.finish.remote(outcome))
 
 
+def fit(trainer, fitted: dict) -> None:
+    """trainer.fit(), its exception kept in fitted["error"] (the runner's thread raises it)."""
+    try:
+        trainer.fit()
+    except Exception as e:
+        fitted["error"] = e
+
+
 def run_data_parallel(run_dir, control) -> str | None:
     """The worker's runner for a supervised run with `workers` N: N Ray Train workers (see the
     module's docstring). Returns "done", "paused" or "cancelled"; raises rank 0's EngineError."""
@@ -145,28 +154,22 @@ def run_data_parallel(run_dir, control) -> str | None:
     hub = ray.remote(num_cpus=0)(Hub).options(runtime_env=env).remote()
     meeting = ray.remote(num_cpus=0, max_concurrency=config.workers + 1)(Rendezvous).options(
         runtime_env=env).remote(config.workers)
-    trainer = DataParallelTrainer(
-        rank_main,
-        train_loop_config={"config": {**run_dir.config(), "kind": SFT_KIND},
-                           "checkpoints": str(run_dir.checkpoints_dir),
-                           "hub": hub, "rendezvous": meeting},
-        scaling_config=ray_train.ScalingConfig(num_workers=config.workers,
-                                               use_gpu=config.train.device == "cuda"),
-        run_config=ray_train.RunConfig(name="train", storage_path=str(run_dir.path / "ray"),
-                                       worker_runtime_env=env))
     fitted: dict[str, Any] = {}
-
-    def fit() -> None:
-        try:
-            trainer.fit()
-        except Exception as e:    # carried to the runner's thread
-            fitted["error"] = e
-    thread = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
-    thread.start()
-    control.report(events.LOG_EVENT(message=f"training data-parallel on {config.workers} "
-                                            "Ray workers"))
+    thread = None
     try:
-        outcome, error = None, None
+        trainer = DataParallelTrainer(
+            rank_main,
+            train_loop_config={"config": config.to_dict(), "hub": hub, "rendezvous": meeting,
+                               "checkpoints": str(run_dir.checkpoints_dir)},
+            scaling_config=ray_train.ScalingConfig(num_workers=config.workers,
+                                                   use_gpu=config.train.device == "cuda"),
+            run_config=ray_train.RunConfig(name="train", storage_path=str(run_dir.path / "ray"),
+                                           worker_runtime_env=env))
+        thread = threading.Thread(target=fit, args=(trainer, fitted), name="ray-train-fit",
+                                  daemon=True)
+        thread.start()
+        control.report(events.LOG_EVENT(message=f"training data-parallel on {config.workers} "
+                                                "Ray workers"))
         while True:
             alive = thread.is_alive()
             taken, outcome, error = ray.get(hub.take.remote())
@@ -181,7 +184,8 @@ def run_data_parallel(run_dir, control) -> str | None:
     finally:
         for actor in (meeting, hub):    # an interrupted run: the workers' next call fails
             ray.kill(actor)
-        thread.join(STOP_WAIT_S)
+        if thread is not None:
+            thread.join(STOP_WAIT_S)
         if joined_here:
             ray.shutdown()
     if error is not None:

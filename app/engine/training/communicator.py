@@ -112,7 +112,8 @@ class Rendezvous:
     def __init__(self, world_size: int):
         self.world_size = world_size
         self._cond = threading.Condition()
-        self._rounds: dict[int, dict] = {}   # round -> {"parts": {rank: payload}, "result", "taken"}
+        self._rounds: dict[int, dict] = {}   # round -> {"parts": {rank: payload}, "result",
+        #                                       "taken": how many ranks took the result}
 
     def meet(self, rank: int, round_: int, payload: Any, root: int | None = None) -> Any:
         with self._cond:

@@ -194,7 +194,7 @@ def test_nccl_without_cupy_is_a_clear_error():
     assert "gpu" in e.value.hint
 
 
-# ------------------------------------------------------------------------ data parallel = one process
+# ------------------------------------------------------------- data parallel = one process
 
 
 def write_data(path):
