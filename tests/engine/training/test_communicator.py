@@ -188,6 +188,31 @@ def test_sessions_on_the_device_step_together_through_nccl(fake_gpu):
     assert len(fake_gpu.calls) == 2 * 2 * K_STEPS
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_rank_without_micro_batches_adds_nothing(fake_gpu, device):
+    """Steps of 4, 1 and 3 micro-batches (an epoch's short last step: rank 1 gets none, or one
+    fewer than rank 0) on two ranks equal one session, through the host and through NCCL."""
+    model = load_model(GOLDEN / "llama-q8_0.gguf", device=device)
+    tokens = np.random.default_rng(4).integers(0, model.config.n_vocab, (8, 16))   # 8 x (T,)
+    micro = [Batch(t, np.roll(t, -1)) for t in tokens]
+    steps = [micro[:4], micro[4:5], micro[5:]]
+    config = TrainConfig(mode="lora", lora_rank=4, lora_alpha=8, lr=1e-2, device=device,
+                         lora_targets=("attention", "ffn"), max_steps=len(steps))
+    one = TrainSession(model, config)
+    one_losses = [one.step(step).loss for step in steps]
+    comms = thread_communicators(2)
+
+    def rank_work(rank):
+        comm = NcclCommunicator(comms[rank], nccl=fake_gpu) if device == "cuda" else comms[rank]
+        session = TrainSession(model, config, communicator=comm)
+        return [session.step(step).loss for step in steps], session
+    (losses, rank0), _ = in_threads(rank_work, 2)
+    assert losses == pytest.approx(one_losses, rel=RTOL)
+    for name, a in one.trainable.items():
+        expected, got = fake_cupy.asnumpy(a), fake_cupy.asnumpy(rank0.trainable[name])
+        assert np.linalg.norm(got - expected) <= RTOL * np.linalg.norm(expected), name
+
+
 def test_nccl_without_cupy_is_a_clear_error():
     with pytest.raises(ConfigError, match="NCCL") as e:
         NcclCommunicator(SingleProcess())
@@ -282,6 +307,23 @@ def test_two_ranks_on_shards_equal_one_process_on_the_whole_step(tmp_path, model
         one_routing = [e["layers"] for e in one_events if e["type"] == "routing"]
         dp_routing = [e["layers"] for e in rank_events[0] if e["type"] == "routing"]
         assert dp_routing == one_routing, "rank 0 reports the routing of every rank's tokens"
+
+
+def test_rank_0_hears_a_cancel_and_every_rank_stops_after_the_same_step(tmp_path):
+    data = write_data(tmp_path / "data.jsonl")
+    comms, events = thread_communicators(2), [[], []]
+
+    def never_asked():
+        raise AssertionError("rank 1 is never asked: rank 0 tells it")
+    stop = [lambda: "cancel", never_asked]
+
+    def rank_work(rank):
+        return train(run_config("llama-q8_0.gguf", data, 2), events[rank].append, stop[rank],
+                     tmp_path / f"rank{rank}", comms[rank])
+    assert in_threads(rank_work, 2) == ["cancelled", "cancelled"]
+    assert [e["step"] for e in events[0] if e["type"] == "step"] == [1]
+    assert [e["tag"] for e in events[0] if e["type"] == "checkpoint"] == ["cancelled"]
+    assert not events[1] and not (tmp_path / "rank1").exists()
 
 
 def test_a_run_with_workers_refuses_to_train_in_one_process(tmp_path):
