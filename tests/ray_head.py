@@ -71,10 +71,18 @@ def start_head(num_cpus: int = 4, deadline_s: float = 90.0):
     # Ray's socket paths must stay short (AF_UNIX: 107 bytes): a short folder under /tmp.
     temp_dir = Path(tempfile.mkdtemp(prefix="wbray-", dir="/tmp"))
     gcs_port, dashboard_port = _free_port(), _free_port()
+    # Every port a head listens on is a free one: with Ray's fixed defaults, a second head on
+    # the machine (another test session) starts, but its dashboard agent cannot bind 52365 and
+    # its Jobs API answers "No available agent to submit job" forever.
+    agent_ports = {option: _free_port() for option in (
+        "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port",
+        "runtime-env-agent-port", "ray-client-server-port")}
     env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token,
-               RAY_USAGE_STATS_ENABLED="0")
+               RAY_USAGE_STATS_ENABLED="0", AUTOSCALER_METRIC_PORT=str(_free_port()),
+               DASHBOARD_METRIC_PORT=str(_free_port()))
     command = [_ray_executable(), "start", "--head", "--block",
                "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
+               *(f"--{option}={port}" for option, port in agent_ports.items()),
                f"--dashboard-port={dashboard_port}", "--dashboard-host=127.0.0.1",
                "--include-dashboard=true", f"--num-cpus={num_cpus}", "--num-gpus=0",
                "--object-store-memory=100000000", f"--temp-dir={temp_dir}",
