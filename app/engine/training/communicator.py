@@ -19,6 +19,7 @@ NCCL for device arrays, bootstrapped by a host communicator).
 
 from __future__ import annotations
 
+import copy
 import importlib
 import threading
 from typing import Any, Callable
@@ -152,7 +153,8 @@ class HostCommunicator(Communicator):
                         for x, t in zip(leaves, total)])
 
     def broadcast(self, value: Any, root: int = 0) -> Any:
-        return self._next(value if self.rank == root else None, root)
+        # a copy of its own, as from Ray: threads of one process would share the root's objects
+        return copy.deepcopy(self._next(value if self.rank == root else None, root))
 
     def barrier(self) -> None:
         self._next(None, 0)

@@ -83,12 +83,15 @@ def test_thread_communicators_sum_in_rank_order_and_broadcast():
                                     "parts": [rank, float(rank) / 2], "t": (np.arange(3),)})
         total["g"] += 1          # a copy of its own: the other ranks do not see it
         comm.barrier()
-        return total, comm.broadcast(f"from {rank}", root=1)
-    for total, said in in_threads(rank_work, 3):
+        return total, comm.broadcast(f"from {rank}", root=1), comm.broadcast(np.arange(2) + rank)
+    results = in_threads(rank_work, 3)
+    for total, said, state in results:
         np.testing.assert_array_equal(total["g"], np.full((2, 2), 7, np.float32))
         assert total["parts"] == [3, 1.5] and isinstance(total["parts"][0], int)
         np.testing.assert_array_equal(total["t"][0], [0, 3, 6])
         assert said == "from 1"
+        np.testing.assert_array_equal(state, [0, 1])
+    assert len({id(state) for _, _, state in results}) == 3, "each rank gets its own copy"
 
 
 class FakeNccl(types.SimpleNamespace):
