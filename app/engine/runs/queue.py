@@ -25,7 +25,7 @@ the job.
 Where a job runs is its `executor`: "local" (the worker on this machine runs it) or the name of
 a cluster (`app.engine.runs.clusters`; the worker submits it there and polls it; see
 `app.engine.runs.executors`). `attempt` counts its submissions (a cluster job's Ray
-submission id is `wb-<job id>-a<attempt>`), and `handle` (JSON) says where the current
+submission id is `wb-<queue_id>-<job id>-a<attempt>`), and `handle` (JSON) says where the current
 attempt runs: local {"pid", "start_time"} (the worker's process; the start time guards against
 a reused pid), ray {"submission_id", "cluster"}.
 """
@@ -38,6 +38,7 @@ import shutil
 import sqlite3
 import threading
 import time
+import uuid
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -51,7 +52,7 @@ from app.engine.runtime.files import storage_error
 from app.engine.runtime.paths import default_queue_path
 from app.engine.runtime.processes import pid_alive, this_host
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 LOCAL = "local"  # the executor of a job this machine's worker runs
 
 STATES = ("queued", "running", "paused", "done", "failed", "cancelled")
@@ -90,6 +91,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     handle           TEXT
 );
 CREATE INDEX IF NOT EXISTS jobs_state_position ON jobs (state, position, id);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 # Columns added after schema 1: (name, declaration), added to an older database when missing.
 _ADDED_COLUMNS = (("executor", "TEXT NOT NULL DEFAULT 'local'"),
@@ -320,6 +322,8 @@ class JobQueue:
                         for name, declaration in _ADDED_COLUMNS:
                             if name not in have:
                                 conn.execute(f"ALTER TABLE jobs ADD COLUMN {name} {declaration}")
+                        conn.execute("INSERT OR IGNORE INTO meta VALUES ('queue_id', ?)",
+                                     (uuid.uuid4().hex[:8],))
                         conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
                         conn.execute("COMMIT")
                     elif version > SCHEMA_VERSION:
@@ -422,6 +426,13 @@ class JobQueue:
         return [self._row_to_job(r) for r in rows]
 
     # ---------------------------------------------------------------- user requests
+    @property
+    def queue_id(self) -> str:
+        """This queue's own id (8 hex digits, made with the database): it names its jobs'
+        submissions on clusters, which other queues (another user, a queue made anew) share."""
+        with self._tx(write=False) as conn:
+            return conn.execute("SELECT value FROM meta WHERE key = 'queue_id'").fetchone()[0]
+
     def clusters(self) -> ClusterStore:
         """The clusters this queue's jobs may run on: clusters.json beside the database."""
         return ClusterStore(self.path.parent / "clusters.json")

@@ -49,9 +49,8 @@ from typing import Callable, Optional
 
 from app.engine.errors import Cancelled, EngineError
 from app.engine.runs.clusters import ClusterError
-from app.engine.runs.executors import AlreadySubmitted, RayExecutor, executor_for
+from app.engine.runs.executors import AlreadySubmitted, RayExecutor, Unreachable, executor_for
 from app.engine.runs.executors.local import worker_log_path
-from app.engine.runs.executors.ray import submission_id
 from app.engine.runs.queue import (DEFAULT_MAX_ATTEMPTS, DEFAULT_STALE_S, Job, JobLostError,
                                    JobQueue, QueueError)
 from app.engine.runtime.paths import default_queue_path
@@ -364,13 +363,22 @@ class _ClusterJob:
         """Record attempt+1 and its handle, then submit it (recorded first: a worker that dies
         in between leaves a handle the next worker finds unknown, never a second job)."""
         attempt = self.job.attempt + 1
-        handle = self.executor.handle(submission_id(self.job.id, attempt))
+        handle = self.executor.handle_for(self.job.id, attempt)
         self.job = self.queue.record_attempt(self.job.id, self.worker_id, attempt, handle)
-        try:
-            self.executor.submit(self.job, self.run.path)
-        except AlreadySubmitted:
-            log.warning("job %s: attempt %s was already submitted; polling it", self.job.id,
-                        attempt)
+        deadline = time.monotonic() + self.pending_timeout_s
+        while True:  # the same submission id again after a timeout: never a second job
+            try:
+                self.executor.submit(self.job, self.run.path)
+                break
+            except AlreadySubmitted:
+                log.warning("job %s: attempt %s was already submitted; polling it",
+                            self.job.id, attempt)
+                break
+            except Unreachable as e:
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("job %s: submitting: %s; trying again", self.job.id, e.message)
+                self.stop_event.wait(self.poll_s)
         self.run.log(f"job {self.job.id}: attempt {attempt} submitted to cluster "
                      f"{self.executor.name} as {handle['submission_id']}")
 
@@ -397,7 +405,7 @@ class _ClusterJob:
             try:
                 poll = self.executor.poll(self.job.handle)
                 unreachable_since = None
-            except ClusterError as e:  # the head restarting, the network: tolerated a while
+            except Unreachable as e:  # the head restarting, the network: tolerated a while
                 unreachable_since = unreachable_since or time.monotonic()
                 if time.monotonic() - unreachable_since > self.pending_timeout_s:
                     raise
@@ -468,8 +476,7 @@ def run_cluster_job(queue: JobQueue, job: Job, worker_id: str, *, poll_s: float 
     run = RunDir(job.run_dir)
     reporter = RunReporter(run)
     try:
-        store = queue.clusters()
-        cluster = _ClusterJob(queue, job, executor_for(job, store), worker_id, poll_s=poll_s,
+        cluster = _ClusterJob(queue, job, executor_for(job, queue), worker_id, poll_s=poll_s,
                               pending_timeout_s=pending_timeout_s, max_attempts=max_attempts,
                               stop_event=stop_event)
         if job.handle is None:

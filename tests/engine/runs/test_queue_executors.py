@@ -46,7 +46,7 @@ def test_an_older_database_gains_the_columns(tmp_path):
     job = JobQueue(path).list()[0]
     assert (job.run_dir, job.executor, job.attempt, job.handle) == ("/old/run", "local", 0, None)
     with sqlite3.connect(path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == 2
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == 3
     JobQueue(path)  # opening it again changes nothing
 
 
@@ -92,3 +92,9 @@ def test_a_cluster_job_is_reattached_after_its_worker_died(q, tmp_path):
     job = q.finish(job_id, "w3", "cancelled")
     assert (job.handle, job.attempt) == (None, 1)
     assert q.retry(job_id).attempt == 1  # attempts only grow: a submission id is never reused
+
+
+def test_each_queue_has_its_own_id(q, tmp_path):
+    """It names the queue's submissions: job 1 of another queue on the same cluster differs."""
+    other = JobQueue(tmp_path / "other.sqlite3")
+    assert len(q.queue_id) == 8 and q.queue_id == JobQueue(q.path).queue_id != other.queue_id

@@ -10,7 +10,7 @@ on the job):
 
 `local` (`LocalExecutor`) is this machine's worker running the job in its own process (the
 handle is the worker's pid and start time); a cluster's is `RayExecutor` (the Ray Jobs REST
-API). `executor_for(job, store)` picks one. May import: runs.queue, runs.clusters, runs.rundir,
+API). `executor_for(job, queue)` picks one. May import: runs.queue, runs.clusters, runs.rundir,
 runtime, errors.
 """
 
@@ -18,16 +18,19 @@ from __future__ import annotations
 
 from app.engine.runs.executors.base import ENDED, POLL_STATES, Executor, Poll
 from app.engine.runs.executors.local import LocalExecutor
-from app.engine.runs.executors.ray import (AlreadySubmitted, RayExecutor, check_cluster,
-                                           cluster_resources)
+from app.engine.runs.executors.ray import (AlreadySubmitted, RayExecutor, Unreachable,
+                                           check_cluster, cluster_resources)
 
 __all__ = ["ENDED", "POLL_STATES", "AlreadySubmitted", "Executor", "LocalExecutor", "Poll",
-           "RayExecutor", "check_cluster", "cluster_resources", "executor_for"]
+           "RayExecutor", "Unreachable", "check_cluster", "cluster_resources", "executor_for"]
 
 
-def executor_for(job, store) -> Executor:
-    """The executor of `job` (a queue Job): LocalExecutor, or the RayExecutor of the cluster it
-    names in `store` (a ClusterStore; its token from the keyring or the environment)."""
+def executor_for(job, queue) -> Executor:
+    """The executor of `job` of `queue` (a JobQueue): LocalExecutor, or the RayExecutor of the
+    cluster it names among the queue's clusters (its token from the keyring or the
+    environment)."""
     if job.is_local:
-        return LocalExecutor()
-    return RayExecutor(store.get(job.executor), store.token(job.executor))
+        return LocalExecutor(queue.path)
+    store = queue.clusters()
+    return RayExecutor(store.get(job.executor), store.token(job.executor),
+                       queue_id=queue.queue_id)

@@ -1,8 +1,8 @@
 """A Ray cluster as an executor, through the Ray Jobs REST API of its dashboard, with the
 standard library's HTTP client only: the machine with the window needs no Ray installed.
 
-One attempt of a job is one Ray job, `submission_id(job.id, job.attempt)`: Ray refuses a second
-job with the same id, so an attempt is never started twice (`AlreadySubmitted`). The entrypoint
+One attempt of a job is one Ray job, `submission_id(queue id, job.id, job.attempt)`: Ray refuses
+a second job with the same id, so an attempt is never started twice (`AlreadySubmitted`). The entrypoint
 runs `<cluster python> -m app queue run-remote <run dir as the cluster sees it>`
 (`app.engine.runs.remote`), asking the cluster's `num_cpus`/`num_gpus`; Ray's stop sends it
 SIGTERM and waits RAY_JOB_STOP_WAIT_TIME_S (the stop grace) before killing it.
@@ -22,19 +22,25 @@ from app.engine.runs.executors.base import Poll
 
 DEFAULT_STOP_GRACE_S = 30.0   # how long a stopped run may take to checkpoint and exit
 HTTP_TIMEOUT_S = 10.0
+SUBMIT_TIMEOUT_S = 60.0       # a head's first job starts its job agent: slow on a busy node
 _STATES = {"PENDING": "pending", "RUNNING": "running", "SUCCEEDED": "succeeded",
            "FAILED": "failed", "STOPPED": "stopped"}
 
 
-def submission_id(job_id: int, attempt: int) -> str:
-    """The Ray submission id of a job's attempt: the same id is never submitted twice."""
-    return f"wb-{int(job_id)}-a{int(attempt)}"
+def submission_id(queue_id: str, job_id: int, attempt: int) -> str:
+    """The Ray submission id of a job's attempt: the same id is never submitted twice. The
+    queue's id keeps apart the jobs of queues that share a cluster (job ids start at 1 in each)."""
+    return f"wb-{queue_id}-{int(job_id)}-a{int(attempt)}"
 
 
 class AlreadySubmitted(ClusterError):
     """The cluster already has a job with this submission id (the attempt was submitted)."""
 
     kind = "already_submitted"
+
+
+class Unreachable(ClusterError):
+    """The head did not answer (down, restarting, a network problem, a timeout)."""
 
 
 class _NotFound(ClusterError):
@@ -49,7 +55,8 @@ class RayClient:
         self.token = token
         self.timeout_s = timeout_s
 
-    def call(self, method: str, path: str, body: dict | None = None):
+    def call(self, method: str, path: str, body: dict | None = None,
+             timeout_s: float | None = None):
         """The reply's JSON (or text, where it is not JSON); ClusterError with a clear message
         when the head cannot be reached, refuses the token, or answers an error."""
         headers = {"Content-Type": "application/json"}
@@ -60,7 +67,7 @@ class RayClient:
                                          headers=headers)
         name, url = self.cluster.name, self.cluster.url
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as reply:
+            with urllib.request.urlopen(request, timeout=timeout_s or self.timeout_s) as reply:
                 text = reply.read().decode("utf-8", "replace")
         except urllib.error.HTTPError as e:
             text = e.read().decode("utf-8", "replace")
@@ -72,6 +79,9 @@ class RayClient:
                     f"cluster add {name} {url} --token-stdin`, or Settings > Clusters.") from e
             if e.code == 404:
                 raise _NotFound(f"Cluster {name!r}: {path} not found ({text.strip()[:200]}).")
+            if "try again later" in text or e.code == 503:  # a head still starting
+                raise Unreachable(f"Cluster {name!r} ({url}) is not ready: "
+                                  f"{_last_line(text)}", "Try again in a moment.") from e
             if "already exists" in text:
                 raise AlreadySubmitted(f"Cluster {name!r} already has this job "
                                        f"({text.strip().splitlines()[-1][:200]}).") from e
@@ -80,7 +90,7 @@ class RayClient:
                                "See the Ray dashboard's logs on the head node.") from e
         except (urllib.error.URLError, OSError) as e:
             reason = getattr(e, "reason", e)
-            raise ClusterError(f"Cluster {name!r} cannot be reached at {url} ({reason}).",
+            raise Unreachable(f"Cluster {name!r} cannot be reached at {url} ({reason}).",
                                "Check the URL (the Ray dashboard, port 8265 by default), that "
                                "the head runs, and that this machine may reach it.") from e
         try:
@@ -126,9 +136,10 @@ def check_cluster(cluster: Cluster, token: str | None) -> str:
 class RayExecutor:
     """Runs attempts of jobs on `cluster` (see the module's docstring)."""
 
-    def __init__(self, cluster: Cluster, token: str | None, *,
+    def __init__(self, cluster: Cluster, token: str | None, *, queue_id: str,
                  stop_grace_s: float = DEFAULT_STOP_GRACE_S):
         self.cluster = cluster
+        self.queue_id = queue_id  # the queue whose jobs this submits (see `submission_id`)
         self.name = cluster.name
         self.client = RayClient(cluster, token)
         self.stop_grace_s = stop_grace_s
@@ -145,21 +156,23 @@ class RayExecutor:
 
     def submit(self, job, run_dir) -> dict:
         """Start attempt `job.attempt` of `job`; AlreadySubmitted if the cluster has it."""
-        sid = submission_id(job.id, job.attempt)
+        handle = self.handle_for(job.id, job.attempt)
         self.client.call("POST", "/api/jobs/", {
             "entrypoint": self.entrypoint(run_dir),
-            "submission_id": sid,
+            "submission_id": handle["submission_id"],
             "entrypoint_num_cpus": self.cluster.num_cpus,
             "entrypoint_num_gpus": self.cluster.num_gpus,
             # Ray reads it as an integer number of seconds
             "runtime_env": {"env_vars": {
                 "RAY_JOB_STOP_WAIT_TIME_S": str(math.ceil(self.stop_grace_s))}},
             "metadata": {"workbench_job": str(job.id), "attempt": str(job.attempt)},
-        })
-        return self.handle(sid)
+        }, timeout_s=SUBMIT_TIMEOUT_S)
+        return handle
 
-    def handle(self, sid: str) -> dict:
-        return {"submission_id": sid, "cluster": self.cluster.name}
+    def handle_for(self, job_id: int, attempt: int) -> dict:
+        """The handle attempt `attempt` of job `job_id` has (or will have) on the cluster."""
+        return {"submission_id": submission_id(self.queue_id, job_id, attempt),
+                "cluster": self.cluster.name}
 
     def poll(self, handle: dict) -> Poll:
         try:

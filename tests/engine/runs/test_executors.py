@@ -1,0 +1,83 @@
+"""The same runs on each executor (issue 23): "local" (the worker runs it in its process) and
+"loop" (the loopback Ray head, through the Jobs REST API): the happy path, a cancel (stopped
+within the grace, a checkpoint at or after the cancel step, no process left), and a pause then
+resume that ends with the adapter of an uninterrupted seeded run."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from app.engine.runs.executors.ray import DEFAULT_STOP_GRACE_S
+from app.engine.runs.queue import JobQueue
+from app.engine.runs.rundir import RunDir
+from app.engine.runtime.processes import pid_alive
+from tests.engine.runs.cluster_runs import (add_loop_cluster, checkpoint_steps, last_step,
+                                            queue_run, reference_adapter, wait_for,
+                                            wait_finished, worker)
+
+EXECUTORS = ["local", pytest.param("loop", marks=pytest.mark.slow)]
+
+
+@pytest.fixture
+def q(tmp_path, request, monkeypatch) -> JobQueue:
+    queue = JobQueue(tmp_path / "q.sqlite3")
+    if request.node.callspec.params["executor"] == "loop":
+        add_loop_cluster(queue, request.getfixturevalue("ray_head"), monkeypatch)
+    return queue
+
+
+def _remote_pid_gone(run: RunDir, executor: str) -> bool:
+    """No process of the run is left: the Ray job's driver (its pid in status.json) is gone."""
+    pid = run.status().get("pid")
+    return executor == "local" or (pid is not None and not pid_alive(pid))
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_a_run_on_each_executor(q, tmp_path, executor):
+    job_id = queue_run(q, tmp_path / "run", executor, steps=6)
+    with worker(q):
+        job = wait_finished(q, job_id)
+    run = RunDir(tmp_path / "run")
+    assert (job.state, job.executor, job.error) == ("done", executor, None)
+    assert job.attempt == (0 if executor == "local" else 1) and job.handle is None
+    assert run.status()["state"] == "done" and (run.path / "adapter.gguf").exists()
+    assert [e["step"] for e in run.metrics() if e.get("type") == "step"] == [1, 2, 3, 4, 5, 6]
+    assert _remote_pid_gone(run, executor)
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_cancel_on_each_executor(q, tmp_path, executor):
+    job_id = queue_run(q, tmp_path / "run", executor, steps=400)
+    run = RunDir(tmp_path / "run")
+    with worker(q):
+        wait_for(lambda: last_step(run) >= 3, "step 3")
+        cancel_step = last_step(run)
+        asked = time.monotonic()
+        q.cancel(job_id)
+        job = wait_finished(q, job_id)
+        took = time.monotonic() - asked
+    assert job.state == "cancelled" and took < DEFAULT_STOP_GRACE_S + 5
+    assert max(checkpoint_steps(run)) >= cancel_step
+    assert last_step(run) < 400 and run.status()["state"] == "cancelled"
+    wait_for(lambda: _remote_pid_gone(run, executor), "the run's process to end", 10)
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_pause_then_resume_ends_as_an_uninterrupted_run(q, tmp_path, executor):
+    expected = reference_adapter(tmp_path / "straight")
+    job_id = queue_run(q, tmp_path / "run", executor)
+    run = RunDir(tmp_path / "run")
+    with worker(q):
+        wait_for(lambda: last_step(run) >= 4, "step 4")
+        q.pause(job_id)
+        job = wait_finished(q, job_id)
+        assert job.state == "paused" and 4 <= max(checkpoint_steps(run)) < 40
+        q.resume(job_id)
+        job = wait_for(lambda: (lambda j: j if j.state == "done" else None)(q.get(job_id)),
+                       "the resumed job to finish")
+    assert job.attempt == (0 if executor == "local" else 2)
+    assert (run.path / "adapter.gguf").read_bytes() == expected
+    steps = [e["step"] for e in run.metrics() if e.get("type") == "step"]
+    assert steps == list(range(1, 41))
