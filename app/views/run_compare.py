@@ -109,6 +109,7 @@ class ComparePanel(QWidget):
                                     name=Path(path).name, connect="finite")
             self._compare[path] = (tail, series, curve)
             tail.steps.connect(lambda evs, s=series: self._on_steps(s, evs))
+            tail.reset.connect(lambda _path, s=series: s.clear())   # read again from the start
             tail.set_run(path)
         elif not on and path in self._compare:
             tail, _, curve = self._compare.pop(path)

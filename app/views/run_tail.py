@@ -10,7 +10,15 @@ as batches:
   norms(list[dict])     norms events                routing(list[dict])  routing events
   events(list[dict])    every event of the batch    logs(list[str])      readable log lines
   status_changed(dict)  status.json when it changed
-  reset(str)            the run changed (or metrics.jsonl was replaced): drop what you have
+  reset(str)            the run changed (or metrics.jsonl was replaced, or an attempt
+                        restarted): drop what you have
+
+Steps are deduplicated here, once for every view (`dedupe_steps`, as the engine reads a run):
+a run resumed from a checkpoint after its worker died, or a cluster job's next attempt, repeats
+the steps after that checkpoint; the later event for a step wins and the earlier attempt's
+events from that step on (steps, evals, norms...) are dropped. Within one read that is a filter;
+a step at or before the last one delivered makes the read take the whole file again, and the
+views get `reset` and then the deduplicated events.
 
 So the GUI thread never waits for the disk or the JSON parser: a tick costs a `Future.done()`
 check and the signal emissions (see `stats` for the measured cost). One read is in flight at a
@@ -33,7 +41,7 @@ from pathlib import Path
 import numpy as np
 from PySide6.QtCore import QCoreApplication, QObject, QTimer, Signal
 
-from app.engine.api import GRPO, EngineError, RunDir
+from app.engine.api import GRPO, EngineError, RunDir, dedupe_steps
 
 DEFAULT_INTERVAL_MS = 150
 MAX_LOG_BYTES = 64 * 1024          # a first look at a long log.txt reads only its tail
@@ -118,16 +126,31 @@ def describe_event(ev: dict) -> str | None:
     return f"{stamp} {text}".strip()
 
 
-def _read(path: Path, offset: int, log_offset: int) -> dict:
-    """One read of a run directory (runs in the reader thread)."""
+def _first_step(events: list) -> float | None:
+    return next((ev["step"] for ev in events if ev.get("type", "step") == "step"
+                 and isinstance(ev.get("step"), (int, float))), None)
+
+
+def _read(path: Path, offset: int, log_offset: int, last_step: float = -math.inf) -> dict:
+    """One read of a run directory (runs in the reader thread). Steps are deduplicated here,
+    for every view: a step at or before `last_step` (the last one delivered) is a later
+    attempt that resumed from a checkpoint (a restarted worker, a cluster's new attempt), so
+    the whole file is read again, `restarted`, with the earlier attempt's events from that step
+    on dropped (`dedupe_steps`: the later event for a step wins), as within any read."""
     t0 = time.perf_counter()
     run = RunDir(path)
     out: dict = {"events": [], "offset": offset, "log": [], "log_offset": log_offset,
-                 "status": None, "error": None}
+                 "status": None, "error": None, "restarted": False}
     try:
         out["events"], out["offset"] = run.read_metrics(offset)
+        first = _first_step(out["events"])
+        if offset and first is not None and first <= last_step:
+            out["events"], out["offset"] = run.read_metrics(0)
+            out["restarted"] = True
+            log_offset = min(log_offset, 0)              # the views start again: the log too
     except EngineError as e:
         out["error"] = e
+    out["events"] = dedupe_steps(out["events"])
     try:
         out["status"] = run.status()
     except EngineError:
@@ -187,6 +210,7 @@ class RunTail(QObject):
         self.path: str | None = None
         self.offset = 0
         self.log_offset = 0
+        self.last_step = -math.inf          # of the step events delivered (restarts: _read)
         self.status: dict = {}
         self.error: EngineError | None = None
         self.read_log = read_log
@@ -205,6 +229,7 @@ class RunTail(QObject):
         self._future = None                 # a read of the previous run is ignored
         self.path = str(path) if path else None
         self.offset = self.log_offset = 0
+        self.last_step = -math.inf
         self.status = {}
         self.error = None
         self.reset.emit(self.path or "")
@@ -240,7 +265,8 @@ class RunTail(QObject):
                     self.error = e
         if self._future is None and self.path:
             fut = reader_pool().submit(_read, Path(self.path), self.offset,
-                                       self.log_offset if self.read_log else -1)
+                                       self.log_offset if self.read_log else -1,
+                                       self.last_step)
             fut.generation = self._generation
             self._future = fut
         ms = (time.perf_counter() - t0) * 1000
@@ -249,7 +275,8 @@ class RunTail(QObject):
 
     def _deliver(self, result: dict) -> None:
         self.error = result["error"]
-        if result["offset"] < self.offset:                 # metrics.jsonl was replaced
+        if result["offset"] < self.offset or result["restarted"]:   # metrics.jsonl was
+            self.last_step = -math.inf                     # replaced, or an attempt restarted
             self.reset.emit(self.path or "")
         self.offset = result["offset"]
         if self.read_log:
@@ -265,6 +292,9 @@ class RunTail(QObject):
             self.status = status
             self.status_changed.emit(status)
         groups = result["groups"]
+        step = groups["step"][-1].get("step") if groups["step"] else None
+        if isinstance(step, (int, float)):
+            self.last_step = step
         if result["events"]:
             self.events.emit(result["events"])
         for kind, signal in (("step", self.steps), ("eval", self.evals),
@@ -374,11 +404,9 @@ def ema(values, weight: float, acc: float = 0.0, n: int = 0):
 
 
 class Series:
-    """Growing (step, value...) columns in a numpy buffer, for curves fed batch by batch: the
-    one place where events become curve points. Steps are kept unique and increasing: a step
-    at or before the last one (a run resumed from an earlier checkpoint, a cluster job's new
-    attempt repeating steps, within a batch or across batches) truncates the columns back to
-    it, so the later event wins and the earlier attempt's points after it are dropped."""
+    """Growing (step, value...) columns in a numpy buffer, for curves fed batch by batch.
+    A step at or before the last one truncates the columns back to it (a RunTail delivers
+    steps deduplicated, and `reset` before a restarted attempt's events: this is a guard)."""
 
     def __init__(self, n_cols: int):
         self.data = np.empty((256, n_cols))
@@ -389,12 +417,6 @@ class Series:
         if not rows:
             return
         new = np.asarray(rows, dtype=float)
-        restarts = np.flatnonzero(new[1:, 0] <= new[:-1, 0]) + 1     # a step repeated in it
-        for part in np.split(new, restarts) if restarts.size else (new,):
-            self._append(part)
-
-    def _append(self, new: np.ndarray) -> None:
-        """Append rows whose steps increase (truncating back to their first step)."""
         if self.n and new[0, 0] <= self.data[self.n - 1, 0]:
             self.n = int(np.searchsorted(self.data[:self.n, 0], new[0, 0]))
             self._ema = (None, np.empty(0), 0.0, 0)

@@ -132,6 +132,27 @@ def test_a_restarted_attempt_read_at_once_keeps_the_later_points(qtbot, ctx, mon
     np.testing.assert_array_equal(monitor.lr_curve.getData()[0], np.arange(1, 26))
 
 
+def test_a_lost_attempts_eval_and_best_go_when_the_next_attempt_repeats_its_steps(
+        qtbot, ctx, monitor):
+    fake = FakeRun(ctx.runs_root() / "run")
+    for _ in range(3):
+        fake.step(10)
+        fake.eval()
+    ctx.select_run(fake.path)
+    qtbot.waitUntil(lambda: n_points(monitor.val_curve) == 3 and monitor.best is not None
+                    and monitor.best.step == 30)
+    for step in range(21, 26):          # the cluster lost attempt 1; attempt 2 resumed at 20
+        fake.run.append_metrics({"type": "step", "step": step, "total_steps": 100,
+                                 "loss": 9.0 + step})
+    qtbot.waitUntil(lambda: n_points(monitor.loss_curve) == 25 and monitor.best is not None)
+    monitor.redraw.flush()
+    np.testing.assert_array_equal(monitor.loss_curve.getData()[0], np.arange(1, 26))
+    np.testing.assert_allclose(monitor.loss_curve.getData()[1][20:], [9.0 + s for s in
+                                                                     range(21, 26)])
+    np.testing.assert_array_equal(monitor.val_curve.getData()[0], [10, 20])
+    assert monitor.best.step == 20 and monitor.best_line.value() == 20
+
+
 def test_switching_runs_resets_the_curves(qtbot, ctx, monitor):
     a = FakeRun(ctx.runs_root() / "a")
     a.step(30)

@@ -212,21 +212,44 @@ def test_series_and_ema():
     assert n == 2
 
 
-def test_series_keeps_the_later_of_repeated_steps_within_a_batch():
-    """A cluster job's second attempt repeats steps 4-5 of the first; both attempts arrive in
-    one read: the later events win, the first attempt's points after step 4 are gone."""
-    s = Series(2)
-    s.extend([(1, 1.0), (2, 2.0)])
-    s.extend([(3, 3.0), (4, 4.0), (5, 5.0), (6, 6.0), (4, 40.0), (5, 50.0), (2, 20.0),
-              (3, 30.0)])
-    np.testing.assert_array_equal(s.col(0), [1, 2, 3])
-    np.testing.assert_array_equal(s.col(1), [1.0, 20.0, 30.0])
-    s.extend([(3, 33.0), (4, 44.0)])                       # across batches, at the last step
-    np.testing.assert_array_equal(s.col(0), [1, 2, 3, 4])
-    np.testing.assert_array_equal(s.col(1), [1.0, 20.0, 33.0, 44.0])
-    np.testing.assert_allclose(s.smoothed(0.5), [1.0, (0.25 + 10) / 0.75,
-                                                 (0.125 + 5 + 16.5) / 0.875,
-                                                 (0.0625 + 2.5 + 8.25 + 22) / 0.9375])
+def steps_of(events) -> list[int]:
+    return [e["step"] for e in events]
+
+
+def test_an_attempt_that_repeats_steps_is_deduplicated_for_every_view(qtbot, tmp_path):
+    """Attempt 1 reaches step 30 (evals at 10, 20, 30) and is lost; attempt 2 resumes from the
+    checkpoint at step 20 and repeats steps 21-25 with other losses. The tail delivers each step
+    once, the later attempt's, and nothing of attempt 1 after step 20 (its eval at 30)."""
+    fake = FakeRun(tmp_path / "run", total_steps=100)
+    for _ in range(3):
+        fake.step(10)
+        fake.eval()
+    tail = RunTail(interval_ms=20)
+    got = Collector(tail)
+    tail.set_run(fake.path)
+    qtbot.waitUntil(lambda: len(got.steps) == 30 and len(got.evals) == 3, timeout=5000)
+    assert tail.last_step == 30
+    tail.reset.connect(lambda _path: (got.steps.clear(), got.evals.clear()))  # as views do
+    for step in range(21, 26):                                    # attempt 2, a later read
+        fake.run.append_metrics({"type": "step", "step": step, "loss": 9.0 + step})
+    qtbot.waitUntil(lambda: tail.last_step == 25, timeout=5000)
+    assert len(got.resets) == 2                                   # set_run's, the restart's
+    assert steps_of(got.steps) == list(range(1, 26))              # read again, deduplicated
+    assert [e["loss"] for e in got.steps[20:]] == [9.0 + s for s in range(21, 26)]
+    assert steps_of(got.evals) == [10, 20]                        # attempt 1's step 30: gone
+    fake.run.append_metrics({"type": "step", "step": 26, "loss": 1.0})
+    qtbot.waitUntil(lambda: tail.last_step == 26, timeout=5000)
+    assert steps_of(got.steps) == list(range(1, 27)) and len(got.resets) == 2
+
+    other = FakeRun(tmp_path / "both", total_steps=100)           # both attempts in one read
+    other.step(30)
+    for step in range(21, 26):
+        other.run.append_metrics({"type": "step", "step": step, "loss": 9.0 + step})
+    got.steps.clear()
+    tail.set_run(other.path)
+    qtbot.waitUntil(lambda: tail.last_step == 25, timeout=5000)
+    assert steps_of(got.steps) == list(range(1, 26))
+    assert [e["loss"] for e in got.steps[20:]] == [9.0 + s for s in range(21, 26)]
 
 
 def test_clock():
