@@ -114,11 +114,14 @@ class TrainSession:
             return SGD(self.trainable, c.lr, c.weight_decay, c.gclip, c.max_grad_norm, no_decay)
         return LBFGS(self.trainable, lr=c.lr if c.lr > 0 else 1.0)
 
-    def state_dict(self) -> dict:
-        """Everything a checkpoint needs to continue exactly: trained arrays, optimizer, step."""
+    def state_dict(self, copy: bool = True) -> dict:
+        """Everything a checkpoint needs to continue exactly: trained arrays, optimizer, step.
+        The trained arrays are the live ones on the CPU (device arrays are copied to the
+        host); `copy=False` hands the optimizer's live moments too, for a checkpoint written
+        before the next step (saving then holds no second copy of the state)."""
         return {"step": self.step_count,
                 "trainable": {name: to_host(a) for name, a in self.trainable.items()},
-                "optimizer": self.optimizer.state_dict()}
+                "optimizer": self.optimizer.state_dict(copy=copy)}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a state_dict in place (the optimizer keeps referencing the same arrays)."""
