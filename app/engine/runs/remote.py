@@ -6,7 +6,9 @@ contract. The run's kind loop runs on it as the worker would run it (resuming fr
 checkpoint, writing metrics.jsonl, status.json and checkpoints), or, for a run whose config asks
 `workers` > 1, the data-parallel trainer (`app.engine.runs.data_parallel`). A stop (SIGTERM or
 SIGINT: Ray's stop of the job) asks the loop to pause: it saves a checkpoint after the current
-step and returns. Exit status: 0 when the run is done, 1 when it failed (its error in
+step and returns. An attempt that starts after the queue's side gave it up (Ray cannot stop a
+job that pends for resources: it may start when they appear) finds another submission id in
+status.json than its own (WORKBENCH_SUBMISSION_ID) and exits at once. Exit status: 0 when the run is done, 1 when it failed (its error in
 status.json), `EXIT_STOPPED` when it stopped before its end (the machine with the queue decides
 whether that was a pause, a cancel, or a lost attempt to resume).
 """
@@ -17,6 +19,7 @@ import os
 import threading
 
 from app.engine.errors import Cancelled
+from app.engine.runs.executors.ray import SUBMISSION_ENV
 from app.engine.runs.reporter import RunReporter, failure
 from app.engine.runs.rundir import RunDir
 from app.engine.runs.worker import RESULTS, default_runner, install_stop_signals, restore_signals
@@ -56,6 +59,11 @@ def run_remote(run_dir: str | os.PathLike, runner=remote_runner) -> int:
     """Run one attempt of the run in `run_dir` in this process; returns the exit status."""
     run = RunDir(run_dir)
     run.config()  # a run folder the node cannot read fails here, clearly
+    mine, current = os.environ.get(SUBMISSION_ENV), run.status().get("submission_id")
+    if mine and mine != current:
+        run.log(f"attempt {mine} started after it was superseded (now: {current}); "
+                "left the run alone")
+        return EXIT_STOPPED
     stop = threading.Event()
     previous = install_stop_signals(stop)
     control = RemoteControl(run, stop)

@@ -365,6 +365,9 @@ class _ClusterJob:
         attempt = self.job.attempt + 1
         handle = self.executor.handle_for(self.job.id, attempt)
         self.job = self.queue.record_attempt(self.job.id, self.worker_id, attempt, handle)
+        # the fence: an attempt that starts late (a job Ray could not stop while it pended)
+        # finds another submission here and leaves the run alone (app.engine.runs.remote)
+        self.run.write_status(submission_id=handle["submission_id"])
         deadline = time.monotonic() + self.pending_timeout_s
         while True:  # the same submission id again after a timeout: never a second job
             try:
@@ -492,6 +495,8 @@ def run_cluster_job(queue: JobQueue, job: Job, worker_id: str, *, poll_s: float 
     if state == "queued":  # the worker stops: the cluster carries on; no outcome to write
         _finish_quietly(queue, job, worker_id, state)
     else:
+        with suppress(EngineError):
+            run.write_status(submission_id=None)  # no attempt of this job may run any more
         _record(queue, job, worker_id, run, reporter, state, error)
     log.info("job %s on %s: %s", job.id, job.executor, state)
     return state

@@ -9,8 +9,9 @@ import time
 
 import pytest
 
-from app.engine.runs.executors.ray import DEFAULT_STOP_GRACE_S
+from app.engine.runs.executors.ray import DEFAULT_STOP_GRACE_S, SUBMISSION_ENV
 from app.engine.runs.queue import JobQueue
+from app.engine.runs.remote import EXIT_STOPPED, run_remote
 from app.engine.runs.rundir import RunDir
 from app.engine.runtime.processes import pid_alive
 from tests.engine.runs.cluster_runs import (add_loop_cluster, checkpoint_steps, last_step,
@@ -66,18 +67,29 @@ def test_cancel_on_each_executor(q, tmp_path, executor):
 
 @pytest.mark.parametrize("executor", EXECUTORS)
 def test_pause_then_resume_ends_as_an_uninterrupted_run(q, tmp_path, executor):
-    expected = reference_adapter(tmp_path / "straight")
-    job_id = queue_run(q, tmp_path / "run", executor)
+    expected = reference_adapter(tmp_path / "straight", steps=24)
+    job_id = queue_run(q, tmp_path / "run", executor, steps=24)
     run = RunDir(tmp_path / "run")
     with worker(q):
         wait_for(lambda: last_step(run) >= 4, "step 4")
         q.pause(job_id)
         job = wait_finished(q, job_id)
-        assert job.state == "paused" and 4 <= max(checkpoint_steps(run)) < 40
+        assert job.state == "paused" and 4 <= max(checkpoint_steps(run)) < 24
         q.resume(job_id)
         job = wait_for(lambda: (lambda j: j if j.state == "done" else None)(q.get(job_id)),
                        "the resumed job to finish")
     assert job.attempt == (0 if executor == "local" else 2)
     assert (run.path / "adapter.gguf").read_bytes() == expected
     steps = [e["step"] for e in run.metrics() if e.get("type") == "step"]
-    assert steps == list(range(1, 41))
+    assert steps == list(range(1, 25))
+
+
+def test_an_attempt_that_starts_after_it_was_superseded_leaves_the_run_alone(tmp_path,
+                                                                             monkeypatch):
+    """Ray cannot stop a job pending for resources; if it starts later, run-remote finds
+    another submission in status.json than its own and exits without touching the run."""
+    run = RunDir.create(tmp_path / "run", {"kind": "sft"})
+    run.write_status(submission_id="wb-q-1-a2")
+    monkeypatch.setenv(SUBMISSION_ENV, "wb-q-1-a1")
+    assert run_remote(run.path, runner=lambda *a: pytest.fail("it ran")) == EXIT_STOPPED
+    assert "superseded" in run.log_path.read_text() and "state" not in run.status()

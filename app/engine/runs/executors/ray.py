@@ -20,6 +20,7 @@ from urllib.parse import quote
 from app.engine.runs.clusters import Cluster, ClusterError
 from app.engine.runs.executors.base import Poll
 
+SUBMISSION_ENV = "WORKBENCH_SUBMISSION_ID"  # tells run-remote which attempt it is
 DEFAULT_STOP_GRACE_S = 30.0   # how long a stopped run may take to checkpoint and exit
 HTTP_TIMEOUT_S = 10.0
 SUBMIT_TIMEOUT_S = 60.0       # a head's first job starts its job agent: slow on a busy node
@@ -164,7 +165,8 @@ class RayExecutor:
             "entrypoint_num_gpus": self.cluster.num_gpus,
             # Ray reads it as an integer number of seconds
             "runtime_env": {"env_vars": {
-                "RAY_JOB_STOP_WAIT_TIME_S": str(math.ceil(self.stop_grace_s))}},
+                "RAY_JOB_STOP_WAIT_TIME_S": str(math.ceil(self.stop_grace_s)),
+                SUBMISSION_ENV: handle["submission_id"]}},
             "metadata": {"workbench_job": str(job.id), "attempt": str(job.attempt)},
         }, timeout_s=SUBMIT_TIMEOUT_S)
         return handle
