@@ -18,7 +18,7 @@ from app.cli.main import run_cli
 from app.engine.runs import rundir as rd
 from app.engine.runtime import files
 from app.engine.errors import CheckpointError, ConfigError, EngineError
-from app.engine.runs.rundir import RunDir, list_runs
+from app.engine.runs.rundir import RunDir, dedupe_steps, list_runs
 from app.engine.runtime.files import (DiskFullError, StorageError, atomic_write_bytes,
                                       atomic_write_json, read_json)
 from tests.conftest import REPO, SAMPLE_DATA
@@ -367,3 +367,23 @@ def test_a_running_status_whose_writer_is_gone_reads_as_interrupted(tmp_path):
         assert run.status()["state"] == "interrupted"
     run.write_status(state="paused")
     assert run.status()["state"] == "paused"
+
+
+def test_metrics_are_deduplicated_by_step(tmp_path):
+    """A second attempt resumed from step 2's checkpoint repeats steps 3-4: its events win and
+    the first attempt's events from step 3 on (its eval and checkpoint too) are dropped."""
+    run = RunDir.create(tmp_path / "run", {"name": "x"})
+    first = [{"type": "start"}, {"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.0},
+             {"type": "checkpoint", "step": 2}, {"step": 3, "loss": 1.5},
+             {"type": "eval", "step": 3, "loss": 0.1}, {"step": 4, "loss": 1.2}]
+    second = [{"type": "start"}, {"step": 3, "loss": 1.4}, {"step": 4, "loss": 1.1},
+              {"step": 5, "loss": 1.0}]
+    for ev in first + second:
+        run.append_metrics(ev)
+    events = run.metrics()
+    assert [(e["type"], e.get("step")) for e in events] == [
+        ("start", None), ("step", 1), ("step", 2), ("checkpoint", 2), ("start", None),
+        ("step", 3), ("step", 4), ("step", 5)]
+    assert [e["loss"] for e in events if e["type"] == "step"] == [3.0, 2.0, 1.4, 1.1, 1.0]
+    assert run.summary()["best"]["step"]["loss"] == 1.0 and "eval" not in run.summary()["best"]
+    assert dedupe_steps(run.read_metrics(0)[0]) == events

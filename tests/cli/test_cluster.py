@@ -1,0 +1,107 @@
+"""`workbench cluster add|list|test|remove`, `queue add --on`, `train --on` and the ON / TRY
+columns of `queue list` (issue 23)."""
+
+from __future__ import annotations
+
+import io
+import sys
+
+import keyring
+import pytest
+from keyring.backend import KeyringBackend
+
+from app.cli.main import run_cli
+from app.engine.runs.clusters import cluster_token_env
+from app.engine.runs.queue import JobQueue
+from tests.engine.runs.cluster_runs import train_args
+from tests.engine.runs.test_queue import make_run
+
+
+class MemoryKeyring(KeyringBackend):
+    priority = 1
+
+    def __init__(self):
+        super().__init__()
+        self.passwords: dict = {}
+
+    def get_password(self, service, username):
+        return self.passwords.get((service, username))
+
+    def set_password(self, service, username, password):
+        self.passwords[(service, username)] = password
+
+    def delete_password(self, service, username):
+        self.passwords.pop((service, username), None)
+
+
+@pytest.fixture
+def memory_keyring():
+    previous = keyring.get_keyring()
+    ring = MemoryKeyring()
+    keyring.set_keyring(ring)
+    yield ring
+    keyring.set_keyring(previous)
+
+
+def _cli(capsys, *argv) -> tuple[int, str, str]:
+    code = run_cli(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_add_list_remove(tmp_path, capsys, monkeypatch, memory_keyring):
+    Q = ["--queue", str(tmp_path / "q.sqlite3")]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("s3cret\n"))
+    code, out, _ = _cli(capsys, "cluster", "add", "lab", "http://head:8265/", "--token-stdin",
+                        "--path-map", "/home/me/runs=/mnt/runs", "--python", "/opt/wb/python",
+                        "--cpus", "4", "--gpus", "1", *Q)
+    assert code == 0 and "cluster lab: http://head:8265 (token saved)" in out
+    assert memory_keyring.passwords == {("gguf-workbench", "cluster:lab"): "s3cret"}
+    code, out, _ = _cli(capsys, "cluster", "list", *Q)
+    assert code == 0 and "lab  http://head:8265  4 CPU, 1 GPU per run" in out
+    assert "token set" in out and "paths: /home/me/runs=/mnt/runs" in out
+    assert JobQueue(tmp_path / "q.sqlite3").clusters().get("lab").python == "/opt/wb/python"
+    assert _cli(capsys, "cluster", "remove", "lab", *Q)[0] == 0
+    assert memory_keyring.passwords == {}
+    code, _, err = _cli(capsys, "cluster", "test", "lab", *Q)
+    assert code == 2 and "No cluster named 'lab'" in err
+
+
+def test_queue_add_on_a_cluster_and_the_list_columns(tmp_path, capsys):
+    Q = ["--queue", str(tmp_path / "q.sqlite3")]
+    shared = tmp_path / "shared"
+    assert _cli(capsys, "cluster", "add", "lab", "http://head:8265", "--path-map",
+                f"{shared}=/mnt/shared", *Q)[0] == 0
+    code, out, _ = _cli(capsys, "queue", "add", "--on", "lab", make_run(shared, "a"), *Q)
+    assert code == 0 and out.strip().endswith(" on lab")
+    code, _, err = _cli(capsys, "queue", "add", "--on", "lab", make_run(tmp_path, "b"), *Q)
+    assert code == 2 and "is not under a shared folder" in err
+    assert _cli(capsys, "queue", "add", make_run(tmp_path, "c"), *Q)[0] == 0
+    code, out, _ = _cli(capsys, "queue", "list", *Q)
+    header, *rows = out.splitlines()
+    assert header.split()[:4] == ["ID", "STATE", "ON", "TRY"]
+    assert [r.split()[:4] for r in rows] == [["1", "queued", "lab", "0"],
+                                            ["2", "queued", "local", "0"]]
+
+
+def test_train_on_a_cluster_queues_the_run(tmp_path, capsys, monkeypatch):
+    queue = JobQueue(tmp_path / "q.sqlite3")
+    monkeypatch.setenv("WORKBENCH_QUEUE", str(queue.path))
+    assert _cli(capsys, "cluster", "add", "loop", "http://127.0.0.1:8265")[0] == 0
+    # no --queue needed: --on queues the run
+    assert run_cli(train_args(tmp_path / "run", 2) + ["--on", "loop"]) == 0
+    [job] = queue.list()
+    assert (job.executor, job.state) == ("loop", "queued")
+    assert "on loop" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_cluster_test_with_and_without_the_token(tmp_path, capsys, monkeypatch, ray_head):
+    Q = ["--queue", str(tmp_path / "q.sqlite3")]
+    assert _cli(capsys, "cluster", "add", "loop", ray_head.dashboard_url, *Q)[0] == 0
+    monkeypatch.delenv(cluster_token_env("loop"), raising=False)
+    code, _, err = _cli(capsys, "cluster", "test", "loop", *Q)
+    assert code == 2 and "token is missing or wrong" in err and "hint:" in err
+    monkeypatch.setenv(cluster_token_env("loop"), ray_head.token)
+    code, out, _ = _cli(capsys, "cluster", "test", "loop", *Q)
+    assert code == 0 and out.startswith("loop: Ray 2.60.0, ")
