@@ -22,6 +22,7 @@ from app.engine.errors import Cancelled
 from app.engine.runs.executors.ray import SUBMISSION_ENV
 from app.engine.runs.reporter import RunReporter, failure
 from app.engine.runs.rundir import RunDir
+from app.engine.runtime.processes import this_host
 from app.engine.runs.worker import RESULTS, default_runner, install_stop_signals, restore_signals
 
 EXIT_DONE, EXIT_FAILED, EXIT_STOPPED = 0, 1, 3
@@ -70,7 +71,7 @@ def run_remote(run_dir: str | os.PathLike, runner=remote_runner) -> int:
     error = None
     try:
         control.reporter.started(pid=os.getpid())
-        run.log(f"attempt started on {os.uname().nodename} (pid {os.getpid()})")
+        run.log(f"attempt started on {this_host()} (pid {os.getpid()})")
         try:
             state = RESULTS.get(runner(run, control), "paused")
         except Cancelled:

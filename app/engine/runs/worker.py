@@ -357,7 +357,7 @@ class _ClusterJob:
         self.max_attempts = max_attempts
         self.stop_event = stop_event
         self.run = RunDir(job.run_dir)
-        self.reporter = RunReporter(self.run)
+        self.lost = 0  # attempts the cluster lost since this worker took the job
 
     def _submit_next(self) -> None:
         """Record attempt+1 and its handle, then submit it (recorded first: a worker that dies
@@ -457,9 +457,10 @@ class _ClusterJob:
         if status.get("state") == "failed" and status.get("error"):
             return "failed", status["error"]   # the run's own error: retrying will not help
         why = f"{poll.state}: {poll.message}".strip(": ")
-        if self.job.attempt >= self.max_attempts:
+        self.lost += 1
+        if self.lost >= self.max_attempts:
             return "failed", ClusterError(
-                f"Cluster {self.executor.name!r} lost job {self.job.id} {self.job.attempt} "
+                f"Cluster {self.executor.name!r} lost job {self.job.id} {self.lost} "
                 f"time(s); the last time: {why}",
                 "See the job's logs (Ray dashboard > Jobs), then retry it: it resumes from its "
                 "last checkpoint.")
