@@ -151,6 +151,13 @@ class Job:
         return self.executor == LOCAL
 
     @property
+    def in_flight(self) -> bool:
+        """An attempt of this job runs on its cluster, followed by a worker or waiting for the
+        next one (queued with its handle): a cancel or pause must reach the cluster."""
+        return not self.is_local and self.handle is not None and self.state in ("queued",
+                                                                                 "running")
+
+    @property
     def is_pending(self) -> bool:
         return self.state in PENDING
 
@@ -477,14 +484,14 @@ class JobQueue:
         return int(job_id)
 
     def cancel(self, job_id: int) -> Job:
-        """Queued or paused: cancelled at once. Running: the worker stops it after the
-        current step (requested_action = cancel). Returns the job after the change."""
+        """Queued or paused: cancelled at once. Running (or `in_flight`): the worker stops it
+        after the current step (requested_action = cancel). Returns the job after the change."""
         with self._tx(write=True) as conn:
             job = self._get(conn, job_id)
-            if job.state in PENDING:
+            if job.state in PENDING and not job.in_flight:
                 self._update(conn, job.id, state="cancelled", requested_action="none",
                              finished_at=time.time())
-            elif job.state == "running":
+            elif job.state == "running" or job.in_flight:
                 if job.requested_action == "cancel":
                     raise JobStateError(f"Job {job.id}: cancelling it was already requested.",
                                         "The worker stops it after the current step.")
@@ -496,12 +503,13 @@ class JobQueue:
 
     def pause(self, job_id: int) -> Job:
         """Queued: held (the worker skips it) until resumed. Running: the worker saves a
-        checkpoint and stops after the current step; the job becomes paused."""
+        checkpoint and stops after the current step; the job becomes paused (so does an
+        `in_flight` job, when a worker follows it again)."""
         with self._tx(write=True) as conn:
             job = self._get(conn, job_id)
-            if job.state == "queued":
+            if job.state == "queued" and not job.in_flight:
                 self._update(conn, job.id, state="paused")
-            elif job.state == "running":
+            elif job.state == "running" or job.in_flight:
                 if job.requested_action == "pause":
                     raise JobStateError(f"Job {job.id}: pausing it was already requested.",
                                         "The worker pauses it after the current step.")

@@ -80,9 +80,10 @@ def test_a_cluster_job_is_reattached_after_its_worker_died(q, tmp_path):
     job = q.claim_next("w1")
     assert job.handle is None
     q.record_attempt(job_id, "w1", 1, {"submission_id": "wb-1-a1", "cluster": "loop"})
-    q.cancel(job_id)  # asked while the worker is gone
     set_columns(q, job_id, worker_pid=dead_pid())
     assert [j.state for j in q.recover_stale()] == ["queued"]
+    job = q.cancel(job_id)  # asked while no worker follows it: kept for the next one
+    assert (job.state, job.requested_action, job.in_flight) == ("queued", "cancel", True)
     job = q.claim_next("w2")
     assert (job.attempt, job.attempts, job.requested_action) == (1, 0, "cancel")
     assert job.handle == {"submission_id": "wb-1-a1", "cluster": "loop"}
