@@ -417,7 +417,8 @@ def _run_row(r) -> list[str]:
                                    f"{r.best['value']:.4g} @{r.best['step']}")
     return [r.name, r.kind, name(r.model), name(r.dataset),
             time.strftime("%Y-%m-%d %H:%M", time.localtime(r.created)) if r.created else "-",
-            "-" if r.duration_s is None else _fmt_seconds(r.duration_s), steps, best, r.state]
+            "-" if r.duration_s is None else _fmt_seconds(r.duration_s), steps, best,
+            r.executor + (f" #{r.attempt}" if r.attempt else ""), r.state]
 
 
 def _print_table(header: list[str], rows: list[list[str]]) -> None:
@@ -439,7 +440,7 @@ def cmd_runs(args) -> int:
             print("no runs found")
         else:
             _print_table(["NAME", "KIND", "MODEL", "DATASET", "CREATED", "DURATION", "STEPS",
-                          "BEST", "STATUS"], [_run_row(r) for r in rows])
+                          "BEST", "ON", "STATUS"], [_run_row(r) for r in rows])
         return 0
     run = RunDir(args.run_dir)
     run.config()  # not a run directory: a clear error

@@ -374,6 +374,8 @@ class RunEntry:
     step: int | None
     total_steps: int | None
     best: dict | None          # {"metric": "val_loss"|"reward", "value": v, "step": s}
+    executor: str = "local"    # where it runs or ran: "local" or a cluster's name
+    attempt: int = 0           # a cluster run's attempt (1, 2... after a lost one or a resume)
 
 
 def registered_run_paths() -> list[str]:
@@ -416,7 +418,8 @@ def run_entry(path: str | os.PathLike, registered: dict | None = None) -> RunEnt
                   dataset=config.get("data") or config.get("prompts"),
                   created=fields["created"] or run.config_path.stat().st_mtime,
                   step=status.get("step"), total_steps=status.get("total_steps"),
-                  best=best_evaluation(events))
+                  best=best_evaluation(events), executor=status.get("executor") or "local",
+                  attempt=status.get("attempt") or 0)
     started, ended = status.get("started_at"), status.get("finished_at") or status.get("updated_at")
     if isinstance(started, (int, float)) and isinstance(ended, (int, float)):
         fields["duration_s"] = max(ended - started, 0.0)

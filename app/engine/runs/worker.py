@@ -367,7 +367,8 @@ class _ClusterJob:
         self.job = self.queue.record_attempt(self.job.id, self.worker_id, attempt, handle)
         # the fence: an attempt that starts late (a job Ray could not stop while it pended)
         # finds another submission here and leaves the run alone (app.engine.runs.remote)
-        self.run.write_status(submission_id=handle["submission_id"])
+        self.run.write_status(submission_id=handle["submission_id"], attempt=attempt,
+                              executor=self.job.executor)
         deadline = time.monotonic() + self.pending_timeout_s
         while True:  # the same submission id again after a timeout: never a second job
             try:

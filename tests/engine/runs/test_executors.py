@@ -5,6 +5,8 @@ resume that ends with the adapter of an uninterrupted seeded run."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import pytest
@@ -12,7 +14,7 @@ import pytest
 from app.engine.runs.executors.ray import DEFAULT_STOP_GRACE_S, SUBMISSION_ENV
 from app.engine.runs.queue import JobQueue
 from app.engine.runs.remote import EXIT_STOPPED, run_remote
-from app.engine.runs.rundir import RunDir
+from app.engine.runs.rundir import RunDir, run_entry
 from app.engine.runtime.processes import pid_alive
 from tests.engine.runs.cluster_runs import (add_loop_cluster, checkpoint_steps, last_step,
                                             queue_run, reference_adapter, wait_for,
@@ -46,6 +48,8 @@ def test_a_run_on_each_executor(q, tmp_path, executor):
     assert run.status()["state"] == "done" and (run.path / "adapter.gguf").exists()
     assert [e["step"] for e in run.metrics() if e.get("type") == "step"] == [1, 2, 3, 4, 5, 6]
     assert _remote_pid_gone(run, executor)
+    entry = run_entry(run.path)  # what Runs and `workbench runs list` show
+    assert (entry.executor, entry.attempt) == (executor, job.attempt)
 
 
 @pytest.mark.parametrize("executor", EXECUTORS)
@@ -93,3 +97,28 @@ def test_an_attempt_that_starts_after_it_was_superseded_leaves_the_run_alone(tmp
     monkeypatch.setenv(SUBMISSION_ENV, "wb-q-1-a1")
     assert run_remote(run.path, runner=lambda *a: pytest.fail("it ran")) == EXIT_STOPPED
     assert "superseded" in run.log_path.read_text() and "state" not in run.status()
+
+
+def test_a_local_worker_killed_mid_run_is_resumed_and_its_steps_deduplicated(tmp_path):
+    """The local twin of the Ray test of a lost attempt: the worker process dies (kill -9), the
+    next worker resumes the job from its last checkpoint."""
+    q = JobQueue(tmp_path / "q.sqlite3")
+    expected = reference_adapter(tmp_path / "straight", steps=24)
+    job_id = queue_run(q, tmp_path / "run", "local", steps=24)
+    run = RunDir(tmp_path / "run")
+    doomed = subprocess.Popen([sys.executable, "-m", "app", "queue", "worker", "--queue",
+                               str(q.path)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: last_step(run) >= 5 and last_step(run) % 2, "step 5, 7...")
+    finally:
+        doomed.kill()
+        doomed.wait()
+    with worker(q):
+        job = wait_for(lambda: (lambda j: j if j.state == "done" else None)(q.get(job_id)),
+                       "the resumed job to finish")
+    assert job.attempts == 1
+    raw = [e["step"] for e in run.read_metrics(0)[0] if e.get("type") == "step"]
+    assert len(raw) >= 24  # more, unless the kill came just after a checkpoint
+    assert [e["step"] for e in run.metrics() if e.get("type") == "step"] == list(range(1, 25))
+    assert (run.path / "adapter.gguf").read_bytes() == expected
