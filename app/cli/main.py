@@ -134,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     qp["worker"].add_argument("--pending-timeout", type=float, default=None, metavar="S",
                               help="fail a cluster job that pends longer than S seconds on a "
                                    "cluster without the GPUs it asks (default 60)")
+    qp["worker"].add_argument("--stop-grace", type=float, default=None, metavar="S",
+                              help="how long a cluster job that is cancelled or paused may take "
+                                   "to save its checkpoint and exit (default 30)")
     r = qsub.add_parser("run-remote", help="run one attempt of a run here, without a queue (the "
                                            "entrypoint a cluster runs)")
     r.add_argument("run_dir", help="run directory holding config.json, as this machine sees it")
@@ -364,8 +367,9 @@ def cmd_queue(args) -> int:
         stop = threading.Event()
         previous = install_stop_signals(stop)
         try:
-            options = {} if args.pending_timeout is None else \
-                {"pending_timeout_s": args.pending_timeout}
+            options = {name: value for name, value in (
+                ("pending_timeout_s", args.pending_timeout), ("stop_grace_s", args.stop_grace))
+                if value is not None}
             n = run_worker(queue, once=args.once, stop_event=stop, **options)
         finally:
             restore_signals(previous)

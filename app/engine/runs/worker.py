@@ -51,6 +51,7 @@ from app.engine.errors import Cancelled, EngineError
 from app.engine.runs.clusters import ClusterError
 from app.engine.runs.executors import AlreadySubmitted, RayExecutor, Unreachable, executor_for
 from app.engine.runs.executors.local import worker_log_path
+from app.engine.runs.executors.ray import DEFAULT_STOP_GRACE_S
 from app.engine.runs.queue import (DEFAULT_MAX_ATTEMPTS, DEFAULT_STALE_S, Job, JobLostError,
                                    JobQueue, QueueError)
 from app.engine.runtime.paths import default_queue_path
@@ -394,6 +395,7 @@ class _ClusterJob:
         else:
             self.run.log(f"job {self.job.id}: reattached to {self.job.handle['submission_id']}")
         stopping: str | None = None     # the request sent to the cluster as a stop
+        stop_asked = 0.0
         pending_since = time.monotonic()
         unreachable_since = None
         while True:
@@ -417,17 +419,23 @@ class _ClusterJob:
                 self.stop_event.wait(self.poll_s)
                 continue
             if action in ("cancel", "pause") and stopping is None and not poll.ended:
-                stopping = action
+                stopping, stop_asked = action, time.monotonic()
                 self.executor.cancel(self.job.handle)
                 self.run.log(f"job {self.job.id}: {action} requested; stopping "
                              f"{self.job.handle['submission_id']}")
             if poll.state != "pending":
                 pending_since = time.monotonic()
+            elif stopping is not None:
+                # Ray cannot stop a job pending for resources: give it up (the status
+                # file's fence keeps it off the run if it ever starts)
+                if time.monotonic() - stop_asked > self.executor.stop_grace_s:
+                    return ("cancelled" if stopping == "cancel" else "paused"), None
             elif time.monotonic() - pending_since > self.pending_timeout_s:
                 infeasible = self._infeasible()
                 if infeasible is not None:
                     self.executor.cancel(self.job.handle)
                     return "failed", infeasible
+                pending_since = time.monotonic()  # a busy cluster: ask again a timeout later
             if poll.ended:
                 outcome = self._ended(poll, stopping)
                 if outcome is not None:
@@ -473,6 +481,7 @@ class _ClusterJob:
 
 def run_cluster_job(queue: JobQueue, job: Job, worker_id: str, *, poll_s: float = 1.0,
                     pending_timeout_s: float = DEFAULT_PENDING_TIMEOUT_S,
+                    stop_grace_s: float = DEFAULT_STOP_GRACE_S,
                     max_attempts: int = DEFAULT_MAX_ATTEMPTS,
                     stop_event: threading.Event | None = None) -> str:
     """Run one claimed cluster job to its end (see `_ClusterJob`) and record the outcome;
@@ -481,7 +490,8 @@ def run_cluster_job(queue: JobQueue, job: Job, worker_id: str, *, poll_s: float 
     run = RunDir(job.run_dir)
     reporter = RunReporter(run)
     try:
-        cluster = _ClusterJob(queue, job, executor_for(job, queue), worker_id, poll_s=poll_s,
+        executor = executor_for(job, queue, stop_grace_s=stop_grace_s)
+        cluster = _ClusterJob(queue, job, executor, worker_id, poll_s=poll_s,
                               pending_timeout_s=pending_timeout_s, max_attempts=max_attempts,
                               stop_event=stop_event)
         if job.handle is None:
@@ -518,12 +528,14 @@ def run_worker(queue: JobQueue | str | os.PathLike, runner: Runner | None = None
                heartbeat_s: float = DEFAULT_HEARTBEAT_S, grace_s: float = DEFAULT_GRACE_S,
                stale_after_s: float = DEFAULT_STALE_S, max_attempts: int = DEFAULT_MAX_ATTEMPTS,
                exclusive: bool = True,
-               pending_timeout_s: float = DEFAULT_PENDING_TIMEOUT_S) -> int:
+               pending_timeout_s: float = DEFAULT_PENDING_TIMEOUT_S,
+               stop_grace_s: float = DEFAULT_STOP_GRACE_S) -> int:
     """Run queued jobs until `stop_event` is set (or, with `once`, until none is queued).
 
     Local jobs run in this process (`runner`); a cluster's jobs are submitted there and polled
     every `poll_s` (`run_cluster_job`; one pending more than `pending_timeout_s` on a cluster
-    without the GPUs it asks fails with that reason).
+    without the GPUs it asks fails with that reason; a stopped one has `stop_grace_s` to save
+    its checkpoint and exit).
 
     Recovers stale jobs first (and every `stale_after_s` while idle). With `exclusive` (the
     default, and what `workbench queue worker` does) it holds the queue's worker lock and
@@ -544,14 +556,14 @@ def run_worker(queue: JobQueue | str | os.PathLike, runner: Runner | None = None
                 "Only one worker may run per queue; it picks up the new jobs by itself.")
     try:
         return _loop(queue, runner, once, poll_s, stop_event, worker_id, heartbeat_s, grace_s,
-                     stale_after_s, max_attempts, pending_timeout_s)
+                     stale_after_s, max_attempts, pending_timeout_s, stop_grace_s)
     finally:
         if lock is not None:
             lock.release()
 
 
 def _loop(queue, runner, once, poll_s, stop_event, worker_id, heartbeat_s, grace_s,
-          stale_after_s, max_attempts, pending_timeout_s) -> int:
+          stale_after_s, max_attempts, pending_timeout_s, stop_grace_s) -> int:
     log.info("worker %s on %s", worker_id, queue.path)
     last_recover = -float("inf")
     n = 0
@@ -582,8 +594,8 @@ def _loop(queue, runner, once, poll_s, stop_event, worker_id, heartbeat_s, grace
                          grace_s=grace_s, stop_event=stop_event)
         else:
             run_cluster_job(queue, job, worker_id, poll_s=poll_s,
-                            pending_timeout_s=pending_timeout_s, max_attempts=max_attempts,
-                            stop_event=stop_event)
+                            pending_timeout_s=pending_timeout_s, stop_grace_s=stop_grace_s,
+                            max_attempts=max_attempts, stop_event=stop_event)
         n += 1
     log.info("worker %s: stopped after %d job(s)", worker_id, n)
     return n

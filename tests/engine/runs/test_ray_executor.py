@@ -70,6 +70,20 @@ def test_a_gpu_the_cluster_has_not_fails_after_the_timeout(q, tmp_path, ray_head
     assert RunDir(tmp_path / "run").status()["submission_id"] is None
 
 
+def test_cancelling_a_job_that_pends_gives_it_up_after_the_grace(q, tmp_path, ray_head,
+                                                                 monkeypatch):
+    """Ray's stop cannot reach a job pending for resources: after the stop grace the job is
+    cancelled here, and the fence keeps that attempt off the run."""
+    add_loop_cluster(q, ray_head, monkeypatch, num_gpus=1)
+    job_id = queue_run(q, tmp_path / "run", "loop", steps=2)
+    with worker(q, pending_timeout_s=60.0, stop_grace_s=1.0):
+        wait_for(lambda: q.get(job_id).handle is not None, "the submission")
+        q.cancel(job_id)
+        job = wait_finished(q, job_id, timeout=15)
+    assert job.state == "cancelled"
+    assert RunDir(tmp_path / "run").status()["submission_id"] is None
+
+
 def test_a_restarted_worker_reattaches_without_submitting_again(q, tmp_path, ray_head,
                                                                 monkeypatch):
     add_loop_cluster(q, ray_head, monkeypatch)

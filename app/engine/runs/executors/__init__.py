@@ -18,19 +18,19 @@ from __future__ import annotations
 
 from app.engine.runs.executors.base import ENDED, POLL_STATES, Executor, Poll
 from app.engine.runs.executors.local import LocalExecutor
-from app.engine.runs.executors.ray import (AlreadySubmitted, RayExecutor, Unreachable,
-                                           check_cluster, cluster_resources)
+from app.engine.runs.executors.ray import (DEFAULT_STOP_GRACE_S, AlreadySubmitted, RayExecutor,
+                                           Unreachable, check_cluster, cluster_resources)
 
 __all__ = ["ENDED", "POLL_STATES", "AlreadySubmitted", "Executor", "LocalExecutor", "Poll",
            "RayExecutor", "Unreachable", "check_cluster", "cluster_resources", "executor_for"]
 
 
-def executor_for(job, queue) -> Executor:
+def executor_for(job, queue, *, stop_grace_s: float = DEFAULT_STOP_GRACE_S) -> Executor:
     """The executor of `job` of `queue` (a JobQueue): LocalExecutor, or the RayExecutor of the
     cluster it names among the queue's clusters (its token from the keyring or the
-    environment)."""
+    environment; a stopped job's grace `stop_grace_s`)."""
     if job.is_local:
         return LocalExecutor(queue.path)
     store = queue.clusters()
     return RayExecutor(store.get(job.executor), store.token(job.executor),
-                       queue_id=queue.queue_id)
+                       queue_id=queue.queue_id, stop_grace_s=stop_grace_s)
