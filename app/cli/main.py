@@ -113,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("resume", "resume a paused job (it continues from its last checkpoint)"),
         ("retry", "queue a failed or cancelled job again (from its last checkpoint)"),
         ("reorder", "move a queued or paused job to POSITION (1 = next)"),
+        ("logs", "the output of a running job: its Ray job's logs, or the local worker's log"),
         ("worker", "run queued jobs in this process, one after another"))}
     for q in qp.values():
         _queue_option(q)
@@ -123,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
                            help="higher goes ahead of queued jobs with a lower priority")
     qp["list"].add_argument("--state", action="append", help="only jobs in this state (repeatable)")
     qp["list"].add_argument("--json", action="store_true", help="print JSON")
-    for name in ("cancel", "pause", "resume", "retry", "reorder"):
+    for name in ("cancel", "pause", "resume", "retry", "reorder", "logs"):
         qp[name].add_argument("id", type=int, help="job id (see: workbench queue list)")
     qp["reorder"].add_argument("position", type=int, help="new place among queued jobs (1 = next)")
     qp["worker"].add_argument("--once", action="store_true",
@@ -374,6 +375,15 @@ def cmd_queue(args) -> int:
         finally:
             restore_signals(previous)
         print(f"worker stopped after {n} job(s)", file=sys.stderr)
+        return 0
+    if action == "logs":
+        from app.engine.runs.executors import executor_for
+
+        job = queue.get(args.id)
+        if job.handle is None:
+            raise ConfigError(f"Job {job.id} is {job.state}: no attempt of it runs now.",
+                              f"Its run's own log: {job.rundir().log_path}")
+        print(executor_for(job, queue).logs(job.handle), end="")
         return 0
     if action == "reorder":
         job = queue.reorder(args.id, args.position)

@@ -105,3 +105,15 @@ def test_cluster_test_with_and_without_the_token(tmp_path, capsys, monkeypatch, 
     monkeypatch.setenv(cluster_token_env("loop"), ray_head.token)
     code, out, _ = _cli(capsys, "cluster", "test", "loop", *Q)
     assert code == 0 and out.startswith("loop: Ray 2.60.0, ")
+
+
+def test_queue_logs_of_a_running_job(tmp_path, capsys):
+    """A local job's logs are its worker's (the handle names the worker process)."""
+    queue = JobQueue(tmp_path / "q.sqlite3")
+    Q = ["--queue", str(queue.path)]
+    job_id = queue.add(make_run(tmp_path, "a"))
+    code, _, err = _cli(capsys, "queue", "logs", str(job_id), *Q)
+    assert code == 2 and "no attempt of it runs now" in err
+    queue.claim_next("w")
+    (tmp_path / "q.sqlite3.worker.log").write_text("worker says hello\n")
+    assert _cli(capsys, "queue", "logs", str(job_id), *Q)[1] == "worker says hello\n"

@@ -62,8 +62,8 @@ def run_remote(run_dir: str | os.PathLike, runner=remote_runner) -> int:
     run.config()  # a run folder the node cannot read fails here, clearly
     mine, current = os.environ.get(SUBMISSION_ENV), run.status().get("submission_id")
     if mine and mine != current:
-        run.log(f"attempt {mine} started after it was superseded (now: {current}); "
-                "left the run alone")
+        _say(run, f"attempt {mine} started after it was superseded (now: {current}); "
+                  "left the run alone")
         return EXIT_STOPPED
     stop = threading.Event()
     previous = install_stop_signals(stop)
@@ -71,7 +71,7 @@ def run_remote(run_dir: str | os.PathLike, runner=remote_runner) -> int:
     error = None
     try:
         control.reporter.started(pid=os.getpid())
-        run.log(f"attempt started on {this_host()} (pid {os.getpid()})")
+        _say(run, f"attempt started on {this_host()} (pid {os.getpid()})")
         try:
             state = RESULTS.get(runner(run, control), "paused")
         except Cancelled:
@@ -79,8 +79,14 @@ def run_remote(run_dir: str | os.PathLike, runner=remote_runner) -> int:
         except Exception as e:  # noqa: BLE001 - recorded in status.json for the queue's side
             state, error = "failed", failure(e)
         control.reporter.finished(state, error)
-        run.log(f"attempt ended: {state}" + (f": {error['kind']}: {error['message']}\n"
-                                             f"{error.get('detail') or ''}" if error else ""))
+        _say(run, f"attempt ended: {state}" + (f": {error['kind']}: {error['message']}\n"
+                                               f"{error.get('detail') or ''}" if error else ""))
     finally:
         restore_signals(previous)
     return {"done": EXIT_DONE, "failed": EXIT_FAILED}.get(state, EXIT_STOPPED)
+
+
+def _say(run: RunDir, line: str) -> None:
+    """A line for the run's log.txt and for the job's own output (Ray's job logs)."""
+    run.log(line)
+    print(line, flush=True)

@@ -103,6 +103,7 @@ def test_a_restarted_worker_reattaches_without_submitting_again(q, tmp_path, ray
     assert "reattached to " + executor.handle_for(job_id, 1)["submission_id"] in \
         run.log_path.read_text()
     assert run.status()["step"] == 20 and "attempt ended: done" in run.log_path.read_text()
+    assert "attempt ended: done" in executor.logs(executor.handle_for(job_id, 1))
 
 
 def test_an_attempt_killed_mid_run_is_resumed_and_its_steps_deduplicated(q, tmp_path, ray_head,
