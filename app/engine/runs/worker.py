@@ -3,7 +3,9 @@
 `run_worker(queue)` is the loop behind `workbench queue worker`. It recovers jobs whose worker
 died, then claims queued jobs and calls a *runner* for each, in this process's main thread.
 A job that fails (an EngineError, or a bug) is stored on the job with kind, message, hint and
-traceback, and the worker continues with the next one: it never dies with a job.
+traceback, and the worker continues with the next one: it never dies with a job. A job whose
+executor is a cluster is not run here but submitted there and followed (`run_cluster_job`): the
+runner contract below is then kept on the node by `app.engine.runs.remote`.
 
 The runner contract (the default runner is `app.engine.runs.kinds.run_job`)::
 
