@@ -17,6 +17,7 @@ from app.engine.runs.clusters import Cluster, ClusterError
 from app.engine.runs.executors import AlreadySubmitted, RayExecutor, check_cluster
 from app.engine.runs.queue import JobQueue
 from app.engine.runs.rundir import RunDir
+from app.engine.runtime.files import atomic_write_json
 from tests.engine.runs.cluster_runs import (add_loop_cluster, last_step, queue_run,
                                             reference_adapter, wait_for, wait_finished, worker)
 
@@ -141,3 +142,18 @@ def test_a_path_map_round_trip(q, tmp_path, ray_head, monkeypatch):
         "GET", f"/api/jobs/{executor.handle_for(job_id, 1)['submission_id']}")["entrypoint"]
     with pytest.raises(ConfigError, match="not under a shared folder"):
         Cluster("far", "http://head.example:8265", cluster.path_map).cluster_path(tmp_path / "x")
+
+
+def test_a_data_parallel_run_on_the_cluster(q, tmp_path, ray_head, monkeypatch):
+    """run-remote trains a run with `workers: 2` as Ray Train workers on the cluster it runs in
+    (app.engine.runs.data_parallel; its equivalence with one process is tested there)."""
+    add_loop_cluster(q, ray_head, monkeypatch, num_cpus=0)  # the CPUs go to the two workers
+    job_id = queue_run(q, tmp_path / "run", "loop", steps=4)
+    run = RunDir(tmp_path / "run")
+    config = run.config()
+    atomic_write_json(run.config_path, {**config, "workers": 2})
+    with worker(q):
+        job = wait_finished(q, job_id)
+    assert (job.state, job.error_message) == ("done", None)
+    assert [e["step"] for e in run.metrics() if e.get("type") == "step"] == [1, 2, 3, 4]
+    assert (run.path / "adapter.gguf").exists()
