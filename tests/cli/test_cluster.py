@@ -104,7 +104,7 @@ def test_cluster_test_with_and_without_the_token(tmp_path, capsys, monkeypatch, 
     assert code == 2 and "token is missing or wrong" in err and "hint:" in err
     monkeypatch.setenv(cluster_token_env("loop"), ray_head.token)
     code, out, _ = _cli(capsys, "cluster", "test", "loop", *Q)
-    assert code == 0 and out.startswith("loop: Ray 2.60.0, ")
+    assert code == 0 and out.startswith("loop: Ray 2.60.0")
 
 
 def test_queue_logs_of_a_running_job(tmp_path, capsys):

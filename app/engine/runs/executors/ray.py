@@ -130,6 +130,8 @@ def check_cluster(cluster: Cluster, token: str | None) -> str:
                            f"{str(version)[:100]!r}).",
                            "Give the Ray dashboard's address, e.g. http://head-node:8265.")
     resources = cluster_resources(client)
+    if not resources:  # the head reports them a few seconds after it starts
+        return f"Ray {version['ray_version']} (its CPUs and GPUs are not reported yet)"
     cpus, gpus = resources.get("CPU", 0.0), resources.get("GPU", 0.0)
     return f"Ray {version['ray_version']}, {cpus:g} CPUs, {gpus:g} GPUs"
 
