@@ -141,6 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     r = qsub.add_parser("run-remote", help="run one attempt of a run here, without a queue (the "
                                            "entrypoint a cluster runs)")
     r.add_argument("run_dir", help="run directory holding config.json, as this machine sees it")
+    r.add_argument("--path-map", default="", metavar="LOCAL=CLUSTER,...",
+                   help="read the files its config names (model, data) through this map")
 
     p = sub.add_parser("cluster", help="the Ray clusters runs can be sent to: add, list, test, "
                                        "remove")
@@ -325,9 +327,10 @@ def cmd_queue(args) -> int:
 
     action = args.queue_command
     if action == "run-remote":
+        from app.engine.runs.clusters import PathMap
         from app.engine.runs.remote import run_remote
 
-        return run_remote(args.run_dir)
+        return run_remote(args.run_dir, path_map=PathMap.parse(args.path_map))
     queue = JobQueue(args.queue)
     if action == "add":
         job_id = queue.add(args.run_dir, priority=args.priority, executor=args.on)

@@ -4,13 +4,15 @@ entrypoint a cluster's executor submits (`app.engine.runs.executors.ray`).
 No queue here (it stays on the machine with the window): the run directory is the whole
 contract. The run's kind loop runs on it as the worker would run it (resuming from its last
 checkpoint, writing metrics.jsonl, status.json and checkpoints), or, for a run whose config asks
-`workers` > 1, the data-parallel trainer (`app.engine.runs.data_parallel`). A stop (SIGTERM or
+`workers` > 1, the data-parallel trainer (`app.engine.runs.data_parallel`). The files its config
+names are read through the cluster's path map (`--path-map`, as in Settings). A stop (SIGTERM or
 SIGINT: Ray's stop of the job) asks the loop to pause: it saves a checkpoint after the current
 step and returns. An attempt that starts after the queue's side gave it up (Ray cannot stop a
 job that pends for resources: it may start when they appear) finds another submission id in
-status.json than its own (WORKBENCH_SUBMISSION_ID) and exits at once. Exit status: 0 when the run is done, 1 when it failed (its error in
-status.json), `EXIT_STOPPED` when it stopped before its end (the machine with the queue decides
-whether that was a pause, a cancel, or a lost attempt to resume).
+status.json than its own (WORKBENCH_SUBMISSION_ID) and exits at once. Exit status: 0 when the
+run is done, 1 when it failed (its error in status.json), `EXIT_STOPPED` when it stopped before
+its end (the machine with the queue decides whether that was a pause, a cancel, or a lost
+attempt to resume).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import os
 import threading
 
 from app.engine.errors import Cancelled
+from app.engine.runs.clusters import PathMap
 from app.engine.runs.executors.ray import SUBMISSION_ENV
 from app.engine.runs.reporter import RunReporter, failure
 from app.engine.runs.rundir import RunDir
@@ -26,6 +29,29 @@ from app.engine.runtime.processes import this_host
 from app.engine.runs.worker import RESULTS, default_runner, install_stop_signals, restore_signals
 
 EXIT_DONE, EXIT_FAILED, EXIT_STOPPED = 0, 1, 3
+
+
+class MappedRunDir(RunDir):
+    """A run directory whose config.json names files (model, data...) by the paths of the
+    machine that made it: every absolute path under a local prefix of `path_map` reads as the
+    cluster sees it."""
+
+    def __init__(self, path: str | os.PathLike, path_map: PathMap):
+        super().__init__(path)
+        self.path_map = path_map
+
+    def config(self) -> dict:
+        return _to_cluster(super().config(), self.path_map)
+
+
+def _to_cluster(value, path_map: PathMap):
+    if isinstance(value, dict):
+        return {k: _to_cluster(v, path_map) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_to_cluster(v, path_map) for v in value]
+    if isinstance(value, str) and value.startswith("/") and path_map.covers(value):
+        return path_map.to_cluster(value)
+    return value
 
 
 class RemoteControl:
@@ -56,9 +82,11 @@ def remote_runner(run_dir: RunDir, control) -> str | None:
     return default_runner(run_dir, control)
 
 
-def run_remote(run_dir: str | os.PathLike, runner=remote_runner) -> int:
-    """Run one attempt of the run in `run_dir` in this process; returns the exit status."""
-    run = RunDir(run_dir)
+def run_remote(run_dir: str | os.PathLike, runner=remote_runner,
+               path_map: PathMap | None = None) -> int:
+    """Run one attempt of the run in `run_dir` in this process (its config's paths through
+    `path_map`, the cluster's); returns the exit status."""
+    run = MappedRunDir(run_dir, path_map or PathMap())
     run.config()  # a run folder the node cannot read fails here, clearly
     mine, current = os.environ.get(SUBMISSION_ENV), run.status().get("submission_id")
     if mine and mine != current:

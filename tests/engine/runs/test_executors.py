@@ -13,7 +13,8 @@ import pytest
 
 from app.engine.runs.executors.ray import DEFAULT_STOP_GRACE_S, SUBMISSION_ENV
 from app.engine.runs.queue import JobQueue
-from app.engine.runs.remote import EXIT_STOPPED, run_remote
+from app.engine.runs.clusters import PathMap
+from app.engine.runs.remote import EXIT_STOPPED, MappedRunDir, run_remote
 from app.engine.runs.rundir import RunDir, run_entry
 from app.engine.runtime.processes import pid_alive
 from tests.engine.runs.cluster_runs import (add_loop_cluster, checkpoint_steps, last_step,
@@ -122,3 +123,17 @@ def test_a_local_worker_killed_mid_run_is_resumed_and_its_steps_deduplicated(tmp
     assert len(raw) >= 24  # more, unless the kill came just after a checkpoint
     assert [e["step"] for e in run.metrics() if e.get("type") == "step"] == list(range(1, 25))
     assert (run.path / "adapter.gguf").read_bytes() == expected
+
+
+def test_the_config_files_are_read_through_the_path_map(tmp_path):
+    """On a node, the model and data a config names by this machine's paths are read where
+    the cluster sees them; other values and unmapped paths are left alone."""
+    run = RunDir.create(tmp_path / "run", {
+        "model": "/home/me/models/m.gguf", "data": "/home/me/data/d.jsonl",
+        "data_config": {"val_path": "/home/me/data/v.jsonl", "format": "auto"},
+        "rewards": [{"path": "/opt/rewards.py"}], "name": "chat-1"})
+    mapped = MappedRunDir(run.path, PathMap.parse("/home/me=/mnt/me,/home/me/models=/models"))
+    assert mapped.config() == {
+        "model": "/models/m.gguf", "data": "/mnt/me/data/d.jsonl",
+        "data_config": {"val_path": "/mnt/me/data/v.jsonl", "format": "auto"},
+        "rewards": [{"path": "/opt/rewards.py"}], "name": "chat-1"}

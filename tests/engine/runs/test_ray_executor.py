@@ -137,7 +137,8 @@ def test_a_path_map_round_trip(q, tmp_path, ray_head, monkeypatch):
         job = wait_finished(q, job_id)
     assert job.state == "done" and (shared / "run" / "adapter.gguf").exists()
     executor = RayExecutor(cluster, ray_head.token, queue_id=q.queue_id)
-    assert str(view / "run") in executor.entrypoint(shared / "run")
+    assert executor.entrypoint(shared / "run").endswith(
+        f"run-remote {view / 'run'} --path-map {shared}={view}")
     assert f"run-remote {view / 'run'}" in executor.client.call(
         "GET", f"/api/jobs/{executor.handle_for(job_id, 1)['submission_id']}")["entrypoint"]
     with pytest.raises(ConfigError, match="not under a shared folder"):

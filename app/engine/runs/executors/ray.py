@@ -2,8 +2,8 @@
 standard library's HTTP client only: the machine with the window needs no Ray installed.
 
 One attempt of a job is one Ray job, `submission_id(queue id, job.id, job.attempt)`: Ray refuses
-a second job with the same id, so an attempt is never started twice (`AlreadySubmitted`). The entrypoint
-runs `<cluster python> -m app queue run-remote <run dir as the cluster sees it>`
+a second job with the same id, so an attempt is never started twice (`AlreadySubmitted`). The
+entrypoint runs `<cluster python> -m app queue run-remote <run dir as the cluster sees it>`
 (`app.engine.runs.remote`), asking the cluster's `num_cpus`/`num_gpus`; Ray's stop sends it
 SIGTERM and waits RAY_JOB_STOP_WAIT_TIME_S (the stop grace) before killing it.
 """
@@ -155,7 +155,10 @@ class RayExecutor:
 
     def entrypoint(self, run_dir) -> str:
         where = self.cluster.cluster_path(run_dir)
-        return f"{shlex.quote(self.cluster.python)} -m app queue run-remote {shlex.quote(where)}"
+        command = f"{shlex.quote(self.cluster.python)} -m app queue run-remote {shlex.quote(where)}"
+        if self.cluster.path_map.pairs:  # the config's files (model, data) are mapped too
+            command += f" --path-map {shlex.quote(str(self.cluster.path_map))}"
+        return command
 
     def submit(self, job, run_dir) -> dict:
         """Start attempt `job.attempt` of `job`; AlreadySubmitted if the cluster has it."""
