@@ -59,4 +59,4 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: item.name not in GUI_TIMING)
 
 
-pytest_plugins = ["tests.ray_head"]
+pytest_plugins = ["tests.ray_head", "tests.keyrings"]

@@ -6,41 +6,13 @@ from __future__ import annotations
 import io
 import sys
 
-import keyring
 import pytest
-from keyring.backend import KeyringBackend
 
 from app.cli.main import run_cli
 from app.engine.runs.clusters import cluster_token_env
 from app.engine.runs.queue import JobQueue
 from tests.engine.runs.cluster_runs import train_args
 from tests.engine.runs.test_queue import make_run
-
-
-class MemoryKeyring(KeyringBackend):
-    priority = 1
-
-    def __init__(self):
-        super().__init__()
-        self.passwords: dict = {}
-
-    def get_password(self, service, username):
-        return self.passwords.get((service, username))
-
-    def set_password(self, service, username, password):
-        self.passwords[(service, username)] = password
-
-    def delete_password(self, service, username):
-        self.passwords.pop((service, username), None)
-
-
-@pytest.fixture
-def memory_keyring():
-    previous = keyring.get_keyring()
-    ring = MemoryKeyring()
-    keyring.set_keyring(ring)
-    yield ring
-    keyring.set_keyring(previous)
 
 
 def _cli(capsys, *argv) -> tuple[int, str, str]:

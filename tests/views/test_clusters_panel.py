@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import threading
 
-import keyring
-import keyring.backends.fail
 import pytest
-from keyring.backend import KeyringBackend
 
 import app.views.clusters_panel as clusters_panel
 from app.engine.api import ClusterError
@@ -18,47 +15,10 @@ from tests.views.conftest import shown, untipped_inputs
 SERVICE = "gguf-workbench"
 
 
-class MemoryKeyring(KeyringBackend):
-    """A keyring in a dict, for the tests."""
-
-    priority = 1
-
-    def __init__(self):
-        super().__init__()
-        self.passwords: dict[tuple[str, str], str] = {}
-
-    def get_password(self, service, username):
-        return self.passwords.get((service, username))
-
-    def set_password(self, service, username, password):
-        self.passwords[(service, username)] = password
-
-    def delete_password(self, service, username):
-        if self.passwords.pop((service, username), None) is None:
-            raise keyring.errors.PasswordDeleteError(username)
-
-
 @pytest.fixture(autouse=True)
 def no_token_env(monkeypatch):
     for name in ("LAB", "HOME_HEAD"):
         monkeypatch.delenv(f"WORKBENCH_CLUSTER_TOKEN_{name}", raising=False)
-
-
-@pytest.fixture
-def memory_keyring():
-    old = keyring.get_keyring()
-    ring = MemoryKeyring()
-    keyring.set_keyring(ring)
-    yield ring
-    keyring.set_keyring(old)
-
-
-@pytest.fixture
-def no_keyring():
-    old = keyring.get_keyring()
-    keyring.set_keyring(keyring.backends.fail.Keyring())
-    yield
-    keyring.set_keyring(old)
 
 
 @pytest.fixture
