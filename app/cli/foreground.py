@@ -56,6 +56,51 @@ def default_of(field: str) -> str:
     return f"(default: {value})".replace("%", "%%")
 
 
+# TrainConfig's options that train and grpo share: their help shows these defaults.
+TRAINING_DEFAULTS = {
+    "--rank": "train.lora_rank", "--alpha": "train.lora_alpha",
+    "--targets": "train.lora_targets", "--dropout": "train.lora_dropout",
+    "--optimizer": "train.optimizer", "--schedule": "train.schedule",
+    "--warmup": "train.warmup_steps", "--warmup-fraction": "train.warmup_fraction",
+    "--gclip": "train.gclip", "--max-grad-norm": "train.max_grad_norm",
+    "--weight-decay": "train.weight_decay", "--checkpoint-interval": "train.checkpoint_interval",
+    "--seed": "train.seed"}
+
+
+def add_queue_options(parser) -> None:
+    """--queue, --on and --json: where a run goes and how it reports (train and grpo)."""
+    parser.add_argument("--queue", nargs="?", const="", default=None, metavar="QUEUE",
+                        help="add the run to the job queue instead of running it here")
+    parser.add_argument("--on", metavar="CLUSTER", default=None,
+                        help="queue the run to run on this cluster (see: workbench cluster list)")
+    parser.add_argument("--json", action="store_true", help="print events as JSON lines")
+
+
+def add_adapter_options(group) -> None:
+    """The LoRA options of TrainConfig (train and grpo)."""
+    group.add_argument("--rank", type=int, help="LoRA rank")
+    group.add_argument("--expert-rank", type=int, help="rank of the expert adapters (default: "
+                       "the rank, at most 8 on models with more than 32 experts)")
+    group.add_argument("--alpha", type=float, help="LoRA alpha (scale: alpha / rank)")
+    group.add_argument("--targets", help="comma list: attn, ffn, experts, shared, router, output")
+
+
+def add_optimizer_options(group, optimizers: tuple[str, ...], lr_help: str) -> None:
+    """The optimizer, its schedule and clipping (TrainConfig; train and grpo)."""
+    group.add_argument("--optimizer", choices=optimizers, help="optimizer")
+    group.add_argument("--lr", type=float, help=lr_help)
+    group.add_argument("--schedule", choices=("constant", "linear", "cosine"),
+                       help="learning-rate schedule after the warmup")
+    group.add_argument("--warmup", type=int,
+                       help="warmup steps (0: --warmup-fraction of the steps)")
+    group.add_argument("--warmup-fraction", type=float, help="warmup over this part of the steps")
+    group.add_argument("--gclip", type=float, help="element-wise gradient clip (0: off)")
+    group.add_argument("--max-grad-norm", type=float, help="global gradient-norm clip (0: off)")
+    group.add_argument("--weight-decay", type=float, help="decoupled weight decay")
+    group.add_argument("--checkpoint-interval", type=int,
+                       help="gradient checkpointing every N layers")
+
+
 def add_compute_options(group) -> None:
     """--device and --weight-cache-mb (TrainConfig.device, .weight_cache_mb): train and grpo."""
     group.add_argument("--device", choices=("cpu", "cuda"),

@@ -14,8 +14,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from app.cli.foreground import (TARGET_ALIASES, Progress, add_compute_options, clock,
-                                run_in_foreground, show_defaults, start_run)
+from app.cli.foreground import (TARGET_ALIASES, TRAINING_DEFAULTS, Progress, add_adapter_options, add_compute_options,
+                               add_optimizer_options, add_queue_options, clock,
+                               run_in_foreground, show_defaults, start_run)
 from app.cli.train import check_lora_targets
 from app.engine.errors import ConfigError
 from app.engine.training import events
@@ -33,20 +34,14 @@ TRUST_HINT = ("Read the file; if you trust it, run the command again with --trus
 
 # The options whose help shows their default (read from the config classes when it is printed).
 GRPO_DEFAULTS = {
-    "--group-size": "grpo.group_size", "--prompts-per-step": "grpo.prompts_per_step",
+    **TRAINING_DEFAULTS, "--group-size": "grpo.group_size", "--prompts-per-step": "grpo.prompts_per_step",
     "--temperature": "grpo.temperature", "--top-p": "grpo.top_p",
     "--max-new-tokens": "grpo.max_new_tokens", "--advantage": "grpo.advantage",
     "--kl": "grpo.kl", "--answer-field": "grpo.answer_field",
     "--reward-timeout": "grpo.reward_timeout", "--val-split": "grpo.val_split",
     "--eval-every": "grpo.eval_every", "--eval-samples": "grpo.eval_samples",
-    "--samples-every": "grpo.samples_every", "--rank": "train.lora_rank",
-    "--alpha": "train.lora_alpha", "--targets": "train.lora_targets",
-    "--dropout": "train.lora_dropout", "--optimizer": "train.optimizer", "--lr": "grpo.GRPO_LR",
-    "--schedule": "train.schedule", "--warmup": "train.warmup_steps",
-    "--warmup-fraction": "train.warmup_fraction", "--max-steps": "grpo.max_steps",
-    "--gclip": "train.gclip", "--max-grad-norm": "train.max_grad_norm",
-    "--weight-decay": "train.weight_decay", "--checkpoint-interval": "train.checkpoint_interval",
-    "--save-every": "grpo.save_every", "--seed": "train.seed"}
+    "--samples-every": "grpo.samples_every", "--lr": "grpo.GRPO_LR",
+    "--max-steps": "grpo.max_steps", "--save-every": "grpo.save_every"}
 
 
 def add_grpo_parser(sub) -> None:
@@ -58,11 +53,7 @@ def add_grpo_parser(sub) -> None:
     p.add_argument("--config", help="a GRPO run's config.json or a config.toml (options override it)")
     p.add_argument("--out", "-o", help="run directory (default: a new folder under the runs dir)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a paused or interrupted GRPO run")
-    p.add_argument("--queue", nargs="?", const="", default=None, metavar="QUEUE",
-                   help="add the run to the job queue instead of running it here")
-    p.add_argument("--on", metavar="CLUSTER", default=None,
-                   help="queue the run to run on this cluster (see: workbench cluster list)")
-    p.add_argument("--json", action="store_true", help="print events as JSON lines")
+    add_queue_options(p)
     p.add_argument("--trust-reward-code", action="store_true", help=TRUST_HELP)
     g = p.add_argument_group("sampling and rewards")
     g.add_argument("--group-size", "-G", type=int, help="completions per prompt")
@@ -85,24 +76,11 @@ def add_grpo_parser(sub) -> None:
     g.add_argument("--parse-special", action="store_true",
                    help="plain prompts: special-token texts become their tokens")
     g = p.add_argument_group("training")
-    g.add_argument("--rank", type=int, help="LoRA rank")
-    g.add_argument("--expert-rank", type=int, help="rank of the expert adapters (default: the "
-                   "rank, at most 8 on models with more than 32 experts)")
-    g.add_argument("--alpha", type=float, help="LoRA alpha (scale: alpha / rank)")
-    g.add_argument("--targets", help="comma list: attn, ffn, experts, shared, router, output")
+    add_adapter_options(g)
     g.add_argument("--dropout", type=float, help="LoRA dropout")
     g.add_argument("--adapter", help="continue training this GGUF LoRA adapter")
-    g.add_argument("--optimizer", choices=("adamw", "sgd"), help="optimizer")
-    g.add_argument("--lr", type=float, help="learning rate")
-    g.add_argument("--schedule", choices=("constant", "linear", "cosine"),
-                   help="learning-rate schedule after the warmup")
-    g.add_argument("--warmup", type=int, help="warmup steps (0: --warmup-fraction of the steps)")
-    g.add_argument("--warmup-fraction", type=float, help="warmup over this part of the steps")
+    add_optimizer_options(g, ("adamw", "sgd"), "learning rate")
     g.add_argument("--max-steps", type=int, help="optimizer steps")
-    g.add_argument("--gclip", type=float, help="element-wise gradient clip (0: off)")
-    g.add_argument("--max-grad-norm", type=float, help="global gradient-norm clip (0: off)")
-    g.add_argument("--weight-decay", type=float, help="decoupled weight decay")
-    g.add_argument("--checkpoint-interval", type=int, help="gradient checkpointing every N layers")
     g.add_argument("--save-every", type=int, help="steps between checkpoints")
     g.add_argument("--seed", type=int, help="sampling, prompt order, split, initialisation")
     add_compute_options(g)

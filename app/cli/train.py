@@ -12,20 +12,16 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from app.cli.foreground import (TARGET_ALIASES, Progress, add_compute_options, run_in_foreground,
-                                show_defaults, start_run)
+from app.cli.foreground import (TARGET_ALIASES, TRAINING_DEFAULTS, Progress, add_adapter_options, add_compute_options,
+                               add_optimizer_options, add_queue_options, run_in_foreground,
+                               show_defaults, start_run)
 from app.engine.errors import ConfigError
 
 # The options whose help shows their default (read from the config classes when it is printed).
 TRAIN_DEFAULTS = {
-    "--mode": "train.mode", "--rank": "train.lora_rank", "--alpha": "train.lora_alpha",
-    "--targets": "train.lora_targets", "--dropout": "train.lora_dropout",
-    "--optimizer": "train.optimizer", "--schedule": "train.schedule",
-    "--warmup": "train.warmup_steps", "--warmup-fraction": "train.warmup_fraction",
+    **TRAINING_DEFAULTS, "--mode": "train.mode",
     "--epochs": "run.epochs", "--max-steps": "run.max_steps", "--grad-accum": "train.grad_accum",
-    "--gclip": "train.gclip", "--max-grad-norm": "train.max_grad_norm",
-    "--weight-decay": "train.weight_decay", "--checkpoint-interval": "train.checkpoint_interval",
-    "--seed": "train.seed", "--format": "data.format", "--val-split": "data.val_fraction",
+    "--format": "data.format", "--val-split": "data.val_fraction",
     "--normalize": "data.normalize", "--overflow": "data.overflow", "--packing": "data.packing",
     "--chat-loss": "data.chat_loss", "--eval-every": "run.eval_every",
     "--save-every": "run.save_every", "--patience": "run.patience"}
@@ -39,36 +35,19 @@ def add_train_parsers(sub) -> None:
     p.add_argument("--data", "-d", help="JSONL dataset")
     p.add_argument("--config", help="a run's config.json or a config.toml (options override it)")
     p.add_argument("--out", "-o", help="run directory (default: a new folder under the runs dir)")
-    p.add_argument("--queue", nargs="?", const="", default=None, metavar="QUEUE",
-                   help="add the run to the job queue instead of running it here")
-    p.add_argument("--on", metavar="CLUSTER", default=None,
-                   help="queue the run to run on this cluster (see: workbench cluster list)")
-    p.add_argument("--json", action="store_true", help="print events as JSON lines")
+    add_queue_options(p)
     g = p.add_argument_group("what to train")
     g.add_argument("--mode", choices=("lora", "full", "hybrid"), help="what trains")
-    g.add_argument("--rank", type=int, help="LoRA rank")
-    g.add_argument("--expert-rank", type=int, help="rank of the expert adapters (default: the "
-                   "rank, at most 8 on models with more than 32 experts)")
-    g.add_argument("--alpha", type=float, help="LoRA alpha (scale: alpha / rank)")
-    g.add_argument("--targets", help="comma list: attn, ffn, experts, shared, router, output")
+    add_adapter_options(g)
     g.add_argument("--full-targets", help="hybrid runs: norms, router, embeddings, output")
     g.add_argument("--dropout", type=float, help="LoRA dropout")
     g.add_argument("--adapter", help="continue training this GGUF LoRA adapter")
     g = p.add_argument_group("optimisation")
-    g.add_argument("--optimizer", choices=("adamw", "sgd", "lbfgs"), help="optimizer")
-    g.add_argument("--lr", type=float, help=LR_HELP)
-    g.add_argument("--schedule", choices=("constant", "linear", "cosine"),
-                   help="learning-rate schedule after the warmup")
-    g.add_argument("--warmup", type=int, help="warmup steps (0: --warmup-fraction of the steps)")
-    g.add_argument("--warmup-fraction", type=float, help="warmup over this part of the steps")
+    add_optimizer_options(g, ("adamw", "sgd", "lbfgs"), LR_HELP)
     g.add_argument("--epochs", type=int, help="passes over the data")
     g.add_argument("--max-steps", type=int, help="cap on optimizer steps (--epochs 0: exactly)")
     g.add_argument("--batch", type=int, help="windows per optimizer step (accumulated)")
     g.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step")
-    g.add_argument("--gclip", type=float, help="element-wise gradient clip (0: off)")
-    g.add_argument("--max-grad-norm", type=float, help="global gradient-norm clip (0: off)")
-    g.add_argument("--weight-decay", type=float, help="decoupled weight decay")
-    g.add_argument("--checkpoint-interval", type=int, help="gradient checkpointing every N layers")
     g.add_argument("--seed", type=int, help="data order, split and initialisation")
     add_compute_options(g)
     g = p.add_argument_group("data")
