@@ -106,7 +106,8 @@ def add_compute_options(group) -> None:
     group.add_argument("--device", choices=("cpu", "cuda"),
                        help="where the step computes: cpu (NumPy, default) or cuda (CuPy)")
     group.add_argument("--weight-cache-mb", type=int, help="dequantized weights kept in memory "
-                       "(default 40%% of RAM; 0: dequantize at every use, least memory)")
+                       "(default: 40%% of RAM, less where the run would pass two thirds of it; 0: "
+                       "dequantize at every use, least memory)")
 
 
 class Progress:

@@ -76,7 +76,7 @@ class TrainConfig:
     vocab_chunk: int = VOCAB_CHUNK
     seed: int = 0
     device: str = "cpu"             # "cpu" (NumPy) or "cuda" (CuPy): where the step computes
-    weight_cache_mb: int | None = None  # dequantized frozen weights kept (None: 40% of memory)
+    weight_cache_mb: int | None = None  # dequantized weights kept (None: run_cache_budget)
 
     SCHEMA_RULES: ClassVar[dict] = dict(  # app.engine.runtime.schema: what the types cannot say
         mode=TRAIN_MODES, lora_rank=AT_LEAST_1, expert_rank=AT_LEAST_1, lora_alpha=POSITIVE,

@@ -85,6 +85,7 @@ from app.engine.text.chat_template import generation_prompt_ids
 from app.engine.training import events
 from app.engine.training.checkpoints import prune_checkpoints, save_checkpoint
 from app.engine.training.config import TrainConfig
+from app.engine.training.memory import run_cache_budget
 from app.engine.runtime.schema import AT_LEAST_0, AT_LEAST_1, FRACTION, POSITIVE, TEXT, Range, check
 from app.engine.training.reward_functions import (RewardScorer, RewardSpec, ScoreItem,
                                                   check_reward_trust)
@@ -470,7 +471,9 @@ def train_grpo(config: GrpoConfig, report: Report, should_stop: ShouldStop,
     """
     config.validate()
     t_start = time.perf_counter()
-    model = load_model(config.model, config.train.cache_budget, config.train.device)
+    model = load_model(config.model,
+                       run_cache_budget(config.model, config.train, config.micro_batch_tokens),
+                       config.train.device)
     tok = model.tokenizer
     seed = config.train.seed
     total = config.max_steps

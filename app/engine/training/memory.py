@@ -6,7 +6,8 @@ the activations per layer and the adapter bytes of all LoRA targets); `trainable
 of the chosen targets. Full fine-tuning (`full`) counts 16 bytes for every unquantized parameter
 instead of the adapter (its float32 copy, gradient and two AdamW moments). `checkpoint` is the
 gradient-checkpointing interval (0: off) and `weight_cache_mb` the dequantized-weight cache
-(None: the engine's default, 40% of the memory of `device`). On device "cuda" the estimate
+(None: what a run gets by default, `cache_budget_for`: 40% of the memory of `device`, less
+where the run would otherwise pass RUN_MEMORY_SHARE of that memory). On device "cuda" the estimate
 carries the GPU's free and total memory too (None where no GPU is usable).
 """
 
@@ -14,9 +15,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from app.engine.model.card import RUNTIME_BYTES, ModelCard
+from app.engine.model.card import RUNTIME_BYTES, ModelCard, describe_model
+from app.engine.model.lora import LoraConfig
 from app.engine.model.weights import default_cache_budget
 from app.engine.runtime.backend import array_module, device_memory, gpu_available
+from app.engine.training.config import TrainConfig
+
+# By default a run keeps its whole estimate within this share of the device's memory (16 GB of
+# a 24 GB machine): the weight cache gets what is left of it, at most the engine's default. The
+# rest stays for the desktop, the window and what the user runs beside it (a llama.cpp server).
+# Measured on the OLMoE-1B-7B shapes (docs/PERFORMANCE.md), the cache saves little once the
+# dequantization is compiled: the step without it was within the machine's noise.
+RUN_MEMORY_SHARE = 2 / 3
 
 
 @dataclass(frozen=True)
@@ -39,19 +49,49 @@ def estimate_memory(card: ModelCard, trainable: int | None, full: bool = False,
     """See the module docstring."""
     m = card.memory
     on_gpu = device == "cuda" and gpu_available()
+    xp = array_module("cuda" if on_gpu else "cpu")
+    trainable, state = _trained(card, trainable, full)
     if weight_cache_mb is not None:
         budget = weight_cache_mb << 20
     else:
-        budget = default_cache_budget(array_module("cuda" if on_gpu else "cpu"))
-    if full:
-        trainable = card.full_params
-        state = trainable * 16              # float32 copy, gradient and two AdamW moments
-    else:
-        trainable = trainable or 0
-        per_param = m.adapter / card.lora_params if card.lora_params else 16
-        state = int(trainable * per_param)
+        budget = cache_budget_for(m.total_for(state, checkpoint, 0), xp)
     return TrainingMemory(
         total=m.total_for(state, checkpoint, budget), weights=m.weights,
         dequantized=m.dequantized_in_use(budget), trained=state, trainable=trainable,
         activations=m.activations(checkpoint), runtime=RUNTIME_BYTES,
         gpu=device_memory(array_module("cuda")) if on_gpu else None)
+
+
+def _trained(card: ModelCard, trainable: int | None, full: bool) -> tuple[int, int]:
+    """(parameters trained, their bytes with gradients and AdamW moments)."""
+    if full:
+        return card.full_params, card.full_params * 16   # float32 copy, gradient, two moments
+    trainable = trainable or 0
+    per_param = card.memory.adapter / card.lora_params if card.lora_params else 16
+    return trainable, int(trainable * per_param)
+
+
+def cache_budget_for(rest: int, xp) -> int:
+    """The default weight cache of a run whose estimate without a cache is `rest` bytes: the
+    engine's default (40% of the device's memory), cut so that the whole run stays within
+    RUN_MEMORY_SHARE of that memory; 0 when the rest alone is over it."""
+    try:
+        total = device_memory(xp)[1]
+    except (ValueError, OSError, AttributeError):
+        return default_cache_budget(xp)
+    return int(max(0, min(default_cache_budget(xp), RUN_MEMORY_SHARE * total - rest)))
+
+
+def run_cache_budget(model_path: str, train: TrainConfig, context: int) -> int:
+    """The weight cache of a training run: `train.weight_cache_mb` when set, else
+    `cache_budget_for` the run's estimate without a cache (its model, rank, expert rank,
+    targets, mode, context, checkpointing and device)."""
+    if train.cache_budget is not None:
+        return train.cache_budget
+    kinds = tuple(LoraConfig(targets=tuple(train.lora_targets)).kinds())
+    card = describe_model(model_path, train.lora_rank, context, train.expert_rank, kinds)
+    full = train.mode == "full"
+    on_gpu = train.device == "cuda" and gpu_available()
+    _, state = _trained(card, card.lora_params, full)
+    rest = card.memory.total_for(state, train.checkpoint_interval, 0)
+    return cache_budget_for(rest, array_module("cuda" if on_gpu else "cpu"))

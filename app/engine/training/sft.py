@@ -27,6 +27,7 @@ from app.engine.training.checkpoints import (DamagedCheckpoint, list_checkpoints
                                              set_aside)
 from app.engine.training.communicator import Communicator, SingleProcess
 from app.engine.training.config import TrainConfig
+from app.engine.training.memory import run_cache_budget
 from app.engine.runtime.schema import AT_LEAST_0, AT_LEAST_1, TEXT, check
 from app.engine.training import events
 from app.engine.data.dataset import DataConfig, load_dataset
@@ -152,7 +153,9 @@ def train(config: RunConfig, report: Report, should_stop: ShouldStop,
     if not lead:   # rank 0 alone reports and hears stop requests (broadcast between steps)
         report, should_stop = (lambda event: None), (lambda: None)
     t_start = time.perf_counter()
-    model = load_model(config.model, config.train.cache_budget, config.train.device)
+    model = load_model(config.model,
+                       run_cache_budget(config.model, config.train, config.data_config.context),
+                       config.train.device)
     report(events.LOG_EVENT(message=f"tokenizing {Path(config.data).name}"))
     dataset = load_dataset(config.data, model.tokenizer, config.data_config,
                            should_stop=lambda: bool(should_stop()))

@@ -1,0 +1,68 @@
+"""A run's default weight cache follows its memory estimate (issue 20): the engine's default
+(40% of memory), cut so that the whole run stays within RUN_MEMORY_SHARE of the memory."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import app.engine.training.memory as memory
+import app.engine.training.sft as sft
+from app.engine.model.card import describe_model
+from app.engine.model.lora import TARGET_GROUPS
+from app.engine.training.config import TrainConfig
+from app.engine.training.memory import (RUN_MEMORY_SHARE, cache_budget_for, estimate_memory,
+                                        run_cache_budget)
+from tests.conftest import GOLDEN
+
+GB = 1 << 30
+MODEL = str(GOLDEN / "qwen3moe-q4_0.gguf")
+
+
+@pytest.fixture
+def machine_24gb(monkeypatch):
+    """A 24 GB machine whose engine default cache is 40% of it."""
+    monkeypatch.setattr(memory, "device_memory", lambda xp: (20 * GB, 24 * GB))
+    monkeypatch.setattr(memory, "default_cache_budget", lambda xp=None: int(0.4 * 24 * GB))
+
+
+def test_the_cache_gets_what_the_run_leaves_of_its_share(machine_24gb):
+    share = RUN_MEMORY_SHARE * 24 * GB                                    # 16 GB
+    assert cache_budget_for(1 * GB, None) == int(0.4 * 24 * GB)          # small run: the default
+    assert cache_budget_for(10 * GB, None) == int(share - 10 * GB)       # OLMoE-sized: 6 GB
+    assert cache_budget_for(17 * GB, None) == 0                          # over it already
+
+
+def test_the_estimate_uses_the_same_budget(machine_24gb, monkeypatch):
+    card = describe_model(MODEL, 8, 64)
+    rest = estimate_memory(card, card.lora_params, weight_cache_mb=0).total
+    est = estimate_memory(card, card.lora_params)
+    budget = cache_budget_for(rest, np)
+    assert est.dequantized == card.memory.dequantized_in_use(budget)
+    # a run that would pass the share gets a cut cache, and the estimate stays within it
+    monkeypatch.setattr(memory, "device_memory", lambda xp: (0, 3 * rest // 2))
+    cut = estimate_memory(card, card.lora_params)
+    assert cut.total <= RUN_MEMORY_SHARE * (3 * rest // 2) + (1 << 20)
+
+
+def test_a_run_loads_its_model_with_that_budget(monkeypatch, tmp_path):
+    train = TrainConfig(lora_rank=8, max_steps=1)
+    assert run_cache_budget(MODEL, TrainConfig(weight_cache_mb=5), 64) == 5 << 20
+    want = run_cache_budget(MODEL, train, 64)
+    kinds = tuple(k for group in train.lora_targets for k in TARGET_GROUPS[group])
+    card = describe_model(MODEL, 8, 64, None, kinds)
+    rest = estimate_memory(card, card.lora_params, weight_cache_mb=0).total
+    assert want == cache_budget_for(rest, np)
+    seen = []
+
+    def load_model(path, budget, device):
+        seen.append(budget)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(sft, "load_model", load_model)
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "hello"}\n')
+    config = sft.RunConfig(model=MODEL, data=str(data), train=train)
+    with pytest.raises(RuntimeError, match="stop here"):
+        sft.train(config, lambda e: None, lambda: None, str(tmp_path / "ckpt"))
+    assert seen == [want]
