@@ -191,7 +191,8 @@ def train(config: RunConfig, report: Report, should_stop: ShouldStop,
     def save(tag: str = "") -> None:
         if ckpt_dir is None:
             return
-        save_checkpoint(ckpt_dir, session.step_count, session.state_dict(copy=False), {"run": dict(state)})
+        save_checkpoint(ckpt_dir, session.step_count, session.state_dict(copy=False),
+                        {"run": dict(state)})
         prune_checkpoints(ckpt_dir, config.keep_last, keep=(state["best_step"],))
         report(events.CHECKPOINT_EVENT(step=session.step_count, tag=tag))
 
