@@ -2,6 +2,7 @@
 inline validation, save/load, and creating a queued run. QT_QPA_PLATFORM=offscreen (conftest)."""
 
 import json
+import re
 import threading
 import time
 from pathlib import Path
@@ -329,7 +330,9 @@ def test_queue_run_goes_last_and_shows_runs(qtbot, view, ctx):
         assert view.create_run(start=False) is None    # one at a time
     with qtbot.waitSignal(view.run_created, timeout=10_000):
         second = view.create_run(start=False)
-    assert first != second and Path(second).name.startswith(Path(first).name[:15])
+    # two default names: date-time-dataset, the second with "-2" when made in the same second
+    pattern = re.compile(r"\d{8}-\d{6}-chat(-\d+)?")
+    assert first != second and all(pattern.fullmatch(Path(p).name) for p in (first, second))
     assert [j.run_dir for j in ctx.queue.list("queued")] == [first, second]
     assert navigated == ["runs", "runs"]
 
