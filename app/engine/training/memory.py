@@ -48,8 +48,7 @@ def estimate_memory(card: ModelCard, trainable: int | None, full: bool = False,
                     weight_cache_mb: int | None = None) -> TrainingMemory:
     """See the module docstring."""
     m = card.memory
-    on_gpu = device == "cuda" and gpu_available()
-    xp = array_module("cuda" if on_gpu else "cpu")
+    xp, on_gpu = _compute_module(device)
     trainable, state = _trained(card, trainable, full)
     if weight_cache_mb is not None:
         budget = weight_cache_mb << 20
@@ -60,6 +59,13 @@ def estimate_memory(card: ModelCard, trainable: int | None, full: bool = False,
         dequantized=m.dequantized_in_use(budget), trained=state, trainable=trainable,
         activations=m.activations(checkpoint), runtime=RUNTIME_BYTES,
         gpu=device_memory(array_module("cuda")) if on_gpu else None)
+
+
+def _compute_module(device: str):
+    """(the array module a run on `device` computes with, whether that is a GPU): the CPU where
+    no GPU is usable."""
+    on_gpu = device == "cuda" and gpu_available()
+    return array_module("cuda" if on_gpu else "cpu"), on_gpu
 
 
 def _trained(card: ModelCard, trainable: int | None, full: bool) -> tuple[int, int]:
@@ -90,8 +96,6 @@ def run_cache_budget(model_path: str, train: TrainConfig, context: int) -> int:
         return train.cache_budget
     kinds = tuple(LoraConfig(targets=tuple(train.lora_targets)).kinds())
     card = describe_model(model_path, train.lora_rank, context, train.expert_rank, kinds)
-    full = train.mode == "full"
-    on_gpu = train.device == "cuda" and gpu_available()
-    _, state = _trained(card, card.lora_params, full)
-    rest = card.memory.total_for(state, train.checkpoint_interval, 0)
-    return cache_budget_for(rest, array_module("cuda" if on_gpu else "cpu"))
+    rest = estimate_memory(card, card.lora_params, train.mode == "full", train.device,
+                           train.checkpoint_interval, weight_cache_mb=0).total
+    return cache_budget_for(rest, _compute_module(train.device)[0])
