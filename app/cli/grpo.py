@@ -14,9 +14,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from app.cli.foreground import (TARGET_ALIASES, TRAINING_DEFAULTS, Progress, add_adapter_options, add_compute_options,
-                               add_optimizer_options, add_queue_options, clock,
-                               run_in_foreground, show_defaults, start_run)
+from app.cli.foreground import (TARGET_ALIASES, TRAINING_DEFAULTS, Progress, add_adapter_options,
+                               add_compute_options, add_optimizer_options, add_queue_options,
+                               clock, run_in_foreground, show_defaults, start_run)
 from app.cli.train import check_lora_targets
 from app.engine.errors import ConfigError
 from app.engine.training import events
@@ -34,7 +34,8 @@ TRUST_HINT = ("Read the file; if you trust it, run the command again with --trus
 
 # The options whose help shows their default (read from the config classes when it is printed).
 GRPO_DEFAULTS = {
-    **TRAINING_DEFAULTS, "--group-size": "grpo.group_size", "--prompts-per-step": "grpo.prompts_per_step",
+    **TRAINING_DEFAULTS,
+    "--group-size": "grpo.group_size", "--prompts-per-step": "grpo.prompts_per_step",
     "--temperature": "grpo.temperature", "--top-p": "grpo.top_p",
     "--max-new-tokens": "grpo.max_new_tokens", "--advantage": "grpo.advantage",
     "--kl": "grpo.kl", "--answer-field": "grpo.answer_field",

@@ -12,9 +12,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from app.cli.foreground import (TARGET_ALIASES, TRAINING_DEFAULTS, Progress, add_adapter_options, add_compute_options,
-                               add_optimizer_options, add_queue_options, run_in_foreground,
-                               show_defaults, start_run)
+from app.cli.foreground import (TARGET_ALIASES, TRAINING_DEFAULTS, Progress, add_adapter_options,
+                               add_compute_options, add_optimizer_options, add_queue_options,
+                               run_in_foreground, show_defaults, start_run)
 from app.engine.errors import ConfigError
 
 # The options whose help shows their default (read from the config classes when it is printed).

@@ -69,6 +69,7 @@ Runner = Callable[[RunDir, "JobControl"], Optional[str]]
 RESULTS = {None: "done", "done": "done", "paused": "paused", "cancelled": "cancelled"}
 DEFAULT_HEARTBEAT_S = 5.0
 DEFAULT_GRACE_S = 5.0  # how long a runner may leave a cancel, pause or stop unhonoured
+STOPPED = {"cancel": "cancelled", "pause": "paused"}  # a request -> the job's state after it
 DEFAULT_PENDING_TIMEOUT_S = 60.0  # a cluster job pending longer: is it asking absent GPUs?
 
 
@@ -431,7 +432,7 @@ class _ClusterJob:
                 # Ray cannot stop a job pending for resources: give it up (the status
                 # file's fence keeps it off the run if it ever starts)
                 if time.monotonic() - stop_asked > self.executor.stop_grace_s:
-                    return ("cancelled" if stopping == "cancel" else "paused"), None
+                    return STOPPED[stopping], None
             elif time.monotonic() - pending_since > self.pending_timeout_s:
                 infeasible = self._infeasible()
                 if infeasible is not None:
@@ -464,7 +465,7 @@ class _ClusterJob:
         if poll.state == "succeeded" and status.get("state") == "done":
             return "done", None
         if stopping is not None:
-            return ("cancelled" if stopping == "cancel" else "paused"), None
+            return STOPPED[stopping], None
         if status.get("state") == "failed" and status.get("error"):
             return "failed", status["error"]   # the run's own error: retrying will not help
         why = f"{poll.state}: {poll.message}".strip(": ")
