@@ -86,15 +86,15 @@ def flatten(values) -> tuple[list, Callable[[list], Any]]:
 def sum_in_rank_order(parts: list) -> Any:
     """The elementwise sum of the ranks' trees `parts` (host arrays and numbers), rank 0 first:
     ((p0 + p1) + p2) + ..., in each array's own dtype."""
-    flat = [flatten(p)[0] for p in parts]
-    total = [np.array(x) if isinstance(x, np.ndarray) else x for x in flat[0]]   # copies
-    for leaves in flat[1:]:
+    (first, rebuild), *rest = [flatten(p) for p in parts]
+    total = [np.array(x) if isinstance(x, np.ndarray) else x for x in first]   # copies
+    for leaves, _ in rest:
         for i, x in enumerate(leaves):
             if isinstance(total[i], np.ndarray):
                 np.add(total[i], x, out=total[i])
             else:
                 total[i] = total[i] + x
-    return flatten(parts[0])[1](total)
+    return rebuild(total)
 
 
 def _is_array(x) -> bool:
