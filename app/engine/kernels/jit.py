@@ -13,28 +13,20 @@ take these paths.
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import Callable
 
 ENV_VAR = "WORKBENCH_KERNELS"
 
 
-@functools.cache
-def _import_numba():
-    """The numba module, or None where it has no wheel (the NumPy twins run). Imported once:
-    an `import` statement on every kernel call cost about 3% of a small model's step."""
-    try:
-        import numba
-    except ImportError:
-        return None
-    return numba
-
-
 def _numba():
     if os.environ.get(ENV_VAR, "").strip().lower() == "numpy":
         return None
-    return _import_numba()
+    try:
+        import numba
+    except ImportError:          # no wheel for this platform: the NumPy twins
+        return None
+    return numba
 
 
 def compiled() -> bool:

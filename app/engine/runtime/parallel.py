@@ -26,7 +26,6 @@ arrays never take these paths: the GPU is fed serially.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import os
 import threading
@@ -59,13 +58,6 @@ def thread_count() -> int:
     env = os.environ.get("WORKBENCH_THREADS", "").strip()
     if env.isdigit() and int(env) > 0:
         return int(env)
-    return _usable_cpus()
-
-
-@functools.cache
-def _usable_cpus() -> int:
-    """The CPUs this process may run on, asked once (a system call on every GEMM cost about 1.5%
-    of a small model's step)."""
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
