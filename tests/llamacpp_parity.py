@@ -72,11 +72,13 @@ def gelu_probe(flip=None):
     """Record every GeGLU call's gate input g (T, F) and its S (T, F); with flip = (call, t, f),
     put that one element on its other fp16 bucket."""
     calls = []
-    linear, geglu = model_module.Model._linear_forward, model_module.geglu_forward
+    linear, geglu = model_module.Model._linear_forward_group, model_module.geglu_forward
 
-    def linear_forward(self, name, x, params):
-        out = linear(self, name, x, params)
-        if name.endswith("ffn_gate"):
+    def linear_forward_group(self, names, x, params):
+        out = linear(self, names, x, params)
+        for name in names:
+            if not name.endswith("ffn_gate"):
+                continue
             x64 = np.abs(x.astype(np.float64))                           # (T, C)
             s = x64 @ np.abs(params.weight(name + ".weight").astype(np.float64)).T   # (T, F)
             lora = params.lora(name + ".weight")
@@ -97,7 +99,8 @@ def gelu_probe(flip=None):
             out[t, f] = table * u[t, f]
         return out, cache
 
-    with mock.patch.object(model_module.Model, "_linear_forward", linear_forward), \
+    with mock.patch.object(model_module.Model, "_linear_forward_group",
+                           linear_forward_group), \
             mock.patch.object(model_module, "geglu_forward", geglu_forward):
         yield calls
 

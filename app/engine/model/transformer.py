@@ -27,7 +27,8 @@ from app.engine.kernels.attention import AttentionCache, attention_backward
 from app.engine.kernels.embedding import (EmbeddingCache, LoraEmbeddingCache, embedding_backward,
                                           embedding_forward, lora_embedding_backward,
                                           lora_embedding_forward)
-from app.engine.kernels.linear import LinearCache, linear_backward, linear_forward
+from app.engine.kernels.linear import (Linear, LinearCache, linear_backward_group, linear_forward,
+                                       linear_forward_group)
 from app.engine.kernels.loss import (VOCAB_CHUNK, cross_entropy_backward, cross_entropy_forward,
                                      cross_entropy_frozen_head)
 from app.engine.kernels.moe import (CombineCache, ExpertsCache, RouterCache, combine_backward,
@@ -396,34 +397,50 @@ class Model:
 
     def _linear_forward(self, name: str, x, params: Params):
         """y = x W^T (+ b) (+ LoRA) for the tensor `name`.weight; cache for _linear_backward."""
-        bias_name = name + ".bias"
-        bias = params.weight(bias_name) if params.has(bias_name) else None
-        lora = params.lora(name + ".weight")
-        mask = None if lora is None else params.dropout_mask(name, x.shape, x.dtype)
-        y, cache = linear_forward(x, params.weight(name + ".weight"), bias, lora, mask,
-                                  params.base_input(name + ".weight", x))
+        return self._linear_forward_group((name,), x, params)[0]
+
+    def _linear_forward_group(self, names, x, params: Params):
+        """[(y, cache)] of the layers `names`, which read the same x, in one parallel section.
+        Their biases, LoRA, dropout masks and weights are fetched here, in the order of
+        `names` (the dropout masks draw from the run's generator in that order)."""
+        layers = []
+        for name in names:
+            bias_name = name + ".bias"
+            lora = params.lora(name + ".weight")
+            layers.append(Linear(
+                params.weight(name + ".weight"),
+                params.weight(bias_name) if params.has(bias_name) else None, lora,
+                None if lora is None else params.dropout_mask(name, x.shape, x.dtype),
+                params.base_input(name + ".weight", x)))
         # The weight is fetched again in backward, not kept in the cache: a quantized weight
         # that the WeightStore's budget does not keep would otherwise stay alive, dequantized,
         # across the step (every layer's: the whole model in float32). Cached or F32 weights
         # cost a lookup.
-        return y, LinearLayerCache(name, cache._replace(w=None))
+        return [(y, LinearLayerCache(name, cache._replace(w=None)))
+                for name, (y, cache) in zip(names, linear_forward_group(x, layers))]
 
     def _linear_backward(self, dy, lcache: LinearLayerCache, params: Params, grads: Grads):
-        name = lcache.name
-        wname = name + ".weight"
-        cache = lcache.linear._replace(w=params.weight(wname))
-        dx, dw, dbias, dlora = linear_backward(dy, cache, need_dw=params.trains(wname))
-        _add_weight_grads(grads, wname, dw, dlora)
-        _add_full(grads, params, name + ".bias", dbias)
+        return self._linear_backward_group((dy,), (lcache,), params, grads)
+
+    def _linear_backward_group(self, dys, lcaches, params: Params, grads: Grads):
+        """The summed input gradient of layers that read the same x (in the order given); their
+        weight, bias and LoRA gradients go to `grads`."""
+        wnames = [lcache.name + ".weight" for lcache in lcaches]
+        caches = [lcache.linear._replace(w=params.weight(wname))
+                  for lcache, wname in zip(lcaches, wnames)]
+        dx, layer_grads = linear_backward_group(dys, caches,
+                                                [params.trains(wname) for wname in wnames])
+        for lcache, wname, (dw, dbias, dlora) in zip(lcaches, wnames, layer_grads):
+            _add_weight_grads(grads, wname, dw, dlora)
+            _add_full(grads, params, lcache.name + ".bias", dbias)
         return dx
 
     def _attention_forward(self, il: int, h, params: Params, ctx: "ForwardContext"):
         cfg, p, eps = self.config, f"blk.{il}.", self.config.rms_eps
         t, hd = h.shape[0], cfg.head_dim
         cq_norm = ck_norm = None
-        q, cq = self._linear_forward(p + "attn_q", h, params)               # (T, H*D)
-        k, ck = self._linear_forward(p + "attn_k", h, params)               # (T, Hkv*D)
-        v, cv = self._linear_forward(p + "attn_v", h, params)               # (T, Hkv*D)
+        (q, cq), (k, ck), (v, cv) = self._linear_forward_group(
+            (p + "attn_q", p + "attn_k", p + "attn_v"), h, params)  # (T, H*D), 2 x (T, Hkv*D)
         if cfg.qk_norm == "full":
             q, cq_norm = rmsnorm_forward(q, params.weight(p + "attn_q_norm.weight"), eps)
             k, ck_norm = rmsnorm_forward(k, params.weight(p + "attn_k_norm.weight"), eps)
@@ -456,9 +473,7 @@ class Model:
         if cfg.qk_norm == "full":
             dq = self._norm_backward(dq, c.q_norm, p + "attn_q_norm.weight", params, grads)
             dk = self._norm_backward(dk, c.k_norm, p + "attn_k_norm.weight", params, grads)
-        return (self._linear_backward(dq, c.q, params, grads)
-                + self._linear_backward(dk, c.k, params, grads)
-                + self._linear_backward(dv, c.v, params, grads))
+        return self._linear_backward_group((dq, dk, dv), (c.q, c.k, c.v), params, grads)
 
     def _glu(self, g, u, params: Params):
         if self.config.act == "silu":
@@ -466,8 +481,8 @@ class Model:
         return geglu_forward(g, u, exact=params.training)
 
     def _ffn_forward(self, pattern: str, h, params: Params):
-        g, cg = self._linear_forward(pattern.format("gate"), h, params)     # (T, F)
-        u, cu = self._linear_forward(pattern.format("up"), h, params)       # (T, F)
+        (g, cg), (u, cu) = self._linear_forward_group(
+            (pattern.format("gate"), pattern.format("up")), h, params)     # 2 x (T, F)
         act, ca = self._glu(g, u, params)                                    # (T, F)
         y, cd = self._linear_forward(pattern.format("down"), act, params)   # (T, C)
         return y, FfnCache(gate=cg, up=cu, act=ca, down=cd)
@@ -475,8 +490,7 @@ class Model:
     def _ffn_backward(self, dy, c: FfnCache, params: Params, grads: Grads):
         dact = self._linear_backward(dy, c.down, params, grads)
         dg, du = glu_backward(self.config.act, dact, c.act)
-        return (self._linear_backward(dg, c.gate, params, grads)
-                + self._linear_backward(du, c.up, params, grads))
+        return self._linear_backward_group((dg, du), (c.gate, c.up), params, grads)
 
     def _moe_forward(self, il: int, h, params: Params, ctx: ForwardContext):
         cfg, p = self.config, f"blk.{il}."

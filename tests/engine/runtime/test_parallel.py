@@ -245,6 +245,46 @@ def test_a_split_linear_layer_with_bias_lora_and_dropout_within_the_float32_boun
             assert_within_gamma(got, e, m, t + n_in + n_out + r, f"{name}, {threads} threads")
 
 
+def test_a_group_of_linear_layers_gives_what_each_layer_gives_alone(monkeypatch):
+    """q, k and v (or gate and up) run as one parallel section of (layer, row block) pieces:
+    the same BLAS calls as each layer alone, so the same bits; the group's dx is the layers'
+    input gradients summed in their order."""
+    from app.engine.kernels.linear import (Linear, linear_backward, linear_backward_group,
+                                           linear_forward, linear_forward_group)
+
+    monkeypatch.setenv("WORKBENCH_THREADS", "2")
+    rng = np.random.default_rng(5)
+    t, n_in, r = 256, 512, 8
+    x = rng.standard_normal((t, n_in), dtype=np.float32)
+    layers = []
+    for n_out, with_lora, with_bias in ((512, True, False), (256, False, True), (256, True, True)):
+        w = rng.standard_normal((n_out, n_in), dtype=np.float32)
+        bias = rng.standard_normal(n_out, dtype=np.float32) if with_bias else None
+        lora = (rng.standard_normal((r, n_in), dtype=np.float32),
+                rng.standard_normal((n_out, r), dtype=np.float32), 0.5) if with_lora else None
+        layers.append(Linear(w, bias, lora))
+    douts = [rng.standard_normal((t, layer.w.shape[0]), dtype=np.float32) for layer in layers]
+    alone = [linear_forward(x, *layer) for layer in layers]
+    grouped = linear_forward_group(x, layers)
+    for (y1, c1), (y2, c2) in zip(alone, grouped):
+        np.testing.assert_array_equal(y1, y2)
+        if c1.xa is not None:
+            np.testing.assert_array_equal(c1.xa, c2.xa)
+    need_dws = [True, False, False]
+    each = [linear_backward(d, c, need) for d, (_, c), need in zip(douts, alone, need_dws)]
+    dx, grads = linear_backward_group(douts, [c for _, c in grouped], need_dws)
+    np.testing.assert_array_equal(dx, each[0][0] + each[1][0] + each[2][0])
+    for (_, *want), got in zip(each, grads):
+        for w_part, g_part in zip(want, got):
+            if w_part is None:
+                assert g_part is None
+            elif isinstance(w_part, tuple):
+                for wa, ga in zip(w_part, g_part):
+                    np.testing.assert_array_equal(wa, ga)
+            else:
+                np.testing.assert_array_equal(w_part, g_part)
+
+
 def test_one_engine_thread_runs_blas_on_one_thread_too():
     """WORKBENCH_THREADS=1 means one core: BLAS goes to one thread the first time the engine
     computes, as it does with the engine's pool (a fresh process: the limit is for good)."""
@@ -261,3 +301,28 @@ def test_one_engine_thread_runs_blas_on_one_thread_too():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True).stdout.split()
     assert out == ["2", "1"]
+
+
+def test_one_engine_thread_trains_a_quantized_moe_model_on_one_thread():
+    """Every path of a step (the weight store's dequantization, the experts, the compiled
+    kernels, the optimizer) keeps to one thread with WORKBENCH_THREADS=1: BLAS is limited
+    before the step's first GEMM and the engine's pool is never started (a fresh process)."""
+    import subprocess
+    import sys
+
+    code = ("import numpy as np; from threadpoolctl import threadpool_info; "
+            "from app.engine import load_model; from app.engine.runtime import parallel; "
+            "from app.engine.training.config import TrainConfig; "
+            "from app.engine.training.session import TrainSession; "
+            "from app.engine.data.batches import Batch; "
+            f"model = load_model({str(GOLDEN / 'mixtral-q8_0.gguf')!r}); "
+            "config = TrainConfig(lora_rank=4, lora_alpha=8, max_steps=2, "
+            "lora_targets=('attention', 'experts')); "
+            "tokens = np.arange(64) % model.config.n_vocab; "
+            "TrainSession(model, config).step([Batch(tokens, np.roll(tokens, -1))]); "
+            "blas = [i['num_threads'] for i in threadpool_info() if i['user_api'] == 'blas']; "
+            "print(max(blas), parallel._pool is None)")
+    env = {**__import__("os").environ, "WORKBENCH_THREADS": "1", "OPENBLAS_NUM_THREADS": "2"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["1", "True"]
