@@ -1,10 +1,12 @@
 """The model card: what a GGUF file holds and roughly what a LoRA run on it will need.
 
 The memory model (`MemoryEstimate`, `layer_activation_bytes`) is the one bench/cost.py's lower
-bound uses, plus what the engine holds beyond it: the dequantized-weight cache, a layer's
-working copy when the cache cannot hold them all, and the process's runtime. Measured against
-it (peak RSS, 2026-11-22): Gemma 3 270M Q4_K_M LoRA at context 512, 1.91 GB with the default
-cache and 0.93 GB without; bench-moe Q8_0 at context 256, 389 MB and 191 MB.
+bound uses, plus what the engine holds beyond it: the dequantized-weight cache, the float32
+weights alive beyond it when the cache cannot hold them all, the backward's and the loss head's
+working buffers (`layer_backward_bytes`, `loss_head_bytes`) and the process's runtime. Measured
+against it (peak RSS, 2026-11-22): Gemma 3 270M Q4_K_M LoRA at context 512, 1.91 GB with the
+default cache and 0.93 GB without; bench-moe Q8_0 at context 256, 389 MB and 191 MB. The
+real-size MoE rows (bench/moe_shapes.py, docs/PERFORMANCE.md) are the check of the MoE terms.
 
 Reads only the header (metadata and tensor table), so it is fast even for a 50 GB file. Used by
 `workbench info` and by the GUI's model picker.
@@ -19,6 +21,7 @@ from typing import NamedTuple
 
 from app.engine.model.config import ModelConfig, config_from_metadata
 from app.engine.io.gguf import GGUFFile, read_gguf, type_name
+from app.engine.kernels.attention import BLOCK_ROWS, MIN_BLOCK_ROWS, MIN_PIECES
 from app.engine.kernels.loss import VOCAB_CHUNK
 from app.engine.model.lora import LoraConfig
 from app.engine.model.params import TRAINABLE_TYPES
@@ -91,6 +94,47 @@ def layer_activation_bytes(cfg: ModelConfig, n_tokens: int, ranks: dict[str, int
     return out
 
 
+def attention_row_blocks(n_kv: int, n_tokens: int) -> int:
+    """Query-row blocks per kv head of app.engine.kernels.attention on the CPU
+    (`attention_pieces`; one block on a GPU, fewer bytes)."""
+    blocks = max(-(-MIN_PIECES // n_kv), n_tokens // BLOCK_ROWS)
+    return max(1, min(blocks, n_tokens // MIN_BLOCK_ROWS))
+
+
+def layer_backward_bytes(cfg: ModelConfig, n_tokens: int) -> list[int]:
+    """Bytes each layer's backward allocates beyond what it keeps for n_tokens tokens (T): the
+    larger of its two halves, float32
+
+        attention: dk and dv of each of the B row blocks before their sum (2·B·Hkv·D per
+                   token), dq and the output projection's gradient (2·H·D per token), and per
+                   engine thread the probabilities and dS of one piece (2·G·ceil(T/B)·T,
+                   G = H / Hkv query heads per kv head)
+        FFN:       routed experts: the sorted slot gradients that combine's backward returns
+                   and experts' backward writes (2·K·C per token), dx (C), and a shared
+                   expert's as a dense FFN's; dense: the activation's gradient, the recomputed
+                   activation, dg and du (4·F per token) and dx (C)"""
+    t, c, d = n_tokens, cfg.n_embd, cfg.head_dim
+    b = attention_row_blocks(cfg.n_head_kv, t)
+    group = cfg.n_head // cfg.n_head_kv
+    attention = ((2 * b * cfg.n_head_kv * d + 2 * cfg.n_head * d) * t
+                 + thread_count() * 2 * group * -(-t // b) * t)
+    out = []
+    for il in range(cfg.n_layer):
+        if cfg.layer_is_moe(il):
+            ffn = (2 * cfg.n_expert_used * c + c + 4 * cfg.n_ff_shexp) * t
+        else:
+            ffn = (4 * cfg.n_ff + c) * t
+        out.append(max(attention, ffn) * F32)
+    return out
+
+
+def loss_head_bytes(cfg: ModelConfig, n_tokens: int) -> int:
+    """The loss head's working buffers for n_tokens tokens (T), float32: one chunk of logits
+    (T x min(V, VOCAB_CHUNK): the trained head's; a frozen head's row blocks hold at most this)
+    and two (T, C) arrays (dh and the label rows, or dh and the hidden state's gradient)."""
+    return (n_tokens * min(cfg.n_vocab, VOCAB_CHUNK) + 2 * n_tokens * cfg.n_embd) * F32
+
+
 def kept_activation_bytes(layers: list[int], boundary: int, checkpoint: int) -> int:
     """Activations alive at once: every layer's without checkpointing; with interval N the
     saved inputs of ceil(L/N) segments (`boundary` bytes each) plus one segment of N layers
@@ -104,7 +148,9 @@ def kept_activation_bytes(layers: list[int], boundary: int, checkpoint: int) -> 
     return kept + 2 * boundary
 
 
-RUNTIME_BYTES = 100 << 20  # the engine's process before a model (Python, NumPy): 93 MB measured
+# The engine's process without a model's own memory: Python, NumPy and the compiled kernels
+# (Numba, llvmlite's 69 MB mapped): 164 MB measured after two LoRA steps on a 28 KB model.
+RUNTIME_BYTES = 165 << 20
 
 
 @dataclass(frozen=True)
@@ -113,27 +159,30 @@ class MemoryEstimate:
     context, float32 compute. `total_for` puts them together for the chosen settings."""
 
     weights: int                        # base weights as stored (memory-mapped, all read)
-    dequantized: int                    # float32 copies of every quantized tensor: the most
-                                        # the weight cache (app.engine.model.weights) holds
-    dequant_working: int                # float32 copies alive beyond the cache: the largest
-                                        # layer's quantized 2-D weights, and per engine thread
-                                        # one expert of each projection (the reused tiles)
+    dequantized: int                    # float32 copies of every quantized tensor the engine
+                                        # reads whole: the most the weight cache
+                                        # (app.engine.model.weights) holds. Not an untied token
+                                        # embedding: its lookups dequantize only their rows
+    dequant_working: int                # float32 copies alive beyond the cache: the larger of
+                                        # one quantized 2-D block weight (each is dropped after
+                                        # use) and two chunks of a quantized output head (the
+                                        # next made while the last is held), plus per engine
+                                        # thread one expert of each projection (the tiles)
     adapter: int                        # LoRA params + grads + AdamW moments, every target
     layer_activations: tuple[int, ...]  # what each layer keeps for backward (no checkpointing)
+    layer_backward: tuple[int, ...]     # what each layer's backward allocates beyond that
     boundary: int                       # one layer's input (T x C float32): a checkpoint
-    head_chunk: int                     # one loss-head chunk of logits
-    attention_scores: int               # one layer's (H, T, T) scores: backward's buffers
+    loss_head: int                      # the loss head's working buffers (loss_head_bytes)
 
     def activations(self, checkpoint: int = 0) -> int:
-        """Kept activations plus the backward's working buffers: the gradients of the layer in
-        flight (about its activations again), attention scores and a loss-head chunk."""
+        """Kept activations plus the working buffers of whichever comes larger, the loss head
+        or the backward of a layer (they run one after the other)."""
         kept = kept_activation_bytes(list(self.layer_activations), self.boundary, checkpoint)
-        return (kept + max(self.layer_activations, default=0) + self.attention_scores
-                + self.head_chunk)
+        return kept + max(self.loss_head, max(self.layer_backward, default=0))
 
     def dequantized_in_use(self, cache_budget: int) -> int:
-        """Float32 weights alive: what the cache keeps under `cache_budget` bytes, plus one
-        layer's copy when the cache cannot keep them all."""
+        """Float32 weights alive: what the cache keeps under `cache_budget` bytes, plus
+        `dequant_working` when the cache cannot keep them all."""
         kept = min(cache_budget, self.dequantized)
         return kept + (self.dequant_working if kept < self.dequantized else 0)
 
@@ -260,23 +309,27 @@ def estimate_lora_memory(f: GGUFFile, cfg: ModelConfig, rank: int, context: int,
     shapes = {n: t.shape for n, t in f.tensors.items()}
     n_lora = lora_param_count(shapes, rank, targets, expert_rank)
     quantized = {n: t for n, t in f.tensors.items() if t.ggml_type != 0}
-
-    def working(il: int) -> int:        # a layer's 2-D weights, and each thread's expert tiles
-        mine = [t for n, t in quantized.items() if n.startswith(f"blk.{il}.")]
-        return (sum(t.n_elements for t in mine if len(t.shape) < 3)
-                + thread_count() * sum(t.n_elements // t.shape[0] for t in mine
-                                       if len(t.shape) == 3)) * F32
-    layer_f32 = max((working(il) for il in range(cfg.n_layer)), default=0)
+    head = "token_embd.weight" if cfg.tied_output else "output.weight"
+    whole = {n: t for n, t in quantized.items()             # what the cache may hold
+             if n != "token_embd.weight" or cfg.tied_output}
+    block_2d = [t.n_elements for n, t in quantized.items()
+                if n.startswith("blk.") and len(t.shape) < 3]
+    head_chunks = 2 * min(cfg.n_vocab, VOCAB_CHUNK) * cfg.n_embd if head in quantized else 0
+    tiles = max((sum(t.n_elements // t.shape[0] for n, t in quantized.items()  # (out, in) each
+                     if n.startswith(f"blk.{il}.") and len(t.shape) == 3)
+                 for il in range(cfg.n_layer)), default=0)
     ranks = lora_ranks(shapes, rank, targets, expert_rank)
     t = context
     return MemoryEstimate(
         weights=sum(t.nbytes for t in f.tensors.values()),
-        dequantized=sum(t.n_elements * F32 for t in quantized.values()),
-        dequant_working=layer_f32, adapter=n_lora * 16,
+        dequantized=sum(t.n_elements * F32 for t in whole.values()),
+        dequant_working=(max(max(block_2d, default=0), head_chunks)
+                         + thread_count() * tiles) * F32,
+        adapter=n_lora * 16,
         layer_activations=tuple(layer_activation_bytes(cfg, t, ranks)),
+        layer_backward=tuple(layer_backward_bytes(cfg, t)),
         boundary=t * cfg.n_embd * F32,
-        head_chunk=t * min(cfg.n_vocab, VOCAB_CHUNK) * F32,
-        attention_scores=cfg.n_head * t * t * F32), n_lora
+        loss_head=loss_head_bytes(cfg, t)), n_lora
 
 
 def describe_model(path: str | os.PathLike, rank: int = 16, context: int = 512,

@@ -66,3 +66,23 @@ def test_a_run_loads_its_model_with_that_budget(monkeypatch, tmp_path):
     with pytest.raises(RuntimeError, match="stop here"):
         sft.train(config, lambda e: None, lambda: None, str(tmp_path / "ckpt"))
     assert seen == [want]
+
+
+def test_the_cache_is_counted_as_the_engine_fills_it():
+    """The weight cache holds what the engine reads whole: not an untied token embedding (its
+    lookups dequantize their rows); and the working buffers are the larger of the loss head's
+    and a layer backward's, which run one after the other."""
+    from app.engine.io.gguf import read_gguf
+    from app.engine.model.card import kept_activation_bytes
+
+    card = describe_model(MODEL, 8, 64)
+    f = read_gguf(MODEL)
+    try:
+        quantized = {n: t.n_elements * 4 for n, t in f.tensors.items() if t.ggml_type != 0}
+    finally:
+        f.close()
+    assert not card.config.tied_output and "token_embd.weight" in quantized
+    m = card.memory
+    assert m.dequantized == sum(quantized.values()) - quantized["token_embd.weight"]
+    kept = kept_activation_bytes(list(m.layer_activations), m.boundary, 0)
+    assert m.activations() == kept + max(m.loss_head, *m.layer_backward)
