@@ -110,9 +110,11 @@ def layer_backward_bytes(cfg: ModelConfig, n_tokens: int) -> list[int]:
                    engine thread the probabilities and dS of one piece (2·G·ceil(T/B)·T,
                    G = H / Hkv query heads per kv head)
         FFN:       routed experts: the sorted slot gradients that combine's backward returns
-                   and experts' backward writes (2·K·C per token), dx (C), and a shared
-                   expert's as a dense FFN's; dense: the activation's gradient, the recomputed
-                   activation, dg and du (4·F per token) and dx (C)"""
+                   and experts' backward writes (2·K·C per token), dx (C), per engine thread
+                   one expert's dh, recomputed activation, dg and du (4·F_exp per row, at the
+                   average load of T·K/E rows), and a shared expert's as a dense FFN's; dense:
+                   the activation's gradient, the recomputed activation, dg and du (4·F per
+                   token) and dx (C)"""
     t, c, d = n_tokens, cfg.n_embd, cfg.head_dim
     b = attention_row_blocks(cfg.n_head_kv, t)
     group = cfg.n_head // cfg.n_head_kv
@@ -121,7 +123,9 @@ def layer_backward_bytes(cfg: ModelConfig, n_tokens: int) -> list[int]:
     out = []
     for il in range(cfg.n_layer):
         if cfg.layer_is_moe(il):
-            ffn = (2 * cfg.n_expert_used * c + c + 4 * cfg.n_ff_shexp) * t
+            expert_rows = -(-t * cfg.n_expert_used // cfg.n_expert)
+            ffn = ((2 * cfg.n_expert_used * c + c + 4 * cfg.n_ff_shexp) * t
+                   + thread_count() * 4 * cfg.n_ff_exp * expert_rows)
         else:
             ffn = (4 * cfg.n_ff + c) * t
         out.append(max(attention, ffn) * F32)

@@ -291,7 +291,7 @@ class Model:
                 if every:
                     if il % every == 0:
                         saved[il] = x
-                    x, _ = self._block_forward(il, x, params, ctx)
+                    x = self._block_forward(il, x, params, ctx)[0]   # its cache dies here
                 else:
                     x, saved[il] = self._block_forward(il, x, params, ctx)
         with phase("loss"):
