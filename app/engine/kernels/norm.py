@@ -13,7 +13,7 @@ import numpy as np
 
 from app.engine.kernels import compiled_layers
 from app.engine.runtime.backend import get_array_module
-from app.engine.runtime.parallel import parallel_map, row_blocks
+from app.engine.runtime.parallel import MIN_PIECE_VALUES, parallel_map, row_blocks
 
 DW_BLOCK_VALUES = 1 << 15   # a backward piece's rows hold about this many values (C x rows)
 
@@ -36,7 +36,8 @@ def rmsnorm_forward(x, w, eps: float):
         x2, out = np.ascontiguousarray(x).reshape(-1, c), np.empty(x.shape, x.dtype)
         out2, rstd1 = out.reshape(-1, c), rstd.reshape(-1)             # (n, C), (n,)
         kernel = compiled_layers.kernels().rmsnorm_forward
-        parallel_map(lambda r: kernel(x2[r], w, eps, out2[r], rstd1[r]), row_blocks(len(x2)))
+        parallel_map(lambda r: kernel(x2[r], w, eps, out2[r], rstd1[r]),
+                     row_blocks(len(x2), row_values=c))
         return out, RmsNormCache(x, w, rstd)
     out = xp.empty_like(x)                                         # (..., C)
 
@@ -44,7 +45,7 @@ def rmsnorm_forward(x, w, eps: float):
         ms = (x[r].astype(xp.float64) ** 2).mean(-1, keepdims=True)  # summed in double, as ggml
         rstd[r] = 1.0 / xp.sqrt(ms + eps)
         xp.multiply(x[r] * rstd[r], w, out=out[r])
-    parallel_map(rows, row_blocks(len(x)), xp)
+    parallel_map(rows, row_blocks(len(x), row_values=x.size // max(len(x), 1)), xp)
     return out, RmsNormCache(x, w, rstd)
 
 
@@ -66,7 +67,7 @@ def rmsnorm_backward(dout, cache):
         g = dout[r] * w                                            # (n, ..., C)
         gx = (g * xn[r]).mean(-1, keepdims=True)                   # (n, ..., 1) = r mean(g x)
         xp.multiply(rstd[r], g - xn[r] * gx, out=dx[r])
-    parallel_map(rows, row_blocks(len(x)), xp)
+    parallel_map(rows, row_blocks(len(x), row_values=x.size // max(len(x), 1)), xp)
     return dx, dw
 
 
@@ -80,8 +81,14 @@ def _rmsnorm_backward_compiled(dout, x, w, rstd):
     blocks = [slice(lo, lo + step) for lo in range(0, len(x2), step)]
     dw_parts = np.zeros((len(blocks), c), x.dtype)                 # (blocks, C)
     rstd1, kernel = rstd.reshape(-1), compiled_layers.kernels().rmsnorm_backward
-    parallel_map(lambda b: kernel(dout2[blocks[b]], x2[blocks[b]], w, rstd1[blocks[b]],
-                                  dx[blocks[b]], dw_parts[b]), range(len(blocks)))
+
+    def block(b: int) -> None:
+        kernel(dout2[blocks[b]], x2[blocks[b]], w, rstd1[blocks[b]], dx[blocks[b]], dw_parts[b])
+    if x2.size < 2 * MIN_PIECE_VALUES:      # too little work to wake the other threads for
+        for b in range(len(blocks)):
+            block(b)
+    else:
+        parallel_map(block, range(len(blocks)))
     dw = dw_parts[0].copy()                                        # (C,)
     for part in dw_parts[1:]:
         dw += part
