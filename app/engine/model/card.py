@@ -168,8 +168,9 @@ class MemoryEstimate:
                                         # (app.engine.model.weights) holds. Not an untied token
                                         # embedding: its lookups dequantize only their rows
     dequant_working: int                # float32 copies alive beyond the cache: the larger of
-                                        # one quantized 2-D block weight (each is dropped after
-                                        # use) and two chunks of a quantized output head (the
+                                        # one quantized 2-D block weight or group of weights
+                                        # read together (q, k, v; gate, up: dropped after use)
+                                        # and two chunks of a quantized output head (the
                                         # next made while the last is held), plus per engine
                                         # thread one expert of each projection (the tiles)
     adapter: int                        # LoRA params + grads + AdamW moments, every target
@@ -307,6 +308,20 @@ def lora_param_count(shapes: dict[str, tuple[int, ...]], rank: int,
     return total
 
 
+# Linear layers that read the same input run as one group, their weights fetched together
+# (app.engine.model.transformer, Model._linear_forward_group).
+_READ_TOGETHER = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
+
+
+def _dequantized_together(quantized: dict, il: int) -> int:
+    """Elements of layer il's quantized 2-D weights in float32 at once: the largest weight or
+    group of weights fetched together."""
+    sizes = {n.split(".")[2]: t.n_elements for n, t in quantized.items()      # kind -> elements
+             if n.startswith(f"blk.{il}.") and len(t.shape) < 3}
+    return max([*sizes.values(), *(sum(sizes.get(kind, 0) for kind in group)
+                                   for group in _READ_TOGETHER)], default=0)
+
+
 def estimate_lora_memory(f: GGUFFile, cfg: ModelConfig, rank: int, context: int,
                          targets=DEFAULT_LORA_TARGETS,
                          expert_rank: int | None = None) -> tuple[MemoryEstimate, int]:
@@ -316,8 +331,7 @@ def estimate_lora_memory(f: GGUFFile, cfg: ModelConfig, rank: int, context: int,
     head = "token_embd.weight" if cfg.tied_output else "output.weight"
     whole = {n: t for n, t in quantized.items()             # what the cache may hold
              if n != "token_embd.weight" or cfg.tied_output}
-    block_2d = [t.n_elements for n, t in quantized.items()
-                if n.startswith("blk.") and len(t.shape) < 3]
+    block_2d = [_dequantized_together(quantized, il) for il in range(cfg.n_layer)]
     head_chunks = 2 * min(cfg.n_vocab, VOCAB_CHUNK) * cfg.n_embd if head in quantized else 0
     tiles = max((sum(t.n_elements // t.shape[0] for n, t in quantized.items()  # (out, in) each
                      if n.startswith(f"blk.{il}.") and len(t.shape) == 3)
