@@ -15,7 +15,8 @@ from __future__ import annotations
 from typing import Any, NamedTuple, Sequence
 
 from app.engine.runtime.backend import get_array_module
-from app.engine.runtime.parallel import matmul, parallel_map, product_row_blocks
+from app.engine.runtime.parallel import (parallel_map, product_column_blocks,
+                                         product_row_blocks)
 
 
 class LinearCache(NamedTuple):
@@ -111,19 +112,29 @@ def linear_backward_group(douts: Sequence, caches: Sequence[LinearCache],
     Pieces: (layer, block of rows), all in one parallel section. Each computes its rows of the
     layer's dx and dB_, and its block's parts of dA and dB (K = the block's rows); the parts are
     summed in block order afterwards, so with one block (small products, one thread) the calls
-    are linear_backward's single products. dW (full fine-tuning) is one column-split product
-    per layer after the section."""
+    are linear_backward's single products. dW (full fine-tuning) comes in matmul's column
+    blocks, pieces of the same section."""
     xp = get_array_module(douts[0], *(cache.w for cache in caches))
     t, n_in = caches[0].x.shape
-    dxs, blocks, parts, pieces = [], [], [], []
-    for i, (dout, cache) in enumerate(zip(douts, caches)):
+    dxs, dws, blocks, parts, pieces = [], [], [], [], []
+    for i, (dout, cache, need_dw) in enumerate(zip(douts, caches, need_dws)):
         dxs.append(xp.empty((t, n_in), xp.result_type(dout.dtype, cache.w.dtype)))  # (T, in)
         blocks.append(product_row_blocks(t, dout.shape[1], n_in, xp))
         parts.append([None] * len(blocks[i]))        # per block: (dA part, dB part) or None
         pieces += [(i, b) for b in range(len(blocks[i]))]
+        dws.append(xp.empty((dout.shape[1], n_in), xp.result_type(dout.dtype, cache.x.dtype))
+                   if need_dw else None)
+        if need_dw:                                  # (out, in) in column blocks
+            pieces += [(i, cols) for cols in product_column_blocks(dout.shape[1], t, n_in, xp)]
 
-    def rows(piece: tuple[int, int]) -> None:
-        i, block = piece
+    def piece_of(piece: tuple[int, int | slice]) -> None:
+        i, where = piece
+        if isinstance(where, slice):                 # columns of dW = dout^T x
+            xp.matmul(douts[i].T, caches[i].x[:, where], out=dws[i][:, where])
+            return
+        rows(i, where)
+
+    def rows(i: int, block: int) -> None:
         r, dout, cache = blocks[i][block], douts[i], caches[i]
         dx = dxs[i][r]                                                 # (t_r, in)
         xp.matmul(dout[r], cache.w, out=dx)
@@ -138,10 +149,9 @@ def linear_backward_group(douts: Sequence, caches: Sequence[LinearCache],
             parts[i][block] = (dxa.T @ xl,                             # (R, in)
                                dout[r].T @ cache.xa[r])                # (out, R), unscaled
     pieces.sort(key=lambda piece: -douts[piece[0]].shape[1])
-    parallel_map(rows, pieces, xp)
+    parallel_map(piece_of, pieces, xp)
     grads = []
-    for dout, cache, need_dw, layer_parts in zip(douts, caches, need_dws, parts):
-        dw = matmul(dout.T, cache.x) if need_dw else None             # (out, in)
+    for dout, cache, dw, layer_parts in zip(douts, caches, dws, parts):
         dbias = dout.sum(0) if cache.has_bias else None                # (out,)
         dlora = None
         if cache.lora is not None:

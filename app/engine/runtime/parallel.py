@@ -148,18 +148,25 @@ def matmul(a, b, out=None):
     xp = get_array_module(a, b)
     if xp is np:
         _single_threaded_blas()
-    m, k = a.shape
-    n = b.shape[1]
-    blocks = min(thread_count(), n // MIN_BLOCK_COLUMNS)
-    if m * k * n < MIN_SPLIT_WORK or _serial(xp, blocks):
+    parts = product_column_blocks(a.shape[0], a.shape[1], b.shape[1], xp)
+    if len(parts) == 1:
         return xp.matmul(a, b, out=out)
     if out is None:
-        out = np.empty((m, n), np.result_type(a.dtype, b.dtype))
-    step = -(-n // blocks)
-    step += -step % 16                 # whole SIMD widths per block
-    parts = [slice(lo, min(lo + step, n)) for lo in range(0, n, step)]
+        out = np.empty((a.shape[0], b.shape[1]), np.result_type(a.dtype, b.dtype))
     parallel_map(lambda cols: np.matmul(a, b[:, cols], out=out[:, cols]), parts)
     return out
+
+
+def product_column_blocks(m: int, k: int, n: int, xp=np) -> list[slice]:
+    """The output columns of an (M, K) @ (K, N) product in matmul's blocks: one per thread, at
+    least MIN_BLOCK_COLUMNS wide and whole SIMD widths; all columns in one block for products
+    under MIN_SPLIT_WORK, on CuPy, on one thread and inside a piece."""
+    blocks = min(thread_count(), n // MIN_BLOCK_COLUMNS)
+    if m * k * n < MIN_SPLIT_WORK or _serial(xp, blocks):
+        return [slice(0, n)]
+    step = -(-n // blocks)
+    step += -step % 16                 # whole SIMD widths per block
+    return [slice(lo, min(lo + step, n)) for lo in range(0, n, step)]
 
 
 def product_row_blocks(m: int, k: int, n: int, xp=np) -> list[slice]:
