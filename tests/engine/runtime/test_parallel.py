@@ -285,44 +285,44 @@ def test_a_group_of_linear_layers_gives_what_each_layer_gives_alone(monkeypatch)
                 np.testing.assert_array_equal(w_part, g_part)
 
 
-def test_one_engine_thread_runs_blas_on_one_thread_too():
-    """WORKBENCH_THREADS=1 means one core: BLAS goes to one thread the first time the engine
-    computes, as it does with the engine's pool (a fresh process: the limit is for good)."""
+def _one_thread_process(code: str) -> list[str]:
+    """What `code` prints, run in a fresh process with WORKBENCH_THREADS=1 and OpenBLAS started
+    on 2 threads."""
+    import os
     import subprocess
     import sys
 
-    code = ("import numpy as np; from threadpoolctl import threadpool_info; "
-            "from app.engine.runtime import parallel; "
-            "before = max(i['num_threads'] for i in threadpool_info() if i['user_api'] == 'blas'); "
-            "parallel.matmul(np.ones((4, 4), np.float32), np.ones((4, 4), np.float32)); "
-            "after = [i['num_threads'] for i in threadpool_info() if i['user_api'] == 'blas']; "
-            "print(before, max(after))")
-    env = {**__import__("os").environ, "WORKBENCH_THREADS": "1", "OPENBLAS_NUM_THREADS": "2"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         check=True).stdout.split()
-    assert out == ["2", "1"]
+    env = {**os.environ, "WORKBENCH_THREADS": "1", "OPENBLAS_NUM_THREADS": "2"}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          check=True).stdout.split()
+
+
+def test_one_engine_thread_runs_blas_on_one_thread_too():
+    """WORKBENCH_THREADS=1 means one core: BLAS goes to one thread the first time the engine
+    computes, as it does with the engine's pool (a fresh process: the limit is for good)."""
+    assert _one_thread_process(
+        "import numpy as np; from threadpoolctl import threadpool_info; "
+        "from app.engine.runtime import parallel; "
+        "before = max(i['num_threads'] for i in threadpool_info() if i['user_api'] == 'blas'); "
+        "parallel.matmul(np.ones((4, 4), np.float32), np.ones((4, 4), np.float32)); "
+        "after = [i['num_threads'] for i in threadpool_info() if i['user_api'] == 'blas']; "
+        "print(before, max(after))") == ["2", "1"]
 
 
 def test_one_engine_thread_trains_a_quantized_moe_model_on_one_thread():
     """Every path of a step (the weight store's dequantization, the experts, the compiled
-    kernels, the optimizer) keeps to one thread with WORKBENCH_THREADS=1: BLAS is limited
-    before the step's first GEMM and the engine's pool is never started (a fresh process)."""
-    import subprocess
-    import sys
-
-    code = ("import numpy as np; from threadpoolctl import threadpool_info; "
-            "from app.engine import load_model; from app.engine.runtime import parallel; "
-            "from app.engine.training.config import TrainConfig; "
-            "from app.engine.training.session import TrainSession; "
-            "from app.engine.data.batches import Batch; "
-            f"model = load_model({str(GOLDEN / 'mixtral-q8_0.gguf')!r}); "
-            "config = TrainConfig(lora_rank=4, lora_alpha=8, max_steps=2, "
-            "lora_targets=('attention', 'experts')); "
-            "tokens = np.arange(64) % model.config.n_vocab; "
-            "TrainSession(model, config).step([Batch(tokens, np.roll(tokens, -1))]); "
-            "blas = [i['num_threads'] for i in threadpool_info() if i['user_api'] == 'blas']; "
-            "print(max(blas), parallel._pool is None)")
-    env = {**__import__("os").environ, "WORKBENCH_THREADS": "1", "OPENBLAS_NUM_THREADS": "2"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         check=True).stdout.split()
-    assert out == ["1", "True"]
+    kernels, the optimizer) keeps to one thread with WORKBENCH_THREADS=1: after a step BLAS
+    is at one thread and the engine's pool was never started (a fresh process)."""
+    assert _one_thread_process(
+        "import numpy as np; from threadpoolctl import threadpool_info; "
+        "from app.engine import load_model; from app.engine.runtime import parallel; "
+        "from app.engine.training.config import TrainConfig; "
+        "from app.engine.training.session import TrainSession; "
+        "from app.engine.data.batches import Batch; "
+        f"model = load_model({str(GOLDEN / 'mixtral-q8_0.gguf')!r}); "
+        "config = TrainConfig(lora_rank=4, lora_alpha=8, max_steps=2, "
+        "lora_targets=('attention', 'experts')); "
+        "tokens = np.arange(64) % model.config.n_vocab; "
+        "TrainSession(model, config).step([Batch(tokens, np.roll(tokens, -1))]); "
+        "blas = [i['num_threads'] for i in threadpool_info() if i['user_api'] == 'blas']; "
+        "print(max(blas), parallel._pool is None)") == ["1", "True"]
