@@ -1,11 +1,13 @@
 """The engine's CPU threads: it splits its own work across the cores; BLAS runs single-threaded.
 
 The first time the engine computes (in parallel or not: `WORKBENCH_THREADS=1` means one thread
-in all) it sets BLAS to one thread for the rest of the process, and from then on it decides
-what runs side by side:
-* `matmul` splits one large GEMM into one block of output columns per thread (the loss head,
-  the full fine-tuning weight gradients); a linear layer splits its rows
-  (`product_row_blocks`), so that its LoRA branch runs in the same pieces;
+in all) it sets BLAS to one thread for the rest of the process (and has the C allocator keep
+freed arrays for reuse: app.engine.runtime.allocator), and from then on it decides what runs
+side by side:
+* `matmul` splits one large GEMM into one block of output columns per thread (the loss head;
+  a linear layer's weight gradients come in the same blocks, `product_column_blocks`); a linear
+  layer splits its rows (`product_row_blocks`), so that its LoRA branch runs in the same
+  pieces;
 * `parallel_map` runs independent pieces: the experts of an MoE layer, the kv-head groups of
   attention, the chunks of the optimizer update, and blocks of rows (`row_blocks`) of
   element-wise work (RMSNorm, the gated activations, the loss head's softmax).
@@ -34,6 +36,7 @@ from typing import Callable, Iterable, TypeVar
 
 import numpy as np
 
+from app.engine.runtime.allocator import keep_freed_memory
 from app.engine.runtime.backend import get_array_module
 
 T = TypeVar("T")
@@ -54,7 +57,7 @@ MIN_BLOCK_COLUMNS = 256
 MIN_PIECE_VALUES = 1 << 17
 
 _pool: ThreadPoolExecutor | None = None
-_blas_limited = False
+_process_set_up = False
 _setup = threading.Lock()
 _inside = threading.local()  # set while a thread runs pieces: nested calls run serially
 
@@ -81,17 +84,19 @@ def _engine_pool() -> ThreadPoolExecutor:
     return _pool
 
 
-def _single_threaded_blas() -> None:
-    """BLAS on one thread, for good, the first time the engine computes on NumPy. With one
-    engine thread too, the serial path makes the same BLAS calls as each piece of the
-    parallel one, and WORKBENCH_THREADS=1 uses one core."""
-    global _blas_limited
-    if not _blas_limited:
+def _set_up_process() -> None:
+    """The first time the engine computes on NumPy: BLAS on one thread, for good (with one
+    engine thread too, the serial path makes the same BLAS calls as each piece of the parallel
+    one, and WORKBENCH_THREADS=1 uses one core), and the C allocator keeping freed arrays for
+    the next step (app.engine.runtime.allocator)."""
+    global _process_set_up
+    if not _process_set_up:
         with _setup:
-            if not _blas_limited:
+            if not _process_set_up:
                 from threadpoolctl import threadpool_limits
                 threadpool_limits(limits=1, user_api="blas")
-                _blas_limited = True
+                keep_freed_memory()
+                _process_set_up = True
 
 
 def _serial(xp, n_items: int) -> bool:
@@ -107,7 +112,7 @@ def parallel_map(fn: Callable[[T], R], items: Iterable[T], xp=np) -> list[R]:
     """
     items = list(items)
     if xp is np:
-        _single_threaded_blas()
+        _set_up_process()
     if _serial(xp, len(items)):
         return [fn(item) for item in items]
     pool = _engine_pool()
@@ -147,7 +152,7 @@ def matmul(a, b, out=None):
     """
     xp = get_array_module(a, b)
     if xp is np:
-        _single_threaded_blas()
+        _set_up_process()
     parts = product_column_blocks(a.shape[0], a.shape[1], b.shape[1], xp)
     if len(parts) == 1:
         return xp.matmul(a, b, out=out)
