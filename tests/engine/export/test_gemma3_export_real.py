@@ -93,8 +93,15 @@ def _llamacpp_ppl(python, model, text, ctx, lora=None) -> dict:
 
 
 def test_eval_and_the_merge_against_llama_cpp(tmp_path, trained, gemma3_270m):
-    """workbench eval within 0.5% of llama.cpp's perplexity (same chunking), and the merged
-    model within 1% of base + --lora in llama.cpp itself."""
+    """workbench eval within 0.5% of llama.cpp's perplexity (same chunking); the merged model
+    as good as the live adapter, in our engine and in llama.cpp.
+
+    llama.cpp's base + --lora and its merged model do not compute alike: the quantized base
+    product reads activations rounded to Q8_K, the merged F16 weights F16 activations. On this
+    adapter, which moves the perplexity by 40%, that alone moved it by up to 1.3% (measured in
+    the engine with and without llama.cpp's rounding: 1.5595 against 1.5447), so each llama.cpp
+    run is held to our engine computing the same way, and the merge itself to the live adapter
+    computed in float32 (0.06% here; F32 merged weights: 0.002%)."""
     from app.engine.export.evaluate import perplexity
     from app.engine.export.verify import llamacpp_python
 
@@ -114,5 +121,22 @@ def test_eval_and_the_merge_against_llama_cpp(tmp_path, trained, gemma3_270m):
     assert export(source, "merged", tmp_path / "merged.gguf", model=model, llamacpp=False).ok
     with_lora = _llamacpp_ppl(python, gemma3_270m, text, 128, adapter)["ppl"]
     merged = _llamacpp_ppl(python, tmp_path / "merged.gguf", text, 128)["ppl"]
-    assert merged == pytest.approx(with_lora, rel=0.01)
+    ours_merged = perplexity(load_model(tmp_path / "merged.gguf"), text, 128).ppl
+    ours_live = perplexity(model, text, 128, adapter=source.adapter).ppl   # llama.cpp's rounding
+    ours_live_float = _float_perplexity(model, text, source.adapter)
+    assert ours_merged == pytest.approx(ours_live_float, rel=0.002)      # the merge keeps it
+    assert merged == pytest.approx(ours_merged, rel=0.005)
+    assert with_lora == pytest.approx(ours_live, rel=0.01)
     assert abs(with_lora - theirs["ppl"]) > 0.05 * theirs["ppl"]        # the adapter matters
+
+
+def _float_perplexity(model, text, adapter) -> float:
+    """The model with the live adapter in float32 throughout (no llama.cpp activation rounding),
+    chunked as llama-perplexity -c 128."""
+    from app.engine.export.evaluate import perplexity_of_tokens
+
+    tok = model.tokenizer
+    tokens = tok.encode(text.read_text(), add_special=True)
+    return perplexity_of_tokens(lambda chunk: model.logits(chunk, adapter=adapter,
+                                                           llamacpp_numerics=False),
+                                tokens, 128, tok.bos_id if tok.add_bos else None).ppl
