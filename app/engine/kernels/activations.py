@@ -14,7 +14,7 @@ import numpy as np
 
 from app.engine.kernels import compiled_layers
 from app.engine.runtime.backend import get_array_module
-from app.engine.runtime.parallel import parallel_map, row_blocks
+from app.engine.runtime.parallel import array_row_blocks, parallel_map
 
 _SQRT_2_OVER_PI = np.float32(0.79788456080286535587989211986876)
 _GELU_COEF_A = np.float32(0.044715)
@@ -90,12 +90,12 @@ def swiglu_forward(g, u):
     if compiled_layers.runs_on(g, u) and _flat_rows(g, u, out):
         kernel = compiled_layers.kernels().swiglu_forward
         parallel_map(lambda r: kernel(g[r].reshape(-1), u[r].reshape(-1), out[r].reshape(-1)),
-                     _blocks(g))
+                     array_row_blocks(g))
         return out, SwigluCache(g, u)
 
     def rows(r: slice) -> None:
         xp.multiply(g[r] * sigmoid(g[r]), u[r], out=out[r])
-    parallel_map(rows, _blocks(g), xp)
+    parallel_map(rows, array_row_blocks(g), xp)
     return out, SwigluCache(g, u)
 
 
@@ -107,25 +107,20 @@ def swiglu_backward(dout, cache):
     if compiled_layers.runs_on(dout, g, u) and _flat_rows(dout, g, u, dg, du):
         kernel = compiled_layers.kernels().swiglu_backward
         parallel_map(lambda r: kernel(*(a[r].reshape(-1) for a in (dout, g, u, dg, du))),
-                     _blocks(g))
+                     array_row_blocks(g))
         return dg, du
 
     def rows(r: slice) -> None:
         sg = sigmoid(g[r])                               # (n, F) recomputed
         xp.multiply(dout[r] * g[r], sg, out=du[r])
         xp.multiply(dout[r] * u[r] * sg, 1.0 + g[r] * (1.0 - sg), out=dg[r])
-    parallel_map(rows, _blocks(g), xp)
+    parallel_map(rows, array_row_blocks(g), xp)
     return dg, du
 
 
 def _gelu_constants(g):
     """gelu_tanh's float32 constants in g's dtype, as NumPy promotes them."""
     return g.dtype.type(_SQRT_2_OVER_PI), g.dtype.type(_GELU_COEF_A)
-
-
-def _blocks(g) -> list[slice]:
-    """The blocks of rows of g (T, ...) for the engine's threads."""
-    return row_blocks(len(g), row_values=g.size // max(len(g), 1))
 
 
 def _flat_rows(*arrays) -> bool:
@@ -141,12 +136,12 @@ def geglu_forward(g, u, exact: bool = False):
     if exact and compiled_layers.runs_on(g, u) and _flat_rows(g, u, out):
         kernel, c, a = compiled_layers.kernels().geglu_forward, *_gelu_constants(g)
         parallel_map(lambda r: kernel(g[r].reshape(-1), u[r].reshape(-1), c, a,
-                                      out[r].reshape(-1)), _blocks(g))
+                                      out[r].reshape(-1)), array_row_blocks(g))
         return out, GegluCache(g, u, exact)
 
     def rows(r: slice) -> None:
         xp.multiply(gelu_tanh(g[r]) if exact else gelu_ggml(g[r]), u[r], out=out[r])
-    parallel_map(rows, _blocks(g), xp)
+    parallel_map(rows, array_row_blocks(g), xp)
     return out, GegluCache(g, u, exact)
 
 
@@ -164,13 +159,13 @@ def geglu_backward(dout, cache):
     if exact and compiled_layers.runs_on(dout, g, u) and _flat_rows(dout, g, u, dg, du):
         kernel, c, a = compiled_layers.kernels().geglu_backward, *_gelu_constants(g)
         parallel_map(lambda r: kernel(*(x[r].reshape(-1) for x in (dout, g, u)), c, a,
-                                      dg[r].reshape(-1), du[r].reshape(-1)), _blocks(g))
+                                      dg[r].reshape(-1), du[r].reshape(-1)), array_row_blocks(g))
         return dg, du
 
     def rows(r: slice) -> None:
         xp.multiply(dout[r], gelu_tanh(g[r]) if exact else gelu_ggml(g[r]), out=du[r])
         xp.multiply(dout[r] * u[r], gelu_tanh_grad(g[r]), out=dg[r])
-    parallel_map(rows, _blocks(g), xp)
+    parallel_map(rows, array_row_blocks(g), xp)
     return dg, du
 
 

@@ -56,8 +56,7 @@ def attention_pieces(xp, n_kv: int, mask) -> tuple[list[tuple[int, int, slice, s
     On CuPy one block of all rows and keys per kv head: the pieces run one after another there,
     and finding the keys would read the mask back to the host."""
     tq, tk = mask.shape
-    blocks = max(-(-MIN_PIECES // n_kv), tq // BLOCK_ROWS)
-    blocks = max(1, min(blocks, tq // MIN_BLOCK_ROWS)) if xp is np else 1
+    blocks = row_block_count(n_kv, tq) if xp is np else 1
     step = -(-tq // blocks)
     rows = [slice(lo, min(lo + step, tq)) for lo in range(0, tq, step)]
     keys = [slice(0, tk)]
@@ -66,6 +65,13 @@ def attention_pieces(xp, n_kv: int, mask) -> tuple[list[tuple[int, int, slice, s
         keys = [_readable_keys(readable[r]) for r in rows]
     pieces = [(j, b, r, keys[b % len(keys)]) for j in range(n_kv) for b, r in enumerate(rows)]
     return pieces, len(rows)
+
+
+def row_block_count(n_kv: int, n_rows: int) -> int:
+    """Query-row blocks per kv head on the CPU: enough for MIN_PIECES pieces in all, about
+    BLOCK_ROWS rows each, none under MIN_BLOCK_ROWS (one block when the rows are fewer)."""
+    blocks = max(-(-MIN_PIECES // n_kv), n_rows // BLOCK_ROWS)
+    return max(1, min(blocks, n_rows // MIN_BLOCK_ROWS))
 
 
 def _readable_keys(readable) -> slice:

@@ -13,7 +13,7 @@ import numpy as np
 
 from app.engine.kernels import compiled_layers
 from app.engine.runtime.backend import get_array_module
-from app.engine.runtime.parallel import MIN_PIECE_VALUES, parallel_map, row_blocks
+from app.engine.runtime.parallel import MIN_PIECE_VALUES, array_row_blocks, parallel_map
 
 DW_BLOCK_VALUES = 1 << 15   # a backward piece's rows hold about this many values (C x rows)
 
@@ -36,8 +36,7 @@ def rmsnorm_forward(x, w, eps: float):
         x2, out = np.ascontiguousarray(x).reshape(-1, c), np.empty(x.shape, x.dtype)
         out2, rstd1 = out.reshape(-1, c), rstd.reshape(-1)             # (n, C), (n,)
         kernel = compiled_layers.kernels().rmsnorm_forward
-        parallel_map(lambda r: kernel(x2[r], w, eps, out2[r], rstd1[r]),
-                     row_blocks(len(x2), row_values=c))
+        parallel_map(lambda r: kernel(x2[r], w, eps, out2[r], rstd1[r]), array_row_blocks(x2))
         return out, RmsNormCache(x, w, rstd)
     out = xp.empty_like(x)                                         # (..., C)
 
@@ -45,7 +44,7 @@ def rmsnorm_forward(x, w, eps: float):
         ms = (x[r].astype(xp.float64) ** 2).mean(-1, keepdims=True)  # summed in double, as ggml
         rstd[r] = 1.0 / xp.sqrt(ms + eps)
         xp.multiply(x[r] * rstd[r], w, out=out[r])
-    parallel_map(rows, row_blocks(len(x), row_values=x.size // max(len(x), 1)), xp)
+    parallel_map(rows, array_row_blocks(x), xp)
     return out, RmsNormCache(x, w, rstd)
 
 
@@ -67,7 +66,7 @@ def rmsnorm_backward(dout, cache):
         g = dout[r] * w                                            # (n, ..., C)
         gx = (g * xn[r]).mean(-1, keepdims=True)                   # (n, ..., 1) = r mean(g x)
         xp.multiply(rstd[r], g - xn[r] * gx, out=dx[r])
-    parallel_map(rows, row_blocks(len(x), row_values=x.size // max(len(x), 1)), xp)
+    parallel_map(rows, array_row_blocks(x), xp)
     return dx, dw
 
 

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from app.engine.kernels import compiled_layers
-from app.engine.runtime.parallel import parallel_map, row_blocks
+from app.engine.runtime.parallel import array_row_blocks, parallel_map
 
 NORM, NEOX = "norm", "neox"
 
@@ -82,5 +82,5 @@ def _rope_compiled(x, cos, sin, n_rot: int, mode: str, sign: int):
     x, cos, sin = (np.ascontiguousarray(a) for a in (x, cos, sin))
     kernel = compiled_layers.kernels().rope
     parallel_map(lambda r: kernel(x[r], cos[r], sin[r], n_rot, mode == NEOX, sign, out[r]),
-                 row_blocks(len(x), row_values=x.size // max(len(x), 1)))
+                 array_row_blocks(x))
     return out

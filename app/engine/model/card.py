@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 from app.engine.model.config import ModelConfig, config_from_metadata
 from app.engine.io.gguf import GGUFFile, read_gguf, type_name
-from app.engine.kernels.attention import BLOCK_ROWS, MIN_BLOCK_ROWS, MIN_PIECES
+from app.engine.kernels.attention import row_block_count
 from app.engine.kernels.loss import VOCAB_CHUNK
 from app.engine.model.lora import LoraConfig
 from app.engine.model.params import TRAINABLE_TYPES
@@ -94,13 +94,6 @@ def layer_activation_bytes(cfg: ModelConfig, n_tokens: int, ranks: dict[str, int
     return out
 
 
-def attention_row_blocks(n_kv: int, n_tokens: int) -> int:
-    """Query-row blocks per kv head of app.engine.kernels.attention on the CPU
-    (`attention_pieces`; one block on a GPU, fewer bytes)."""
-    blocks = max(-(-MIN_PIECES // n_kv), n_tokens // BLOCK_ROWS)
-    return max(1, min(blocks, n_tokens // MIN_BLOCK_ROWS))
-
-
 def layer_backward_bytes(cfg: ModelConfig, n_tokens: int) -> list[int]:
     """Bytes each layer's backward allocates beyond what it keeps for n_tokens tokens (T): the
     larger of its two halves, float32
@@ -116,7 +109,7 @@ def layer_backward_bytes(cfg: ModelConfig, n_tokens: int) -> list[int]:
                    the activation's gradient, the recomputed activation, dg and du (4·F per
                    token) and dx (C)"""
     t, c, d = n_tokens, cfg.n_embd, cfg.head_dim
-    b = attention_row_blocks(cfg.n_head_kv, t)
+    b = row_block_count(cfg.n_head_kv, t)            # the CPU's (one block on a GPU: fewer bytes)
     group = cfg.n_head // cfg.n_head_kv
     attention = ((2 * b * cfg.n_head_kv * d + 2 * cfg.n_head * d) * t
                  + thread_count() * 2 * group * -(-t // b) * t)

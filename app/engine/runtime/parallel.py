@@ -169,9 +169,7 @@ def product_column_blocks(m: int, k: int, n: int, xp=np) -> list[slice]:
     blocks = min(thread_count(), n // MIN_BLOCK_COLUMNS)
     if m * k * n < MIN_SPLIT_WORK or _serial(xp, blocks):
         return [slice(0, n)]
-    step = -(-n // blocks)
-    step += -step % 16                 # whole SIMD widths per block
-    return [slice(lo, min(lo + step, n)) for lo in range(0, n, step)]
+    return _blocks_of_16(n, blocks)
 
 
 def product_row_blocks(m: int, k: int, n: int, xp=np) -> list[slice]:
@@ -184,9 +182,20 @@ def product_row_blocks(m: int, k: int, n: int, xp=np) -> list[slice]:
     blocks = min(thread_count(), m // 16)
     if m * k * n < MIN_SPLIT_WORK or _serial(xp, blocks):
         return [slice(0, m)]
-    step = -(-m // blocks)
+    return _blocks_of_16(m, blocks)
+
+
+def _blocks_of_16(n: int, blocks: int) -> list[slice]:
+    """0..n in `blocks` ranges or fewer, each a whole multiple of 16 (SIMD widths) but the
+    last."""
+    step = -(-n // blocks)
     step += -step % 16
-    return [slice(lo, min(lo + step, m)) for lo in range(0, m, step)]
+    return [slice(lo, min(lo + step, n)) for lo in range(0, n, step)]
+
+
+def array_row_blocks(a) -> list[slice]:
+    """row_blocks of an array's first axis, with its values per row (element-wise work)."""
+    return row_blocks(len(a), row_values=a.size // max(len(a), 1))
 
 
 def row_blocks(n_rows: int, min_rows: int = 16, row_values: int = 0) -> list[slice]:
