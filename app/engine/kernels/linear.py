@@ -64,9 +64,9 @@ def linear_forward_group(x, layers: Sequence[Linear]) -> list[tuple[Any, LinearC
     blocks of rows in one parallel section (the widest layer's first)."""
     xp = get_array_module(x, *(layer.w for layer in layers))
     t, n_in = x.shape
+    base_ins = [x if layer.x_base is None else layer.x_base for layer in layers]  # (T, in)
     ys, xas, pieces = [], [], []
-    for i, layer in enumerate(layers):
-        base_in = x if layer.x_base is None else layer.x_base
+    for i, (layer, base_in) in enumerate(zip(layers, base_ins)):
         ys.append(xp.empty((t, layer.w.shape[0]), xp.result_type(base_in.dtype,
                                                                   layer.w.dtype)))  # (T, out)
         a = None if layer.lora is None else layer.lora[0]
@@ -77,8 +77,7 @@ def linear_forward_group(x, layers: Sequence[Linear]) -> list[tuple[Any, LinearC
     def rows(piece: tuple[int, slice]) -> None:
         i, r = piece
         layer, y, xa = layers[i], ys[i], xas[i]
-        base_in = x if layer.x_base is None else layer.x_base
-        xp.matmul(base_in[r], layer.w.T, out=y[r])                  # (t_r, out)
+        xp.matmul(base_ins[i][r], layer.w.T, out=y[r])              # (t_r, out)
         if layer.bias is not None:
             y[r] += layer.bias
         if layer.lora is not None:
@@ -122,9 +121,9 @@ def linear_backward_group(douts: Sequence, caches: Sequence[LinearCache],
         blocks.append(product_row_blocks(t, dout.shape[1], n_in, xp))
         parts.append([None] * len(blocks[i]))        # per block: (dA part, dB part) or None
         pieces += [(i, b) for b in range(len(blocks[i]))]
-        dws.append(xp.empty((dout.shape[1], n_in), xp.result_type(dout.dtype, cache.x.dtype))
-                   if need_dw else None)
+        dws.append(None)
         if need_dw:                                  # (out, in) in column blocks
+            dws[i] = xp.empty((dout.shape[1], n_in), xp.result_type(dout.dtype, cache.x.dtype))
             pieces += [(i, cols) for cols in product_column_blocks(dout.shape[1], t, n_in, xp)]
 
     def piece_of(piece: tuple[int, int | slice]) -> None:
