@@ -5,20 +5,24 @@ user's state folder (app.engine.runtime.paths.user_state_dir, beside the queue).
 run made by the window, `workbench train -o some/folder`, the queue or Python is listed by
 `workbench runs list` and the window's Runs screen (`app.engine.runs.rundir.registered_runs`).
 Lines are appended whole (O_APPEND); a torn or foreign line is skipped, and a path registered
-twice (a config replaced) keeps its latest line.
+twice (a config replaced) keeps its latest line. The file is the user's to edit, so a line is
+read as untrusted: nothing on it (nesting, a date out of range, a value of the wrong type) may
+stop the list of every other run (`_entry`).
 """
 
 from __future__ import annotations
 
-import json
+import math
 import os
 import time
 from pathlib import Path
+from typing import Any
 
-from app.engine.runtime.files import append_line, to_json
-from app.engine.runtime.paths import user_state_dir
+from app.engine.runtime.files import append_line, loads_json, to_json
+from app.engine.runtime.paths import state_file, user_state_dir
 
 REGISTRY = "runs.jsonl"
+LATEST_TIME = 253402300799.0   # 9999-12-31 23:59:59 UTC: the last second a date can show
 
 
 def registry_path() -> Path:
@@ -29,7 +33,7 @@ def register_run(path: str | os.PathLike, config: dict) -> None:
     """Add the run at `path` (absolute) with its config.json's kind, model and dataset."""
     record = {"path": str(path), "created": time.time(), "kind": config.get("kind", "sft"),
               "model": config.get("model"), "dataset": config.get("data") or config.get("prompts")}
-    append_line(registry_path(), to_json(record))
+    append_line(state_file(registry_path()), to_json(record))
 
 
 def registry_entries() -> list[dict]:
@@ -40,11 +44,32 @@ def registry_entries() -> list[dict]:
         return []
     entries: dict[str, dict] = {}
     for line in lines:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and isinstance(record.get("path"), str):
+        record = _entry(line)
+        if record is not None:
             entries.pop(record["path"], None)
             entries[record["path"]] = record
     return list(entries.values())
+
+
+def _entry(line: str) -> dict | None:
+    """The record of one registry line, its fields checked, or None for a line that names no
+    run: not a JSON object (torn, nested too deeply: `loads_json`), or no absolute path. A
+    field of the wrong type or out of range is dropped (a `created` that is not a finite time
+    between the epoch and the year 9999, a kind, model or dataset that is not a string): the
+    list then reads it from the run folder."""
+    try:
+        record = loads_json(line)
+    except ValueError:
+        return None
+    path = record.get("path") if isinstance(record, dict) else None
+    if not isinstance(path, str) or "\0" in path or not os.path.isabs(path):
+        return None
+    created = record.get("created")
+    return {"path": path, "created": created if _valid_time(created) else None,
+            **{key: record[key] if isinstance(record.get(key), str) else None
+               for key in ("kind", "model", "dataset")}}
+
+
+def _valid_time(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value) and 0 <= value <= LATEST_TIME)

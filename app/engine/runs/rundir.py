@@ -39,6 +39,7 @@ from app.engine.errors import ConfigError, EngineError
 from app.engine.runs.registry import register_run, registry_entries
 from app.engine.runtime.files import (StorageError, append_line, atomic_write_json, read_json,
                                       storage_error, to_json)
+from app.engine.runtime.paths import ensure_state_dir
 from app.engine.runtime.processes import pid_alive, process_started
 from app.engine.training.checkpoints import best_checkpoint as best_in_folder
 from app.engine.training.events import EVAL, STEP, TIME, TYPE, event_type
@@ -102,8 +103,12 @@ class RunDir:
         return self.path.name
 
     def exists(self) -> bool:
-        """True when the directory holds a config.json (is a run directory)."""
-        return self.config_path.is_file()
+        """True when the directory holds a config.json (is a run directory); False for a path
+        the system refuses (too long, a NUL)."""
+        try:
+            return self.config_path.is_file()
+        except (OSError, ValueError):
+            return False
 
     # ---------------------------------------------------------------- creation and config
     @classmethod
@@ -111,24 +116,54 @@ class RunDir:
         """Make the directory (and checkpoints/, exports/) and write config.json atomically.
 
         An existing run (a config.json already there) raises ConfigError unless `exist_ok`,
-        in which case the config is replaced. The run joins the user's list of runs
-        (app.engine.runs.registry), wherever its folder is.
+        in which case the config is replaced; so does a folder inside another run's
+        (`check_not_nested`). The run joins the user's list of runs
+        (app.engine.runs.registry), wherever its folder is. The user's state folder is made
+        first, so that it cannot fail with a run half made; any later failure takes back what
+        was made (`take_back`).
         """
         if not isinstance(config, dict):
             raise ConfigError(f"A run's config must be a JSON object, got {type(config).__name__}.")
         run = cls(path)
         check_path_length(run.path)
-        if run.config_path.exists() and not exist_ok:
+        config_existed = run.config_path.exists()
+        if config_existed and not exist_ok:
             raise ConfigError(f"{run.path} already holds a run (config.json exists).",
                               "Choose another output folder, or resume that run.")
+        check_not_nested(run.path)
+        ensure_state_dir()
+        existed = run.path.is_dir()
         try:
             for d in (run.path, run.checkpoints_dir, run.exports_dir):
                 d.mkdir(parents=True, exist_ok=True)
         except OSError as e:
+            run.take_back(existed, config_existed)
             raise storage_error(e, run.path, "create") from e
-        run.write_config(config)
-        register_run(run.path, config)
+        try:
+            run.write_config(config)
+            register_run(run.path, config)
+        except BaseException:
+            run.take_back(existed, config_existed)
+            raise
         return run
+
+    def take_back(self, existed: bool, config_existed: bool = False) -> None:
+        """Undo `create` after a failure (or a queue that refused the run), so that the same
+        command works next time: remove the folder it made, or, in a folder that was there
+        before (`existed`), the config.json it wrote (unless one was there:
+        `config_existed`) and its empty checkpoints/ and exports/. Best effort: never raises."""
+        import shutil
+
+        if not existed:
+            shutil.rmtree(self.path, ignore_errors=True)
+            return
+        if not config_existed:
+            self.config_path.unlink(missing_ok=True)
+        for folder in (self.checkpoints_dir, self.exports_dir):
+            try:
+                folder.rmdir()  # only if empty
+            except OSError:
+                pass
 
     def write_config(self, config: dict) -> None:
         atomic_write_json(self.config_path, config)
@@ -320,6 +355,19 @@ def check_path_length(path: Path) -> None:
                               "Choose a shorter run name or output folder.")
 
 
+def check_not_nested(path: Path) -> None:
+    """ConfigError when `path` is inside another run's folder (a folder above it holds a
+    config.json and a checkpoints/ folder): its checkpoints would prune, resume or export the
+    new run as one of theirs (`train -o RUN/checkpoints/step-99`). Both files are asked, not
+    config.json alone, which many projects' folders hold. The folders above are those of the
+    resolved path (through `..` and links)."""
+    for folder in path.resolve().parents:
+        above = RunDir(folder)
+        if above.exists() and above.checkpoints_dir.is_dir():
+            raise ConfigError(f"{path} is inside the run folder {above.path}.",
+                              "Choose an output folder outside every run's folder.")
+
+
 def default_run_name(stem: str) -> str:
     """A new run's folder name: `YYYYmmdd-HHMMSS-<stem>`, the stem (a dataset's file name)
     shortened, a character at a time, to RUN_NAME_MAX bytes."""
@@ -382,7 +430,7 @@ def registered_run_paths() -> list[str]:
     """The folders of registered_runs, newest registration first, the default runs folder's
     other runs after them; no run is read (the window polls this)."""
     paths = dict.fromkeys(e["path"] for e in sorted(registry_entries(),
-                                                     key=lambda e: -float(e.get("created") or 0)))
+                                                     key=lambda e: -(e["created"] or 0)))
     for run in list_runs():
         paths.setdefault(str(run.path))
     return list(paths)
