@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -151,16 +152,51 @@ def _read_at(fd: int, offset: int) -> bytes:
     return os.read(fd, 1)
 
 
+def link_error(path: str | os.PathLike) -> StorageError:
+    """The error for a symbolic link where the workbench writes a file or folder of its own
+    (a run folder copied with its links, say): writing through it would change a file the user
+    never named, wherever the link points."""
+    return StorageError(
+        f"{path} is a symbolic link; the workbench does not write through links.",
+        f"Replace {path} with a regular file or folder (a copy of what it points to), or "
+        "remove it: a folder copied with its links, for instance, holds such links.")
+
+
+def open_own_file(path: str | os.PathLike, flags: int, mode: int = 0o644) -> int:
+    """`os.open` of a file the workbench writes (in a run folder, in the user's state): never
+    through a symbolic link at `path` (O_NOFOLLOW; where the OS has none, a check just before),
+    and only a regular file (O_NONBLOCK, so that a FIFO planted there does not block the open).
+    The folders above `path` may be links: a run folder or a state folder moved elsewhere and
+    linked back is the user's doing. A link or anything but a regular file is a StorageError
+    naming it; other OSErrors are raised as they are."""
+    nofollow = getattr(os, "O_NOFOLLOW", 0)
+    if not nofollow and os.path.islink(path):
+        raise link_error(path)
+    try:
+        fd = os.open(path, flags | nofollow | getattr(os, "O_NONBLOCK", 0), mode)
+    except OSError:
+        if os.path.islink(path):   # ELOOP on Linux and macOS, EMLINK on FreeBSD
+            raise link_error(path) from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise StorageError(f"{path} is not a regular file; the workbench writes only into "
+                           "regular files.", f"Remove {path} or replace it with a regular file.")
+    return fd
+
+
 def append_line(path: str | os.PathLike, line: str) -> None:
     """Append one line (a newline is added) with a single write on an O_APPEND descriptor.
 
     If the file ends in a torn line (a crash or a full disk in the middle of a write), that
-    line is terminated first so the new line stays parseable.
+    line is terminated first so the new line stays parseable. A symbolic link or a special file
+    at `path` is refused (`open_own_file`): a run's metrics.jsonl or log.txt, and the registry,
+    are the workbench's own files, never another file reached through them.
     """
     path = Path(path)
     data = line.encode("utf-8") + b"\n"
     try:
-        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = open_own_file(path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
         try:
             size = os.fstat(fd).st_size
             if size and _read_at(fd, size - 1) != b"\n":

@@ -9,6 +9,11 @@ is ignored and cleaned up. Loading checks the checksums, so a file damaged later
 altered, deleted) is a DamagedCheckpoint, never a wrong state or a traceback. Checkpoints from
 before checksums (no manifest, no "format" in meta.json) still load. Nothing random needs
 saving: dropout masks and data order derive from (seed, step, position).
+
+Nothing is written or deleted through a symbolic link (`own_folder`): a `checkpoints/` or
+`step-<N>` that is a link (a run folder copied with its links) would have new steps written
+into the link's target and the target's old steps deleted by pruning. Reading through links
+(loading, listing) stays allowed.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from app.engine.errors import CheckpointError
+from app.engine.runtime.files import link_error
 
 SEP = "/"  # joins nested keys in arrays.npz (tensor names contain dots, never slashes)
 ARRAYS, META, MANIFEST = "arrays.npz", "meta.json", "manifest.json"
@@ -92,6 +98,16 @@ def _write(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
+def own_folder(path: str | os.PathLike) -> Path:
+    """`path` (the run's checkpoints folder, or a folder in it), once it is known not to be a
+    symbolic link: this module writes, renames and deletes only in folders of the run itself.
+    A link is a StorageError naming it (`link_error`); a missing path is fine (made later)."""
+    path = Path(path)
+    if path.is_symlink():
+        raise link_error(path)
+    return path
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     path: Path
@@ -103,9 +119,9 @@ class Checkpoint:
 def save_checkpoint(folder: str | os.PathLike, step: int, state: dict,
                     meta: dict | None = None) -> Path:
     """Write `folder/step-<step>` atomically; returns its path. Raises CheckpointError."""
-    folder = Path(folder)
-    final = folder / f"step-{step}"
-    tmp = folder / f".tmp-step-{step}-{os.getpid()}"
+    folder = own_folder(folder)
+    final = own_folder(folder / f"step-{step}")
+    tmp = own_folder(folder / f".tmp-step-{step}-{os.getpid()}")
     arrays, rest = _flatten(state)
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -190,7 +206,8 @@ def list_checkpoints(folder: str | os.PathLike) -> list[Path]:
 def set_aside(path: Path, why: str) -> Path:
     """Rename checkpoint `path` to `step-<N>.<why>`: kept for inspection, no longer listed
     (resumed from, pruned or exported). Returns the new path."""
-    target = path.with_name(f"{path.name}.{why}")
+    own_folder(path.parent)
+    target = own_folder(path.with_name(f"{path.name}.{why}"))
     try:
         shutil.rmtree(target, ignore_errors=True)
         os.rename(path, target)
@@ -263,12 +280,12 @@ def best_checkpoint(folder: str | os.PathLike) -> tuple[int, Path, float] | None
 def prune_checkpoints(folder: str | os.PathLike, keep_last: int, keep: tuple[int, ...] = ()) -> None:
     """Delete all but the newest `keep_last` checkpoints and the steps in `keep` (the best),
     and any temporary folders left by a crash."""
-    folder = Path(folder)
+    folder = own_folder(folder)
     found = list_checkpoints(folder)
     doomed = found[:-keep_last] if keep_last > 0 else found
     for p in doomed:
         if int(p.name[5:]) not in keep:
-            shutil.rmtree(p, ignore_errors=True)
+            shutil.rmtree(own_folder(p), ignore_errors=True)
     if folder.is_dir():
         for p in folder.glob(".tmp-step-*"):
-            shutil.rmtree(p, ignore_errors=True)
+            shutil.rmtree(own_folder(p), ignore_errors=True)

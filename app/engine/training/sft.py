@@ -23,7 +23,7 @@ import numpy as np
 
 from app.engine.runtime.backend import memory_report, peak_rss_mb
 from app.engine.training.checkpoints import (DamagedCheckpoint, list_checkpoints, load_checkpoint,
-                                             prune_checkpoints, restart_hint, save_checkpoint,
+                                             own_folder, prune_checkpoints, restart_hint, save_checkpoint,
                                              set_aside)
 from app.engine.training.communicator import Communicator, SingleProcess
 from app.engine.training.config import TrainConfig
@@ -281,7 +281,7 @@ def resume(session: TrainSession, checkpoints, state: dict, report: Report) -> P
     intact one is loaded into `session` and its saved run state into `state`, and a log event
     says so. Damaged newer ones are set aside (renamed `step-<N>.damaged`, so that pruning and
     export skip them), each with a log event; when none is intact, CheckpointError."""
-    ckpt_dir = Path(checkpoints) if checkpoints else None
+    ckpt_dir = own_folder(checkpoints) if checkpoints else None   # a link: refused up front
     damaged = []
     for path in reversed(list_checkpoints(ckpt_dir) if ckpt_dir is not None else []):
         try:

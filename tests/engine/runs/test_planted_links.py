@@ -1,0 +1,76 @@
+"""No write through links: a run folder copied with its links (metrics.jsonl, log.txt,
+status.json, config.json pointing elsewhere), or a linked registry, never has the workbench
+append to or replace the file a link points to."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from app.engine.runs.registry import register_run
+from app.engine.runs.rundir import RunDir
+from app.engine.runtime.files import StorageError, append_line
+
+pytestmark = pytest.mark.skipif(os.name == "nt", reason="symbolic links need privileges there")
+
+
+def _run_with_link(tmp_path, name: str, *, dangling: bool = False):
+    """A run folder whose `name` is a link to a file outside it: (run, link, target)."""
+    run = RunDir.create(tmp_path / "run", {"model": "m.gguf"})
+    target = tmp_path / "elsewhere" / "precious.txt"
+    target.parent.mkdir()
+    if not dangling:
+        target.write_bytes(b"the user's own file\n")
+    link = run.path / name
+    link.unlink(missing_ok=True)
+    link.symlink_to(target)
+    return run, link, target
+
+
+@pytest.mark.parametrize("dangling", [False, True], ids=["link", "dangling-link"])
+@pytest.mark.parametrize("name, append", [
+    ("metrics.jsonl", lambda run: run.append_metrics({"step": 1, "loss": 2.0})),
+    ("log.txt", lambda run: run.log("resumed from step 1")),
+])
+def test_appends_refuse_a_planted_link(tmp_path, name, append, dangling):
+    run, link, target = _run_with_link(tmp_path, name, dangling=dangling)
+    with pytest.raises(StorageError, match="symbolic link") as e:
+        append(run)
+    assert str(link) in e.value.message and f"Replace {link}" in e.value.hint
+    if dangling:
+        assert not os.path.lexists(target)      # O_CREAT did not make the link's target
+    else:
+        assert target.read_bytes() == b"the user's own file\n"
+    assert link.is_symlink()
+
+
+def test_an_append_to_a_special_file_is_refused_without_blocking(tmp_path):
+    fifo = tmp_path / "metrics.jsonl"
+    os.mkfifo(fifo)                             # no reader: a blocking open would hang here
+    with pytest.raises(StorageError, match="not a regular file"):
+        append_line(fifo, "{}")
+
+
+def test_the_registry_is_not_appended_through_a_link(tmp_path, monkeypatch):
+    state = tmp_path / "state"
+    monkeypatch.setenv("WORKBENCH_QUEUE", str(state / "queue.sqlite3"))
+    register_run(tmp_path / "r0", {})           # makes the state folder and the registry
+    target = tmp_path / "elsewhere.jsonl"
+    target.write_text("mine\n")
+    (state / "runs.jsonl").unlink()
+    (state / "runs.jsonl").symlink_to(target)
+    with pytest.raises(StorageError, match="symbolic link"):
+        register_run(tmp_path / "r1", {})
+    assert target.read_text() == "mine\n"
+
+
+@pytest.mark.parametrize("name, write", [
+    ("status.json", lambda run: run.write_status(state="running", step=3)),
+    ("config.json", lambda run: run.write_config({"model": "other.gguf"})),
+])
+def test_atomic_replacement_replaces_the_link_not_its_target(tmp_path, name, write):
+    run, link, target = _run_with_link(tmp_path, name)
+    write(run)
+    assert target.read_bytes() == b"the user's own file\n"
+    assert not link.is_symlink() and link.is_file()
