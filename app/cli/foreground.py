@@ -197,8 +197,10 @@ def run_in_foreground(run_dir, runner, printer) -> int:
 
 def start_run(args, config: dict, name: str, execute) -> int:
     """Create the run directory (--out, or a dated folder under the runs dir) and either add it
-    to the job queue (--queue) or run it here with `execute(run_dir, as_json)`."""
+    to the job queue (--queue) or run it here with `execute(run_dir, as_json)`, holding the
+    run's lock (app.engine.runs.runlock) from just after its creation to the end."""
     from app.engine.runs.rundir import RunDir, check_path_length, default_run_name, default_runs_dir
+    from app.engine.runs.runlock import RunLock
 
     out = Path(args.out) if args.out else Path(default_runs_dir()) / default_run_name(name)
     check_path_length(out)
@@ -211,25 +213,10 @@ def start_run(args, config: dict, name: str, execute) -> int:
             job_id = JobQueue(args.queue or None).add(run_dir.path,
                                                       executor=args.on or "local")
         except BaseException:  # the queue refused it: the same command must work next time
-            _take_back(run_dir, existed)
+            run_dir.take_back(existed)
             raise
         print(f"queued job {job_id}: {run_dir.path}" + (f" on {args.on}" if args.on else ""))
         return 0
     print(f"run directory: {run_dir.path}", file=sys.stderr)
-    return execute(run_dir, args.json)
-
-
-def _take_back(run_dir, existed: bool) -> None:
-    """Undo `RunDir.create`: the folder, or (a folder given with --out that was there before)
-    what create put in it."""
-    import shutil
-
-    if not existed:
-        shutil.rmtree(run_dir.path, ignore_errors=True)
-        return
-    run_dir.config_path.unlink(missing_ok=True)
-    for folder in (run_dir.checkpoints_dir, run_dir.exports_dir):
-        try:
-            folder.rmdir()  # only if empty
-        except OSError:
-            pass
+    with RunLock(run_dir, f"workbench {args.command}"):
+        return execute(run_dir, args.json)

@@ -211,7 +211,10 @@ def cmd_grpo(args) -> int:
         if kind_of(run_dir.config(), str(run_dir.config_path)) is not GRPO:
             raise ConfigError(f"{run_dir.path} is not a GRPO run.",
                               "Resume training runs with: workbench resume RUN_DIR")
-        return execute_grpo(run_dir, args.json, args.trust_reward_code)
+        from app.engine.runs.runlock import RunLock
+
+        with RunLock(run_dir, "workbench grpo --resume"):
+            return execute_grpo(run_dir, args.json, args.trust_reward_code)
     from app.engine.runtime.backend import array_module
 
     config = grpo_config_from_args(args)

@@ -37,14 +37,17 @@ def cmd_resume(args) -> int:
     from app.engine.runs.kinds import kind_of
     from app.engine.runs.rundir import RunDir
 
+    from app.engine.runs.runlock import RunLock
+
     run_dir = RunDir(args.run_dir)
     # not a run directory, or an unknown kind: a clear error, nothing touched
     kind = kind_of(run_dir.config(), str(run_dir.config_path))
-    if args.step is not None:
-        from app.engine.training.checkpoints import rewind
+    with RunLock(run_dir, "workbench resume"):  # another writer: RunBusyError, nothing touched
+        if args.step is not None:
+            from app.engine.training.checkpoints import rewind
 
-        kept = rewind(run_dir.checkpoints_dir, args.step)
-        print(f"resuming from step-{args.step}" + (
-            f"; the newer checkpoints are set aside as {', '.join(p.name for p in kept)}"
-            if kept else ""), file=sys.stderr)
-    return RESUME[kind.name](run_dir, args)
+            kept = rewind(run_dir.checkpoints_dir, args.step)
+            print(f"resuming from step-{args.step}" + (
+                f"; the newer checkpoints are set aside as {', '.join(p.name for p in kept)}"
+                if kept else ""), file=sys.stderr)
+        return RESUME[kind.name](run_dir, args)

@@ -48,8 +48,8 @@ from app.engine.errors import EngineError
 from app.engine.runs.clusters import ClusterStore
 from app.engine.runs.executors.local import local_alive, local_handle
 from app.engine.runs.rundir import RunDir
-from app.engine.runtime.files import storage_error
-from app.engine.runtime.paths import default_queue_path
+from app.engine.runs.runlock import RunBusyError, describe, lock_holder
+from app.engine.runtime.paths import default_queue_path, ensure_state_dir
 from app.engine.runtime.processes import pid_alive, this_host
 
 SCHEMA_VERSION = 3
@@ -308,10 +308,7 @@ class JobQueue:
             raise self._translate(e) from e
 
     def _init_db(self) -> None:
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise storage_error(e, self.path.parent, "create") from e
+        ensure_state_dir(self.path.parent)
         deadline = time.monotonic() + self.busy_timeout_s
         while True:
             try:
@@ -426,7 +423,7 @@ class JobQueue:
 
     def find(self, run_dir: str | os.PathLike) -> list[Job]:
         """Jobs of one run directory, newest first."""
-        key = str(RunDir(run_dir).path)
+        key = run_key(run_dir)
         with self._tx(write=False) as conn:
             rows = conn.execute(f"{_SELECT} WHERE run_dir = ? ORDER BY id DESC",
                                 (key,)).fetchall()
@@ -450,17 +447,24 @@ class JobQueue:
 
         The job goes after every queued/paused job of the same or higher priority (ahead of
         lower ones). With `check`, the run directory must hold a readable config.json
-        (ConfigError otherwise). A run directory can have only one active job. `executor`:
+        (ConfigError otherwise). A run directory can have only one active job, whatever the
+        spelling of its path (`run_key`), and none while another process writes it (holds its
+        lock: RunBusyError naming the holder). `executor`:
         "local", or the name of a cluster in `clusters()` (ClusterError when unknown), which
         must see the run directory through its path map (ConfigError otherwise; a loopback
         cluster sees this machine's paths).
         """
-        run = RunDir(run_dir)
+        key = run_key(run_dir)
+        run = RunDir(key)
         if check:
             run.config()
+        holder = lock_holder(run)
+        if holder is not None:
+            raise RunBusyError(f"{key} is being written by {describe(holder)}; a run has one "
+                               "writer at a time.",
+                               "Queue it when that process has ended (or stop it first).")
         if executor != LOCAL:
             self.clusters().get(executor).cluster_path(run.path)
-        key = str(run.path)
         with self._tx(write=True) as conn:
             other = self._active_job_for(conn, key)
             if other is not None:
@@ -726,6 +730,12 @@ class JobQueue:
             except EngineError:
                 pass
         return changed
+
+
+def run_key(run_dir: str | os.PathLike) -> str:
+    """A run's key in the queue: its resolved absolute path (through `..` and links), so that
+    every spelling of a run's path names the same job."""
+    return str(Path(run_dir).expanduser().resolve())
 
 
 def _worker_alive(job: Job) -> bool:

@@ -25,6 +25,7 @@ from app.engine.runs.clusters import PathMap
 from app.engine.runs.executors.ray import SUBMISSION_ENV
 from app.engine.runs.reporter import RunReporter, failure
 from app.engine.runs.rundir import RunDir
+from app.engine.runs.runlock import RunLock
 from app.engine.runtime.processes import this_host
 from app.engine.runs.worker import RESULTS, default_runner, install_stop_signals, restore_signals
 
@@ -93,6 +94,8 @@ def run_remote(run_dir: str | os.PathLike, runner=remote_runner,
         _say(run, f"attempt {mine} started after it was superseded (now: {current}); "
                   "left the run alone")
         return EXIT_STOPPED
+    lock = RunLock(run, "workbench queue run-remote" + (f" (attempt {mine})" if mine else ""))
+    lock.acquire()  # another process writes the run (an attempt still alive): RunBusyError
     stop = threading.Event()
     previous = install_stop_signals(stop)
     control = RemoteControl(run, stop)
@@ -111,6 +114,7 @@ def run_remote(run_dir: str | os.PathLike, runner=remote_runner,
                                                f"{error.get('detail') or ''}" if error else ""))
     finally:
         restore_signals(previous)
+        lock.release()
     return {"done": EXIT_DONE, "failed": EXIT_FAILED}.get(state, EXIT_STOPPED)
 
 

@@ -60,6 +60,7 @@ from app.engine.runtime.paths import default_queue_path
 from app.engine.runtime.processes import this_host
 from app.engine.runs.reporter import RunReporter, failure
 from app.engine.runs.rundir import RunDir
+from app.engine.runs.runlock import RunLock
 from app.engine.runtime.files import storage_error
 
 log = logging.getLogger("app.engine.runs.worker")
@@ -272,17 +273,21 @@ def run_job_once(queue: JobQueue, job: Job, runner: Runner, worker_id: str, *,
                  stop_event: threading.Event | None = None) -> str:
     """Run one claimed job to its end and record the outcome; returns the job's new state
     ("done", "failed", "cancelled", "paused", "queued", or "lost"). Never raises for the
-    job's own errors (KeyboardInterrupt/SystemExit put the job back and propagate)."""
+    job's own errors (KeyboardInterrupt/SystemExit put the job back and propagate).
+    The job holds the run's lock (app.engine.runs.runlock) while it writes the run: a run
+    that another process writes fails the job with its holder named, the run untouched."""
     run = RunDir(job.run_dir)
     control = JobControl(queue, job, worker_id, run, heartbeat_s=heartbeat_s,
                          stop_event=stop_event)
     beat = _Heartbeat(control, heartbeat_s, grace_s)
     beat.start()
     state, error = "failed", None
+    lock = RunLock(run, f"queue job {job.id} (worker {worker_id})")
     log.info("job %s: started %s (attempt %s)", job.id, job.run_dir, job.attempts + 1)
     try:
         try:
             run.config()  # a missing or broken run directory fails here, clearly
+            lock.acquire()
             control.reporter.started(job_id=job.id, worker_id=worker_id,
                                      attempts=job.attempts)
             run.log(f"job {job.id}: started by worker {worker_id}"
@@ -303,29 +308,36 @@ def run_job_once(queue: JobQueue, job: Job, runner: Runner, worker_id: str, *,
             state, error = "failed", failure(e)
     except BaseException:  # KeyboardInterrupt, SystemExit: put the job back, then stop
         beat.stop()
-        _record(queue, job, worker_id, run, control.reporter, "queued", None)
+        _record(queue, job, worker_id, run, control.reporter, "queued", None,
+                write_run=lock.held)
+        lock.release()
         raise
     beat.stop()
     if control.lost:
+        lock.release()
         log.warning("job %s: lost to another worker; its outcome (%s) is not recorded",
                     job.id, state)
         return "lost"
-    _record(queue, job, worker_id, run, control.reporter, state, error)
+    _record(queue, job, worker_id, run, control.reporter, state, error, write_run=lock.held)
+    lock.release()
     log.info("job %s: %s%s", job.id, state, f" ({error['kind']}: {error['message']})"
              if error else "")
     return state
 
 
 def _record(queue: JobQueue, job: Job, worker_id: str, run: RunDir, reporter: RunReporter,
-            state: str, error: dict | None) -> None:
-    """Write the outcome to the run directory and the queue; failures are logged, not raised."""
+            state: str, error: dict | None, *, write_run: bool = True) -> None:
+    """Write the outcome to the run directory (unless not `write_run`: a local job writes
+    only under the run's lock, which another process may hold) and the queue; failures are
+    logged, not raised."""
     try:
-        reporter.finished(state, error, job_id=job.id)
-        if error is not None:
-            run.log(f"job {job.id}: failed: {error['kind']}: {error['message']}\n"
-                    f"{error.get('detail') or ''}")
-        else:
-            run.log(f"job {job.id}: {state}")
+        if write_run:
+            reporter.finished(state, error, job_id=job.id)
+            if error is not None:
+                run.log(f"job {job.id}: failed: {error['kind']}: {error['message']}\n"
+                        f"{error.get('detail') or ''}")
+            else:
+                run.log(f"job {job.id}: {state}")
     except EngineError as e:
         log.warning("job %s: could not write to the run directory: %s", job.id, e.message)
     for attempt in range(5):

@@ -72,7 +72,7 @@ from typing import Any, ClassVar, Iterable, Sequence
 import numpy as np
 
 from app.engine.errors import ConfigError, EngineError
-from app.engine.runtime.paths import user_state_dir
+from app.engine.runtime.paths import state_file, user_state_dir
 from app.engine.runtime.schema import ANY, AT_LEAST_0, TEXT
 
 REWARD_KINDS = ("exact", "numeric", "regex", "format", "length", "file")
@@ -523,8 +523,7 @@ def trust_reward_files(specs: Iterable[RewardSpec]) -> None:
     if not files:
         return
     trusted = {**_trusted(), **{p: _sha256(p) for p in files}}
-    path = trust_file_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = state_file(trust_file_path())
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(trusted, indent=1), encoding="utf-8")
     os.replace(tmp, path)
