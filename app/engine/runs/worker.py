@@ -60,7 +60,7 @@ from app.engine.runtime.paths import default_queue_path
 from app.engine.runtime.processes import this_host
 from app.engine.runs.reporter import RunReporter, failure
 from app.engine.runs.rundir import RunDir
-from app.engine.runs.runlock import RunLock
+from app.engine.runs.runlock import RunLock, try_lock, unlock
 from app.engine.runtime.files import storage_error
 
 log = logging.getLogger("app.engine.runs.worker")
@@ -630,40 +630,6 @@ def worker_lock_path(queue_path: str | os.PathLike) -> Path:
     return real.parent / f".workbench-queue-{st.st_dev}-{st.st_ino}.worker.lock"
 
 
-def _try_lock(fd: int, shared: bool = False) -> bool:
-    if os.name == "nt":
-        import msvcrt
-
-        try:
-            os.lseek(fd, 0, os.SEEK_SET)
-            msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
-            return True
-        except OSError:
-            return False
-    import fcntl
-
-    try:
-        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-        return True
-    except OSError:
-        return False
-
-
-def _unlock(fd: int) -> None:
-    if os.name == "nt":
-        import msvcrt
-
-        try:
-            os.lseek(fd, 0, os.SEEK_SET)
-            msvcrt.locking(fd, msvcrt.LK_UNLCK, 1)
-        except OSError:
-            pass
-        return
-    import fcntl
-
-    fcntl.flock(fd, fcntl.LOCK_UN)
-
-
 class WorkerLock:
     """An OS file lock next to the queue (`worker_lock_path`): held by the one worker of that
     queue, released by the OS when the worker dies (even by kill -9). The holder's pid is kept
@@ -688,7 +654,7 @@ class WorkerLock:
         except OSError as e:
             raise storage_error(e, self.path, "create") from e
         deadline = time.monotonic() + timeout_s
-        while not _try_lock(fd):
+        while not try_lock(fd):
             if time.monotonic() >= deadline:
                 os.close(fd)
                 return False
@@ -707,7 +673,7 @@ class WorkerLock:
             self.pid_path.unlink()
         except OSError:
             pass
-        _unlock(self._fd)
+        unlock(self._fd)
         os.close(self._fd)
         self._fd = None
 
@@ -724,8 +690,8 @@ class WorkerLock:
         except OSError:
             return False
         try:
-            if _try_lock(fd, shared=True):
-                _unlock(fd)
+            if try_lock(fd, shared=True):
+                unlock(fd)
                 return False
             return True
         finally:
