@@ -89,3 +89,19 @@ def test_queue_logs_of_a_running_job(tmp_path, capsys):
     queue.claim_next("w")
     (tmp_path / "q.sqlite3.worker.log").write_text("worker says hello\n")
     assert _cli(capsys, "queue", "logs", str(job_id), *Q)[1] == "worker says hello\n"
+
+
+def test_add_refuses_a_bad_url_and_list_never_shows_a_password(tmp_path, capsys):
+    """`cluster add` with a URL a user may type (issue 28): an error and a hint, no traceback;
+    an older clusters.json whose URL holds credentials is listed without them."""
+    Q = ["--queue", str(tmp_path / "q.sqlite3")]
+    for url in ("http://[::1", "http://head:8265\nx", "http://head:99999",
+                "http://alice:s3cret@head:8265"):
+        code, out, err = _cli(capsys, "cluster", "add", "v6", url, *Q)
+        assert code == 2 and err.startswith("error: ") and "hint: " in err, err
+        assert "s3cret" not in out + err and "Traceback" not in err
+    assert not (tmp_path / "clusters.json").exists()
+    (tmp_path / "clusters.json").write_text(
+        '{"clusters": [{"name": "old", "url": "http://bob:hunter2@head:8265"}]}')
+    code, out, err = _cli(capsys, "cluster", "list", *Q)
+    assert code == 0 and "old  http://head:8265 " in out and "hunter2" not in out + err

@@ -15,15 +15,20 @@ import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import PurePosixPath
-from urllib.parse import urlparse
+from urllib.parse import urlparse, urlsplit
 
 from app.engine.errors import ConfigError, EngineError
 from app.engine.runtime.files import atomic_write_json, read_json
-from app.engine.runtime.paths import user_state_dir
+from app.engine.runtime.paths import state_file, user_state_dir
 
 KEYRING_SERVICE = "gguf-workbench"
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
+MAX_RESOURCES = 1e6  # CPUs or GPUs one run may ask: a sanity bound, not a cluster's size
+URL_HINT = "Give the Ray dashboard's address, e.g. http://head-node:8265."
+_LABEL = r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
+# host (DNS labels, IPv4, or a bracketed IPv6 address that urlsplit checks), then ":port"
+_AUTHORITY = re.compile(rf"(?:\[[0-9A-Fa-f:.]+\]|{_LABEL}(?:\.{_LABEL})*\.?)(?::[0-9]+)?")
 
 
 class ClusterError(EngineError):
@@ -33,6 +38,66 @@ class ClusterError(EngineError):
 def cluster_token_env(name: str) -> str:
     """The environment variable that holds cluster `name`'s token where no keyring is."""
     return "WORKBENCH_CLUSTER_TOKEN_" + re.sub(r"[^A-Za-z0-9]", "_", name).upper()
+
+
+def _split_userinfo(url: str) -> tuple[str, str, str]:
+    """(before the authority's "user:password@", that userinfo, the rest); plain string work,
+    so that it holds for any text."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return "", "", url
+    authority_end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+    userinfo, at, host = rest[:authority_end].rpartition("@")
+    if not at:
+        return scheme + sep, "", rest
+    return scheme + sep, userinfo + at, host + rest[authority_end:]
+
+
+def without_credentials(url: str) -> str:
+    """`url` without the "user:password@" of its authority (if any)."""
+    head, _, rest = _split_userinfo(url)
+    return head + rest
+
+
+def check_url(url) -> str:
+    """The Ray dashboard's URL `url` as the workbench keeps it (without a trailing "/"), or a
+    ConfigError saying what is wrong with it: printable ASCII only (no whitespace or control
+    characters: an internationalised host in its xn-- form), http or https, a host, a port
+    from 1 to 65535 if one is given, no query or fragment, and no credentials (the head's
+    token goes to the keyring instead: a password in the URL would be stored in clusters.json
+    and printed). The message never repeats a password."""
+    shown = without_credentials(url) if isinstance(url, str) else url
+    if not isinstance(url, str) or not url:
+        raise ConfigError("The cluster's URL is empty.", URL_HINT)
+    if not (url.isascii() and url.isprintable()) or any(c.isspace() for c in url):
+        raise ConfigError(f"Cluster URL {shown!r} contains a space, a control character or a "
+                          "character other than ASCII.",
+                          URL_HINT + " Write an internationalised host name in its xn-- form.")
+    head, userinfo, rest = _split_userinfo(url)
+    if userinfo:
+        raise ConfigError(f"Cluster URL {head + '***@' + rest!r} holds a user name or password; "
+                          "the workbench "
+                          "does not keep credentials in URLs.",
+                          "Give the URL without them, and the head's token with --token-stdin "
+                          "(Settings > Clusters: the Token field): it is kept in the OS keyring.")
+    try:
+        parsed = urlsplit(url)
+        port, host = parsed.port, parsed.hostname
+    except ValueError as e:  # "Invalid IPv6 URL", "Port out of range 0-65535", ...
+        raise ConfigError(f"Cluster URL {shown!r} is not a usable address ({e}).",
+                          URL_HINT + " A port is a number from 1 to 65535.") from None
+    if parsed.scheme not in ("http", "https") or not host:
+        raise ConfigError(f"Cluster URL {shown!r} is not an http(s) address with a host.",
+                          URL_HINT)
+    if not _AUTHORITY.fullmatch(parsed.netloc) or len(host) > 253:
+        raise ConfigError(f"Cluster URL {shown!r}: {parsed.netloc!r} is not a host name or "
+                          "address with an optional :port.", URL_HINT)
+    if port == 0:
+        raise ConfigError(f"Cluster URL {shown!r}: port 0 is not a port to connect to.",
+                          "Give the dashboard's port, 1 to 65535 (8265 by default).")
+    if parsed.query or parsed.fragment or url.endswith(("?", "#")):
+        raise ConfigError(f"Cluster URL {shown!r} has a query or fragment (?, #).", URL_HINT)
+    return url.rstrip("/")
 
 
 def _normalise_prefix(prefix: str) -> str:
@@ -120,11 +185,16 @@ class Cluster:
             raise ConfigError(f"Cluster name {self.name!r} is not usable.",
                               "Use letters, digits, '.', '_' or '-' (up to 64), starting with a "
                               "letter or digit.")
-        parsed = urlparse(self.url or "")
-        if parsed.scheme not in ("http", "https") or not parsed.hostname:
-            raise ConfigError(f"Cluster URL {self.url!r} is not an http(s) address.",
-                              "Give the Ray dashboard's address, e.g. http://head-node:8265.")
-        object.__setattr__(self, "url", self.url.rstrip("/"))
+        object.__setattr__(self, "url", check_url(self.url))
+        for what, value in (("CPUs", self.num_cpus), ("GPUs", self.num_gpus)):
+            if not isinstance(value, (int, float)) or not 0 <= value <= MAX_RESOURCES:
+                raise ConfigError(f"{what} per run must be a number from 0 to {MAX_RESOURCES:g}, "
+                                  f"not {value!r}.", "Give how many each run asks, e.g. 1.")
+        if not isinstance(self.python, str) or not self.python.strip() \
+                or not self.python.isprintable():
+            raise ConfigError(f"The cluster's Python {self.python!r} is not a command.",
+                              "Give the interpreter that has the workbench on the cluster's "
+                              "nodes, e.g. /opt/wb/bin/python.")
         if isinstance(self.path_map, str):
             object.__setattr__(self, "path_map", PathMap.parse(self.path_map))
         elif not isinstance(self.path_map, PathMap):
@@ -170,11 +240,17 @@ class ClusterStore:
         if not isinstance(data, dict) or not isinstance(data.get("clusters"), list):
             raise ConfigError(f"{self.path} is not a cluster list.",
                               "Remove the file and add the clusters again.")
-        return {c["name"]: c for c in data["clusters"] if isinstance(c, dict) and "name" in c}
+        clusters = {c["name"]: c for c in data["clusters"] if isinstance(c, dict) and "name" in c}
+        for entry in clusters.values():
+            # credentials in the URL of an entry from before `check_url` refused them: left
+            # out (never shown, never sent: the head's token is the way in), and out of the
+            # file at its next write
+            if isinstance(entry.get("url"), str):
+                entry["url"] = without_credentials(entry["url"])
+        return clusters
 
     def _write(self, clusters: dict[str, dict]) -> None:
-        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        atomic_write_json(self.path, {"clusters": [clusters[k] for k in sorted(clusters)]})
+        atomic_write_json(state_file(self.path), {"clusters": [clusters[k] for k in sorted(clusters)]})
 
     def list(self) -> list[Cluster]:
         return [Cluster.from_dict(c) for c in self._read().values()]
