@@ -12,13 +12,14 @@ stop the list of every other run (`_entry`).
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
 from pathlib import Path
 from typing import Any
 
-from app.engine.runtime.files import append_line, loads_json, to_json
+from app.engine.runtime.files import append_line, loads_json
 from app.engine.runtime.paths import state_file, user_state_dir
 
 REGISTRY = "runs.jsonl"
@@ -33,7 +34,8 @@ def register_run(path: str | os.PathLike, config: dict) -> None:
     """Add the run at `path` (absolute) with its config.json's kind, model and dataset."""
     record = {"path": str(path), "created": time.time(), "kind": config.get("kind", "sft"),
               "model": config.get("model"), "dataset": config.get("data") or config.get("prompts")}
-    append_line(state_file(registry_path()), to_json(record))
+    # ASCII JSON: a folder name that is not UTF-8 (surrogate escapes) is kept, escaped
+    append_line(state_file(registry_path()), json.dumps(record, default=str))
 
 
 def registry_entries() -> list[dict]:
@@ -53,16 +55,21 @@ def registry_entries() -> list[dict]:
 
 def _entry(line: str) -> dict | None:
     """The record of one registry line, its fields checked, or None for a line that names no
-    run: not a JSON object (torn, nested too deeply: `loads_json`), or no absolute path. A
-    field of the wrong type or out of range is dropped (a `created` that is not a finite time
-    between the epoch and the year 9999, a kind, model or dataset that is not a string): the
-    list then reads it from the run folder."""
+    run: not a JSON object (torn, nested too deeply: `loads_json`), or no absolute path the
+    system can name (a NUL, a lone surrogate). A field of the wrong type or out of range is
+    dropped (a `created` that is not a finite time between the epoch and the year 9999, a
+    kind, model or dataset that is not a string): the list then reads it from the run folder."""
     try:
         record = loads_json(line)
     except ValueError:
         return None
     path = record.get("path") if isinstance(record, dict) else None
-    if not isinstance(path, str) or "\0" in path or not os.path.isabs(path):
+    if not isinstance(path, str) or not os.path.isabs(path):
+        return None
+    try:
+        if b"\0" in os.fsencode(path):
+            return None
+    except UnicodeError:   # a lone surrogate, not a byte of a name (surrogateescape)
         return None
     created = record.get("created")
     return {"path": path, "created": created if _valid_time(created) else None,
