@@ -35,7 +35,7 @@ from app.engine.training.config import TrainConfig
 from app.engine.training.config import check_context, default_context, default_lr
 from app.engine.training.grpo import GrpoConfig, build_grpo_config
 from app.engine.training.memory import TrainingMemory, estimate_memory
-from app.engine.training.reward_functions import (RewardSpec, trust_reward_files,
+from app.engine.training.reward_functions import (TRUST_SCOPE, RewardSpec, trust_reward_files,
                                                   untrusted_reward_files)
 from app.engine.training.sft import RunConfig
 
@@ -59,7 +59,7 @@ __all__ = [
     "check_model_targets",
     # configs, the settings-file schema, datasets, memory
     "DataConfig", "GrpoConfig", "RewardSpec", "RunConfig", "TrainConfig", "build_grpo_config",
-    "trust_reward_files", "untrusted_reward_files", "check", "read_config_file",
+    "TRUST_SCOPE", "trust_reward_files", "untrusted_reward_files", "check", "read_config_file",
     "LintReport", "lint_file", "TrainingMemory", "estimate_memory", "gpu_available",
     # export
     "ExportTargetExists", "export", "source_from_adapter", "source_from_run",

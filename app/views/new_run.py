@@ -34,7 +34,7 @@ from app.engine.api import (GRPO, KINDS, LOCAL, RUN_NAME_MAX, SFT, ConfigError, 
                             EngineError, GrpoConfig, LintReport, ModelCard, RunConfig,
                             build_grpo_config, check_model_targets, default_run_name,
                             describe_model, estimate_memory, human_bytes, lint_file,
-                            trust_reward_files, untrusted_reward_files)
+                            TRUST_SCOPE, trust_reward_files, untrusted_reward_files)
 from app.views.context import AppContext, Background, sample_dataset_path, sample_model_path
 from app.views.dataset_panel import DatasetPanel
 from app.views.error_panel import ErrorPanel
@@ -425,7 +425,7 @@ class NewRunView(QWidget):
             return True
         answer = QMessageBox.question(
             self, "Run reward code?", f"This run uses reward code from {', '.join(files)}. "
-            "It runs as Python with your rights. Run it?",
+            f"It runs as Python with your rights. {TRUST_SCOPE} Run it?",
             QMessageBox.Yes | QMessageBox.No, QMessageBox.No)
         if answer != QMessageBox.Yes:
             return False

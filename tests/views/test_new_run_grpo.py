@@ -174,7 +174,8 @@ def test_reward_code_from_loaded_settings_runs_only_after_yes(qtbot, view, ctx, 
                                                               monkeypatch):
     from PySide6.QtWidgets import QMessageBox
 
-    from app.engine.training.reward_functions import RewardSpec, untrusted_reward_files
+    from app.engine.training.reward_functions import (TRUST_SCOPE, RewardSpec,
+                                                      untrusted_reward_files)
 
     reward = tmp_path / "shared_reward.py"
     reward.write_text("def reward(prompt, completion, **row):\n    return 1.0\n")
@@ -192,7 +193,7 @@ def test_reward_code_from_loaded_settings_runs_only_after_yes(qtbot, view, ctx, 
                         lambda parent, title, text, *a: asked.append(text) or answer)
     assert view.create_run() is None                # No: nothing starts, nothing is trusted
     assert asked == [f"This run uses reward code from {reward}. It runs as Python with your "
-                     "rights. Run it?"]
+                     f"rights. {TRUST_SCOPE} Run it?"]
     assert ctx.queue.list() == [] and untrusted_reward_files(rewards) == [str(reward)]
     answer = QMessageBox.Yes
     with qtbot.waitSignal(view.run_created, timeout=10_000):

@@ -40,9 +40,12 @@ The trust rule: a file the user names for a new run themselves (``workbench grpo
 FILE.py``) is trusted by that act. A file named by a config from elsewhere (``--config X.json``,
 a run directory to resume, a queued job, settings loaded in the window) runs only once the user
 trusted it: ``--trust-reward-code`` on the command line, Yes to the window's question. Trust is
-recorded per file as its sha256 in ``trusted-rewards.json`` in the user data folder (beside the
-job queue's database), not in the run's config.json, where a shared config could carry it along;
-a file changed since (another hash) needs trust again. `untrusted_reward_files`,
+recorded per file in ``trusted-rewards.json`` in the user data folder (beside the job queue's
+database), not in the run's config.json, where a shared config could carry it along: the sha256
+of the file and of every local module it imports (`reward_code_files`: a module an import
+statement names that its folder holds, recursively), so a file or a module changed since, or a
+module it newly imports, needs trust again. Code loaded by a computed name (importlib, exec) is
+not followed; the trust question says so (TRUST_SCOPE). `untrusted_reward_files`,
 `trust_reward_files` and `check_reward_trust` are the one rule the CLI, the worker and the
 window use.
 
@@ -54,6 +57,7 @@ A regex whose text ends in ``:<number>`` needs an explicit weight (``regex:a:1:1
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import hashlib
 import json
@@ -66,12 +70,14 @@ import sys
 import tempfile
 import threading
 from dataclasses import dataclass
+from importlib import machinery
 from pathlib import Path
 from typing import Any, ClassVar, Iterable, Sequence
 
 import numpy as np
 
 from app.engine.errors import ConfigError, EngineError
+from app.engine.runtime.files import atomic_write_json
 from app.engine.runtime.paths import state_file, user_state_dir
 from app.engine.runtime.schema import ANY, AT_LEAST_0, TEXT
 
@@ -480,6 +486,9 @@ class RewardProcess:
 # ---- trust: which reward files the user agreed to run ---------------------------------------------
 
 TRUST_FILE = "trusted-rewards.json"
+TRUST_SCOPE = ("Trust covers each reward file and the local modules it imports by name (import "
+               "statements that find a file in its folder); code it loads any other way is not "
+               "checked.")
 
 
 class UntrustedRewardError(ConfigError):
@@ -499,8 +508,88 @@ def _reward_files(specs: Iterable[RewardSpec]) -> list[str]:
     return [p for p in dict.fromkeys(paths) if os.path.isfile(p)]
 
 
-def _sha256(path: str) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+# A reward file runs with its own folder first on sys.path (_BOOTSTRAP), so the modules it imports
+# from there are its code as much as the file is: trust covers them (reward_code_files).
+_LOADERS = ((machinery.ExtensionFileLoader, machinery.EXTENSION_SUFFIXES),
+            (machinery.SourceFileLoader, machinery.SOURCE_SUFFIXES),
+            (machinery.SourcelessFileLoader, machinery.BYTECODE_SUFFIXES))
+
+
+def _module_files(name: str, root: str) -> list[tuple[str, str, bool]]:
+    """What `import name` loads from `root` (the reward file's folder): (file, module name,
+    is a package) of each package on the way and of the module itself; [] when its top-level
+    name is not in `root` (the standard library, site-packages). Fresh finders each time, so a
+    module added a moment ago is seen."""
+    found, locations, parts = [], [root], name.split(".")
+    for i in range(len(parts)):
+        qualname = ".".join(parts[:i + 1])
+        spec = next((s for s in (machinery.FileFinder(loc, *_LOADERS).find_spec(qualname)
+                                 for loc in locations) if s is not None), None)
+        if spec is None:
+            break
+        if spec.has_location:         # a namespace package has no file of its own
+            found.append((spec.origin, qualname, spec.submodule_search_locations is not None))
+        if spec.submodule_search_locations is None:
+            break
+        locations = list(spec.submodule_search_locations)
+    return found
+
+
+def _imported_names(path: str, package: str) -> set[str]:
+    """The module names the import statements of source file `path` name (anywhere in it,
+    functions and try blocks included), relative ones resolved against `package` ("" for the
+    reward file itself, which is no package's module). `from M import x` adds M.x, which may
+    be a submodule. A file that cannot be read or parsed names none (it fails when it loads)."""
+    try:
+        tree = ast.parse(Path(path).read_bytes())
+    except (OSError, SyntaxError, ValueError):
+        return set()
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:
+                if not package:
+                    continue
+                base = package.rsplit(".", node.level - 1)[0]
+                module = f"{base}.{module}" if module else base
+            names.add(module)
+            names.update(f"{module}.{alias.name}" for alias in node.names if alias.name != "*")
+    return names
+
+
+def reward_code_files(path: str) -> list[str]:
+    """The reward file `path` (absolute) and the local modules it imports, recursively: each
+    module an import statement names that Python finds in the file's folder (the reward
+    process puts it first on sys.path), with the packages on the way. Imports by a computed
+    name (importlib.import_module(x), __import__, exec) cannot be followed: TRUST_SCOPE."""
+    root = os.path.dirname(path)
+    files = {path: ""}                # file -> the package its relative imports start from
+    todo = [path]
+    while todo:
+        current = todo.pop()
+        for name in _imported_names(current, files[current]):
+            for file, qualname, is_package in _module_files(name, root):
+                if file not in files:
+                    files[file] = qualname if is_package else qualname.rpartition(".")[0]
+                    if file.endswith(".py"):
+                        todo.append(file)
+    return list(files)
+
+
+def _sha256(path: str) -> str | None:
+    """The file's sha256; None when it cannot be read (then it is never trusted)."""
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def _code_hashes(path: str) -> dict[str, str | None]:
+    """{file: sha256} of a reward file and its local modules (`reward_code_files`)."""
+    return {file: _sha256(file) for file in reward_code_files(path)}
 
 
 def _trusted() -> dict:
@@ -511,22 +600,37 @@ def _trusted() -> dict:
     return trusted if isinstance(trusted, dict) else {}
 
 
+def _trusted_code(trusted: dict, path: str) -> dict:
+    """{file: sha256} the user trusted for reward file `path`: the record maps each reward
+    file to the hashes of its code files; a plain hash (an older record) covers the file only."""
+    record = trusted.get(path)
+    return {path: record} if isinstance(record, str) else \
+        record if isinstance(record, dict) else {}
+
+
 def untrusted_reward_files(specs: Iterable[RewardSpec]) -> list[str]:
-    """The custom reward files of `specs` the user has not trusted as they are now."""
+    """The custom reward code of `specs` the user has not trusted as it is now: a reward file
+    never trusted or changed since, or else each local module it imports that changed or is
+    new since its trust, named "MODULE (imported by FILE)"."""
     trusted = _trusted()
-    return [p for p in _reward_files(specs) if trusted.get(p) != _sha256(p)]
+    out = []
+    for path in _reward_files(specs):
+        then = _trusted_code(trusted, path)
+        changed = [f for f, h in _code_hashes(path).items() if h is None or then.get(f) != h]
+        out += [path] if path in changed else \
+            [f"{f} (imported by {os.path.basename(path)})" for f in changed]
+    return out
 
 
 def trust_reward_files(specs: Iterable[RewardSpec]) -> None:
-    """Record that the user trusts the custom reward files of `specs` as they are now."""
+    """Record that the user trusts the custom reward files of `specs`, and the local modules
+    they import, as they are now. StorageError (DiskFullError) when the record cannot be
+    written."""
     files = _reward_files(specs)
     if not files:
         return
-    trusted = {**_trusted(), **{p: _sha256(p) for p in files}}
-    path = state_file(trust_file_path())
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(trusted, indent=1), encoding="utf-8")
-    os.replace(tmp, path)
+    trusted = {**_trusted(), **{p: _code_hashes(p) for p in files}}
+    atomic_write_json(state_file(trust_file_path()), trusted)
 
 
 def check_reward_trust(specs: Iterable[RewardSpec], hint: str, trust: bool = False) -> None:
@@ -539,8 +643,8 @@ def check_reward_trust(specs: Iterable[RewardSpec], hint: str, trust: bool = Fal
     if files:
         raise UntrustedRewardError(
             f"This run uses reward code from {', '.join(files)}, which you have not trusted "
-            "(or which changed since you did). A reward file runs as Python with your rights.",
-            hint)
+            "(or which changed since you did). A reward file runs as Python with your rights. "
+            + TRUST_SCOPE, hint)
 
 
 # ---- the scorer -------------------------------------------------------------------------------------

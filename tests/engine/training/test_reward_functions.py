@@ -13,8 +13,8 @@ from app.engine.errors import ConfigError, EngineError
 from app.engine.training.reward_functions import (RewardError, RewardProcess, RewardScorer,
                                                   RewardSpec, ScoreItem, UntrustedRewardError,
                                                   check_reward_trust, last_number, normalize_text,
-                                                  parse_reward, trust_file_path, trust_reward_files,
-                                                  untrusted_reward_files)
+                                                  parse_reward, reward_code_files, trust_file_path,
+                                                  trust_reward_files, untrusted_reward_files)
 
 ROW = {"messages": [{"role": "user", "content": "What is 47 + 38?"}], "answer": "85"}
 
@@ -233,3 +233,93 @@ def test_reward_files_run_only_once_trusted_as_they_are(tmp_path, monkeypatch):
     assert untrusted_reward_files(specs) == [b]
     trust_file_path().write_text("not json")            # an unreadable record trusts nothing
     assert untrusted_reward_files(specs) == [a, b]
+
+
+def _reward_with_modules(folder):
+    """main_rew.py importing helper.py, a package with a relative import, and the stdlib."""
+    write(folder, "import json\nimport helper\nfrom pkg import sub\n\n"
+                  "def reward(prompt, completion, **row):\n"
+                  "    return helper.value() + sub.value()\n", "main_rew.py")
+    write(folder, "def value():\n    return 1\n", "helper.py")
+    (folder / "pkg").mkdir()
+    write(folder / "pkg", "", "__init__.py")
+    write(folder / "pkg", "from . import deep\n\ndef value():\n    return deep.VALUE\n", "sub.py")
+    write(folder / "pkg", "VALUE = 2\n", "deep.py")
+    return str(folder / "main_rew.py")
+
+
+def test_trust_covers_the_local_modules_a_reward_file_imports(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORKBENCH_QUEUE", str(tmp_path / "state" / "queue.sqlite3"))
+    main = _reward_with_modules(tmp_path)
+    assert sorted(reward_code_files(main)) == sorted(
+        str(tmp_path / f) for f in ("main_rew.py", "helper.py", "pkg/__init__.py", "pkg/sub.py",
+                                    "pkg/deep.py"))           # json: not a local module
+    specs = [RewardSpec("file", arg=main)]
+    assert untrusted_reward_files(specs) == [main]
+    trust_reward_files(specs)
+    assert untrusted_reward_files(specs) == []
+    assert RewardProcess(main)("p", "c", {}, "on row 0") == 3.0
+    helper = tmp_path / "helper.py"
+    helper.write_text("def value():\n    return 100\n")       # replaced beside a trusted file
+    with pytest.raises(UntrustedRewardError) as e:
+        check_reward_trust(specs, "the hint")
+    assert f"reward code from {helper} (imported by main_rew.py)" in e.value.message
+    assert "the local modules it imports by name" in e.value.message
+    check_reward_trust(specs, "", trust=True)
+    (tmp_path / "pkg" / "deep.py").write_text("VALUE = 5\n")  # two imports away, relative
+    assert untrusted_reward_files(specs) == [f"{tmp_path / 'pkg' / 'deep.py'} "
+                                             "(imported by main_rew.py)"]
+    trust_reward_files(specs)
+    helper.write_text("import extra\n\ndef value():\n    return extra.VALUE\n")
+    write(tmp_path, "VALUE = 7\n", "extra.py")                # a module it newly imports
+    assert untrusted_reward_files(specs) == [f"{helper} (imported by main_rew.py)",
+                                             f"{tmp_path / 'extra.py'} (imported by main_rew.py)"]
+
+
+def test_a_trust_record_of_the_file_alone_does_not_cover_its_modules(tmp_path, monkeypatch):
+    import hashlib
+    import json
+
+    monkeypatch.setenv("WORKBENCH_QUEUE", str(tmp_path / "state" / "queue.sqlite3"))
+    main = _reward_with_modules(tmp_path)
+    trust_file_path().parent.mkdir()
+    trust_file_path().write_text(json.dumps(                  # as an older workbench wrote it
+        {main: hashlib.sha256(open(main, "rb").read()).hexdigest()}))
+    assert str(tmp_path / "helper.py") + " (imported by main_rew.py)" in \
+        untrusted_reward_files([RewardSpec("file", arg=main)])
+
+
+def test_a_full_disk_while_trusting_is_a_clear_error(tmp_path, monkeypatch):
+    from app.engine.runtime import files
+    from app.engine.runtime.files import DiskFullError
+    from tests.engine.runs.test_rundir import _full_disk_os
+
+    monkeypatch.setenv("WORKBENCH_QUEUE", str(tmp_path / "state" / "queue.sqlite3"))
+    specs = [RewardSpec("file", arg=_reward_with_modules(tmp_path))]
+    monkeypatch.setattr(files, "os", _full_disk_os())
+    with pytest.raises(DiskFullError, match="no space left in") as e:
+        check_reward_trust(specs, "the hint", trust=True)
+    assert "Free some space" in e.value.hint
+    monkeypatch.undo()
+    assert not trust_file_path().exists()
+
+
+def test_resume_asks_again_when_a_module_of_a_trusted_reward_changed(tmp_path, monkeypatch,
+                                                                       capsys):
+    from app.cli.main import run_cli
+    from app.engine.runs.rundir import RunDir
+    from app.engine.training.grpo import GrpoConfig
+    from tests.conftest import SAMPLE_DATA
+
+    monkeypatch.setenv("WORKBENCH_QUEUE", str(tmp_path / "state" / "queue.sqlite3"))
+    main = _reward_with_modules(tmp_path)
+    rewards = (RewardSpec("file", arg=main),)
+    config = GrpoConfig(model=str(SAMPLE_DATA / "tiny-moe.gguf"),
+                        prompts=str(SAMPLE_DATA / "addition.jsonl"), rewards=rewards, max_steps=1)
+    run = RunDir.create(tmp_path / "run", config.to_dict())
+    trust_reward_files(rewards)                               # as `workbench grpo --reward` does
+    (tmp_path / "helper.py").write_text("def value():\n    return 100\n")
+    assert run_cli(["resume", str(run.path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'helper.py'} (imported by main_rew.py)" in err
+    assert "--trust-reward-code" in err and not run.metrics()
