@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import io
 import json
 import os
 import sys
@@ -58,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_options(p)
     p.add_argument("--tokens", required=True, help="comma-separated token ids, e.g. 1,2,3")
     p.add_argument("--out", "-o", required=True, help="output .npy file (float32, T x V)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output file")
 
     p = sub.add_parser("tokenize", help="print the token ids of a text")
     p.add_argument("--model", "-m", required=True, help="GGUF model or vocab file")
@@ -101,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--tied", action="store_true", help="tie the output head to the embedding")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing output file (never the tokenizer's model)")
 
     p = sub.add_parser("queue", help="the training job queue: add, list, cancel, pause, resume, "
                                      "retry, reorder, worker")
@@ -203,13 +207,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_new_model(args) -> int:
     from app.engine.model.new_model import NewModelSpec, create_model
+    from app.engine.runs.destinations import check_destination, make_parent
 
     spec = NewModelSpec(arch=args.arch, n_layer=args.layers, n_embd=args.width,
                         n_head=args.heads, n_head_kv=args.kv_heads, n_ff=args.ffn,
                         n_expert=args.experts, n_expert_used=args.experts_used,
                         context_length=args.context, tied_output=args.tied, seed=args.seed)
-    create_model(args.out, spec, args.tokenizer)
-    print(f"wrote {args.out}")
+    out = check_destination(args.out, overwrite=args.overwrite, what="the new model",
+                            inputs=[("the model whose tokenizer it copies", args.tokenizer)])
+    make_parent(out)
+    create_model(out, spec, args.tokenizer)
+    print(f"wrote {out}")
     return 0
 
 
@@ -260,10 +268,18 @@ def cmd_logits(args) -> int:
         tokens = [int(t) for t in args.tokens.replace(" ", "").split(",") if t]
     except ValueError:
         raise ConfigError(f"--tokens must be comma-separated integers, got {args.tokens!r}.") from None
+    from app.engine.runs.destinations import check_destination, make_parent
+    from app.engine.runtime.files import atomic_write_bytes
+
+    out = check_destination(args.out, overwrite=args.overwrite, what="the logits",
+                            inputs=[("the model", args.model), ("the adapter", args.adapter)])
     model, adapter = _load(args)
     logits = model.logits(tokens, adapter=adapter, adapter_scale=args.scale)
-    np.save(args.out, logits)
-    print(f"wrote {args.out}: float32 {logits.shape[0]} x {logits.shape[1]}")
+    npy = io.BytesIO()
+    np.save(npy, logits)          # at the path given (np.save would add .npy to other names)
+    make_parent(out)
+    atomic_write_bytes(out, npy.getvalue())
+    print(f"wrote {out}: float32 {logits.shape[0]} x {logits.shape[1]}")
     return 0
 
 
@@ -497,10 +513,9 @@ def cmd_runs(args) -> int:
 
 
 def _export_step(run_dir: str, checkpoint: str) -> int | None:
-    """The checkpoint step `workbench export --checkpoint` names, said on stderr (None: the
-    run's newest checkpoint, else its adapter.gguf)."""
+    """The checkpoint step `workbench export --checkpoint` names, the best one said on stderr
+    (None: the run's newest intact checkpoint, else its adapter.gguf)."""
     from app.engine.runs.rundir import RunDir, best_checkpoint
-    from app.engine.training.checkpoints import latest_checkpoint
 
     if checkpoint.isdigit():
         return int(checkpoint)
@@ -513,11 +528,6 @@ def _export_step(run_dir: str, checkpoint: str) -> int | None:
         print(f"exporting the best checkpoint, step {step} ({what} {metric:.4g}); "
               "--checkpoint final|STEP to choose", file=sys.stderr)
         return step
-    newest = latest_checkpoint(RunDir(run_dir).checkpoints_dir)
-    if newest is not None:
-        print(f"exporting the final checkpoint, step {newest.name[5:]}"
-              + (" (no evaluation chose a best one)" if checkpoint == "best" else ""),
-              file=sys.stderr)
     return None
 
 
@@ -527,8 +537,12 @@ def cmd_export(args) -> int:
     if args.run_dir and args.adapter:
         raise ConfigError("Give a run directory or --adapter, not both.")
     if args.run_dir:
-        source = source_from_run(args.run_dir, step=_export_step(args.run_dir, args.checkpoint),
-                                 model_path=args.model)
+        step = _export_step(args.run_dir, args.checkpoint)
+        source = source_from_run(args.run_dir, step=step, model_path=args.model)
+        if step is None and source.checkpoint:     # after a damaged newer one: a warning too
+            print(f"exporting the final checkpoint, step {os.path.basename(source.checkpoint)[5:]}"
+                  + (" (no evaluation chose a best one)" if args.checkpoint == "best" else ""),
+                  file=sys.stderr)
     elif args.adapter:
         if not args.model:
             raise ConfigError("--adapter needs the base model (--model).")
@@ -540,8 +554,8 @@ def cmd_export(args) -> int:
                     notify=lambda line: print(line, file=sys.stderr, flush=True))
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.to_text())
     if not report.ok:
-        print(f"error: the export at {report.path} failed verification; do not use it.",
-              file=sys.stderr)
+        print(f"error: the export failed verification, so it was moved aside to {report.path} "
+              f"instead of {report.moved_from}; do not use it.", file=sys.stderr)
         return 3
     return 0
 

@@ -164,7 +164,7 @@ def test_an_export_over_its_own_input_is_refused(qtbot, view, tmp_path, monkeypa
     assert isinstance(result, Exception) and asked == []
     assert view.error_panel.title_label.text() == "The export failed"
     assert (view.error_panel.message_label.text()
-            == f"Exporting to {base} would write over the base model ({base}).")
+            == f"Writing a merged export to {base} would write over the base model ({base}).")
     assert hashlib.sha256(base.read_bytes()).hexdigest() == before
 
 

@@ -22,9 +22,13 @@ What to export is an `ExportSource`: a run directory (its newest checkpoint), a 
 Every export is read back and checked (app.engine.export.verify); the report is returned, and written
 as JSON next to the export and into the run directory's `exports/`.
 
-Nothing is written over unasked (`check_destination`): an existing destination is replaced
-only with `overwrite=True`, the export's own inputs never. Files and folders are written beside
-the destination and renamed into place, so a failed export leaves what was there untouched.
+Nothing is written over unasked (`check_export_destination`, the rule of every writer in
+app.engine.runs.destinations): an existing destination is replaced only with `overwrite=True`,
+the export's own inputs and the run's (its model, data, files) never. Files and folders are
+written and verified beside the destination, then renamed into place: a failed export leaves
+what was there untouched, and one that fails verification goes aside to
+`<name>.failed-verification<ext>` instead (the report's `path` says where, `moved_from` where
+it was asked for).
 """
 
 from __future__ import annotations
@@ -36,7 +40,6 @@ import shutil
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -54,10 +57,12 @@ from app.engine.model.card import human_bytes
 from app.engine.model.lora import (LoraAdapter, LoraConfig, check_adapter_fits,
                                    llamacpp_lora_problems, load_adapter, tensor_kind)
 from app.engine.model.transformer import Model, load_model
+from app.engine.runs.destinations import (DestinationExists, check_destination, failed_path,
+                                          make_parent, run_inputs)
 from app.engine.runs.kinds import kind_of
 from app.engine.runs.rundir import RunDir, best_checkpoint
-from app.engine.runtime.files import atomic_write_bytes
-from app.engine.training.checkpoints import latest_checkpoint, load_checkpoint
+from app.engine.runtime.files import atomic_write_bytes, storage_error
+from app.engine.training.checkpoints import DamagedCheckpoint, load_checkpoint, newest_intact
 
 FORMATS = ("gguf-lora", "merged", "peft", "ollama")
 ADAPTER_TYPES = {"f32": 0, "f16": 1, "bf16": 30, "q8_0": 8}   # also the types of merged tensors
@@ -98,6 +103,7 @@ class ExportSource:
     run_dir: str | None = None
     checkpoint: str | None = None
     adapter_path: str | None = None
+    warnings: list[str] = field(default_factory=list)   # e.g. a damaged checkpoint skipped
 
     def describe(self) -> dict:
         def absolute(p):
@@ -109,13 +115,12 @@ class ExportSource:
                 "full_tensors": sorted(self.full)}
 
     def inputs(self) -> list[tuple[str, Path]]:
-        """What the export reads or the run keeps, labelled: never written over."""
-        run = RunDir(self.run_dir) if self.run_dir else None
-        found = [("the base model", self.model_path),
-                 ("the run's adapter.gguf", run.path / "adapter.gguf" if run else None),
-                 ("the adapter", self.adapter_path), ("the checkpoint", self.checkpoint),
-                 ("the run's checkpoints", run.checkpoints_dir if run else None)]
-        return [(label, Path(p).expanduser().absolute()) for label, p in found if p]
+        """What the export reads, and what its run reads and keeps (runs.destinations.run_inputs:
+        model, data, reward files, its own files), labelled: never written over."""
+        found = [("the base model", self.model_path), ("the adapter", self.adapter_path),
+                 ("the checkpoint", self.checkpoint)]
+        labelled = [(label, Path(p).expanduser().absolute()) for label, p in found if p]
+        return (run_inputs(self.run_dir) if self.run_dir else []) + labelled
 
 
 def import_adapter(path: str | os.PathLike, model: Model) -> LoraAdapter:
@@ -159,21 +164,26 @@ def source_from_run(run_dir: str | os.PathLike, step: int | str | None = None,
     if step == "best":
         best = best_checkpoint(run.path)
         step = best[0] if best else None
+    warnings = []
     if step is not None:
-        ckpt = run.checkpoints_dir / f"step-{step}"
-        if not ckpt.is_dir():
-            raise ConfigError(f"The run has no checkpoint at step {step}.",
-                              f"See the step-N folders in {run.checkpoints_dir}.")
+        checkpoint = _load_step(run, step)
     else:
-        ckpt = latest_checkpoint(run.checkpoints_dir)
-    if ckpt is None:
+        checkpoint, damaged = newest_intact(run.checkpoints_dir)
+        warnings = [f"checkpoint {bad.name} is damaged ({why}); exporting "
+                    + (checkpoint.path.name + ", the newest intact one" if checkpoint else
+                       "the run's adapter.gguf") for bad, why in damaged]
+    if checkpoint is None:
         final = run.path / "adapter.gguf"
         if not final.is_file():
-            raise ConfigError(f"The run {run.path} has no checkpoint yet: nothing to export.",
-                              "Export after the run has saved a checkpoint.")
+            raise ConfigError(f"The run {run.path} has no "
+                              + ("intact checkpoint" if warnings else "checkpoint yet")
+                              + ": nothing to export.",
+                              "; ".join(warnings) or "Export after the run has saved a "
+                              "checkpoint.")
         return ExportSource(model_path, load_adapter(final), run_dir=str(run.path),
-                            adapter_path=str(final))
-    trainable = load_checkpoint(ckpt).state["trainable"]
+                            adapter_path=str(final), warnings=warnings)
+    ckpt = checkpoint.path
+    trainable = checkpoint.state["trainable"]
     halves: dict[str, dict[str, np.ndarray]] = {}
     full = {}
     for key, value in trainable.items():
@@ -186,7 +196,24 @@ def source_from_run(run_dir: str | os.PathLike, step: int | str | None = None,
     if halves:
         tensors = {b: (p["lora_a"], p["lora_b"]) for b, p in halves.items()}
         adapter = LoraAdapter(alpha=_run_alpha(run, config, tensors), tensors=tensors)
-    return ExportSource(model_path, adapter, full, run_dir=str(run.path), checkpoint=str(ckpt))
+    return ExportSource(model_path, adapter, full, run_dir=str(run.path), checkpoint=str(ckpt),
+                        warnings=warnings)
+
+
+def _load_step(run: RunDir, step: int | str):
+    """Checkpoint `step` of the run; absent or damaged, a CheckpointError (ConfigError) whose
+    hint names the newest intact step to export instead (`export --checkpoint STEP`)."""
+    ckpt = run.checkpoints_dir / f"step-{step}"
+    try:
+        if not ckpt.is_dir():
+            raise ConfigError(f"The run has no checkpoint at step {step}.")
+        return load_checkpoint(ckpt)
+    except (ConfigError, DamagedCheckpoint) as e:
+        newest, _ = newest_intact(run.checkpoints_dir)
+        e.hint = (f"Export another checkpoint: workbench export {run.path} --checkpoint STEP "
+                  f"(the newest intact one is step {newest.step}; see {run.checkpoints_dir})."
+                  if newest else f"No checkpoint in {run.checkpoints_dir} is intact.")
+        raise
 
 
 def _run_alpha(run, config, tensors) -> float:
@@ -732,20 +759,25 @@ def parse_modelfile(text: str) -> dict:
     return out
 
 
-def verify_modelfile(folder: Path, expected: dict, from_path: str,
-                     adapter: str | None) -> Check:
-    """Parse the written Modelfile back: FROM and ADAPTER resolve to the files, the stop
-    parameters and the TEMPLATE are the intended ones."""
+def verify_modelfile(folder: Path, expected: dict, from_path: str, adapter: str | None, *,
+                     final: Path | None = None) -> Check:
+    """Parse the written Modelfile in `folder` back: FROM and ADAPTER name the files, which
+    exist, the stop parameters and the TEMPLATE are the intended ones. `final`: where the
+    folder is going (paths the Modelfile names in it are looked for in `folder`)."""
     parsed = parse_modelfile((folder / MODELFILE).read_text())
+    final = final or folder
     problems = []
 
     def resolve(p):
-        return (folder / p).resolve() if p else None
+        return Path(os.path.normpath(final / p)) if p else None
+
+    def present(p: Path) -> bool:
+        return (folder / p.relative_to(final) if p.is_relative_to(final) else p).is_file()
     source = resolve(parsed["from"])
-    if source is None or source != Path(from_path).resolve() or not source.is_file():
+    if source is None or source != resolve(from_path) or not present(source):
         problems.append(f"FROM {parsed['from']!r} is not the model file")
     if adapter and (not parsed["adapter"] or resolve(parsed["adapter"]) != resolve(adapter)
-                    or not resolve(parsed["adapter"]).is_file()):
+                    or not present(resolve(parsed["adapter"]))):
         problems.append(f"ADAPTER {parsed['adapter']!r} is not the exported adapter")
     if parsed["stops"] != expected["stops"]:
         problems.append(f"stop parameters {parsed['stops']} != end-of-turn tokens "
@@ -769,88 +801,67 @@ def default_out(source: ExportSource, to: str, adapter_type: str) -> Path:
     return RunDir(source.run_dir).exports_dir / names[to]
 
 
-class ExportTargetExists(ConfigError):
-    """The destination holds a file or a folder already; `overwrite=True` replaces it."""
-
-    def __init__(self, path: Path):
-        super().__init__(f"{path} exists already.",
-                         "Pass --overwrite to replace it, or choose another path (--out).")
-        self.path = path
+ExportTargetExists = DestinationExists   # the name the window knows (app.engine.api)
 
 
-def _real(path: str | os.PathLike) -> str:
-    return os.path.normcase(os.path.realpath(path))
-
-
-def _same(a: Path, b: Path) -> bool:
-    """Whether a and b name one file or folder: through symbolic links, or hard links."""
-    if _real(a) == _real(b):
-        return True
-    return a.exists() and b.exists() and os.path.samefile(a, b)
-
-
-def _inside(path: Path, folder: Path) -> bool:
-    real, real_folder = Path(_real(path)), Path(_real(folder))
-    return real != real_folder and real.is_relative_to(real_folder)
-
-
-def check_destination(source: ExportSource, to: str, out: Path, *,
-                      overwrite: bool = False) -> None:
-    """Refuse a destination whose writing would destroy what the user did not give up.
-
-    Never, even with overwrite: `out` is one of the export's inputs (ExportSource.inputs),
-    directly or through a symbolic or hard link, or lies inside one, or holds one (a folder
-    export replaces its whole folder); a folder where the format writes a file or the reverse;
-    a folder holding files the format does not write (replacing it would delete them).
-    Without overwrite: anything at `out` but an empty folder. The default destination in the
-    run's exports/ follows the same rule: an earlier export there may already be loaded or
-    shared, so replacing it is the user's call, not a side effect of exporting again.
-    """
-    folder_export = to in FOLDER_FILES
-    for label, path in source.inputs():
-        if _same(out, path) or _inside(out, path) or (folder_export and _inside(path, out)):
-            raise ConfigError(f"Exporting to {out} would write over {label} ({path}).",
-                              "An export never replaces its own inputs, not even when allowed "
-                              "to replace its output (--overwrite): choose another path.")
-    if not os.path.lexists(out):
-        return
-    if out.is_dir() and not folder_export:
-        raise ConfigError(f"{out} is a folder, and a {to} export is one file.",
-                          "Choose a file path (--out).")
-    if not out.is_dir() and folder_export:
-        raise ConfigError(f"{out} is a file, and a {to} export is a folder.",
-                          "Choose a folder path (--out).")
-    if folder_export and not out.is_symlink():
-        held = os.listdir(out)
-        foreign = sorted(set(held) - FOLDER_FILES[to])
-        if foreign:
-            raise ConfigError(f"{out} holds files a {to} export does not write "
-                              f"({', '.join(foreign[:5])}); replacing the folder would delete "
-                              "them.", "Choose a new folder (--out).")
-        if not held:
-            return
-    if not overwrite:
-        raise ExportTargetExists(out)
+def check_export_destination(source: ExportSource, to: str, out: Path, *,
+                             overwrite: bool = False) -> Path:
+    """`out` as the destination of a `to` export (runs.destinations.check_destination: never an
+    input of the export or of its run, never a run's own files, only a regular file or, for
+    peft and ollama, a folder holding only what they write; an existing one only with
+    `overwrite`), and its verification reports (replaced with it); returns `out` absolute.
+    The default destination in the run's exports/ follows the same rule: an earlier export
+    there may already be loaded or shared, so replacing it is the user's call."""
+    inputs = source.inputs()
+    out = check_destination(out, overwrite=overwrite, inputs=inputs, what=f"a {to} export",
+                            folder_files=FOLDER_FILES.get(to))
+    for path in report_paths(source, out):
+        check_destination(path, overwrite=True, inputs=inputs, what="its verification report")
+    return out
 
 
 @contextmanager
-def _staged_folder(out: Path) -> Iterator[Path]:
-    """A new folder beside `out` to write a folder export in; it then takes `out`'s place
-    (what was there, an earlier export, is removed). If writing fails, it is removed and `out`
-    stays as it was."""
+def _staged(out: Path, report: ExportReport, folder: bool) -> Iterator[Path]:
+    """A new file or folder beside `out` to write and verify an export in. Verified, it takes
+    `out`'s place (an earlier export there is replaced); failing verification, it goes aside
+    to a new `<name>.failed-verification<ext>` (`_moved_aside`), and `out` stays as it was. If
+    writing fails, it is removed, `out` stays as it was, and an OSError (a full disk, a
+    read-only folder) becomes a StorageError naming `out`."""
     staging = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)      # left by a killed export with this pid
-    staging.mkdir()
     try:
+        _remove(staging)                        # left by a killed export with this pid
+        if folder:
+            staging.mkdir()
         yield staging
-        _move_into_place(staging, out)
+        if report.ok:
+            _move_into_place(staging, out)
+        else:
+            aside = failed_path(out)
+            os.rename(staging, aside)
+            _moved_aside(report, out, aside)
+    except OSError as e:
+        raise storage_error(e, out) from e
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        _remove(staging)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        path.unlink()
+
+
+def _moved_aside(report: ExportReport, out: Path, aside: Path) -> None:
+    """The report of an export moved aside: its path and files where they are now."""
+    report.moved_from, report.path = str(out), str(aside)
+    report.files = [str(aside / Path(f).relative_to(out)) if Path(f) != out else str(aside)
+                    for f in report.files]
 
 
 def _move_into_place(staging: Path, out: Path) -> None:
-    if not os.path.lexists(out):
-        os.rename(staging, out)
+    if staging.is_file() or not os.path.lexists(out):
+        os.replace(staging, out)          # a file replaces a file, or a link (not its target)
         return
     old = out.with_name(f".{out.name}.old-{os.getpid()}")
     os.rename(out, old)
@@ -906,10 +917,11 @@ def export(source: ExportSource, to: str, out: str | os.PathLike | None = None, 
     adapter_type: the stored type, f32|f16|bf16|q8_0: of GGUF adapters (default f32; PEFT
     f32|f16) and of a merged model's changed tensors (default f16); scale: the user scale,
     folded in; llamacpp: None = compare with llama.cpp when llama-cpp-python is available,
-    False = never; overwrite: replace what is at `out` (check_destination); notify: called
-    with what is about to be written (a merged model's size) before writing it.
+    False = never; overwrite: replace what is at `out` (check_export_destination); notify:
+    called with what is about to be written (a merged model's size) before writing it.
     Raises EngineError for bad input (ExportTargetExists when `out` exists and overwrite is
-    False); a written export that fails verification is returned with `report.ok == False`.
+    False) and for a failed write (StorageError: a full disk, a read-only folder); an export
+    that fails verification is moved aside (`_staged`) and returned with `report.ok == False`.
     """
     if to not in FORMATS:
         raise ConfigError(f"Unknown export format {to!r}.", "Use one of: " + ", ".join(FORMATS))
@@ -923,8 +935,7 @@ def export(source: ExportSource, to: str, out: str | os.PathLike | None = None, 
         raise ConfigError(f"PEFT export writes f32 or f16 tensors, not {adapter_type}.",
                           "Use --type f32 or f16 for PEFT.")
     out = Path(out) if out is not None else default_out(source, to, adapter_type)
-    out = out.expanduser().absolute()
-    check_destination(source, to, out, overwrite=overwrite)
+    out = check_export_destination(source, to, out, overwrite=overwrite)
     model = model or load_model(source.model_path)
     cfg = model.config
     if source.adapter is not None:
@@ -941,39 +952,42 @@ def export(source: ExportSource, to: str, out: str | os.PathLike | None = None, 
                               "Use the base model the run was trained on.")
     if source.adapter is None and not source.full:
         raise ConfigError("Nothing to export: no adapter and no trained tensors.")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    make_parent(out)
     tokens = [int(t) for t in (prompt_tokens if prompt_tokens is not None
                                else verification_prompt(model))]
     report = ExportReport(to, str(out), source=source.describe(), prompt_tokens=tokens,
-                          settings={"type": adapter_type, "scale": scale})
+                          settings={"type": adapter_type, "scale": scale},
+                          warnings=list(source.warnings))
     if source.adapter is not None:
         report.warnings += warnings
     base_name = model.metadata.get("general.name") or Path(source.model_path).stem
     if to == "gguf-lora":
         live = _need_adapter(source, to)
-        types = write_adapter_gguf(fold_scale(live, scale), out, arch=cfg.arch,
-                                   adapter_type=adapter_type, name=f"{base_name} LoRA")
         report.files = [str(out)]
-        _note_adapter_fallbacks(report, types, adapter_type)
-        _verify(report, "", verify_gguf_lora, out, model, live, scale, tokens, report,
-                llamacpp=llamacpp)
+        with _staged(out, report, folder=False) as staged:
+            types = write_adapter_gguf(fold_scale(live, scale), staged, arch=cfg.arch,
+                                       adapter_type=adapter_type, name=f"{base_name} LoRA")
+            _note_adapter_fallbacks(report, types, adapter_type)
+            _verify(report, "", verify_gguf_lora, staged, model, live, scale, tokens, report,
+                    llamacpp=llamacpp)
     elif to == "merged":
-        summary, fix = _write_merge(source, out, report, adapter_type, scale, notify)
         report.files = [str(out)]
-        _verify(report, "", verify_merged, out, model, source.adapter, source.full, scale,
-                summary, tokens, report, llamacpp=llamacpp, fix=fix)
+        with _staged(out, report, folder=False) as staged:
+            summary, fix = _write_merge(source, staged, report, adapter_type, scale, notify)
+            _verify(report, "", verify_merged, staged, model, source.adapter, source.full,
+                    scale, summary, tokens, report, llamacpp=llamacpp, fix=fix)
     elif to == "peft":
         live = _need_adapter(source, to)
-        with _staged_folder(out) as staging:
+        with _staged(out, report, folder=True) as staging:
             result = export_peft(live, staging, arch=cfg.arch, n_head=cfg.n_head,
                                  n_head_kv=cfg.n_head_kv, embed_scale=cfg.embed_scale,
                                  shapes=model.tensor_shapes, user_scale=scale,
                                  base_model=base_model_id(model.metadata, source.model_path),
                                  dtype=adapter_type)
-        report.files = [str(out / Path(f).name) for f in result.files]
-        report.warnings += result.warnings
-        _verify(report, "", verify_peft, out, model, live, scale, tokens, report,
-                ADAPTER_TYPES[adapter_type])
+            report.files = [str(out / Path(f).name) for f in result.files]
+            report.warnings += result.warnings
+            _verify(report, "", verify_peft, staging, model, live, scale, tokens, report,
+                    ADAPTER_TYPES[adapter_type])
     else:
         _export_ollama(source, model, out, report, adapter_type, scale, tokens, llamacpp,
                        base_name, notify)
@@ -982,7 +996,7 @@ def export(source: ExportSource, to: str, out: str | os.PathLike | None = None, 
             report.warnings.append(f"the llama.cpp cross-check did not run ({c.detail}); the "
                                    "export passed the engine's own checks only")
     if write_report:
-        report.write(report_paths(source, out))
+        report.write(report_paths(source, Path(report.path)))
     return report
 
 
@@ -1007,8 +1021,8 @@ def _write_merge(source, out: Path, report, merge_type, scale, notify):
 
 def _export_ollama(source, model, out: Path, report, adapter_type, scale, tokens, llamacpp,
                    base_name, notify) -> None:
-    """Write the folder beside `out`, move it into place, then verify it there (the Modelfile
-    names the merged model by its final path)."""
+    """Write and verify the folder beside `out`, then move it into place (`_staged`). The
+    Modelfile names a merged model by its final path, where verify_modelfile expects it."""
     base_path = str(Path(source.model_path).expanduser().absolute())
     cfg = model.config
     engine = cfg.arch in OLLAMA_ENGINE_ARCHS
@@ -1017,33 +1031,31 @@ def _export_ollama(source, model, out: Path, report, adapter_type, scale, tokens
         why_merged = (f"Ollama runs {cfg.arch} on its own engine, which refuses adapters "
                       "(\"loras are not yet implemented\"): FROM the merged model, no ADAPTER")
         report.add(Check("ollama engine", None, why_merged, {"informational": True}))
-    with _staged_folder(out) as staging:
+    with _staged(out, report, folder=True) as staging:
         if engine or source.full:   # Ollama's engine, or full/hybrid training: merged model
-            target = out / OLLAMA_MODEL
+            name = OLLAMA_MODEL
             merge_type = DEFAULT_TYPES["merged"] if adapter_type == "f32" else adapter_type
-            summary, fix = _write_merge(source, staging / OLLAMA_MODEL, report, merge_type,
-                                        scale, notify)
-            verify_target = partial(_verify, report, "model ", verify_merged, target, model,
-                                    source.adapter, source.full, scale, summary, tokens, report,
-                                    llamacpp=llamacpp, prefix="model ", fix=fix)
-            from_path, adapter_rel, label = str(target), None, f"{base_name}, merged"
+            summary, fix = _write_merge(source, staging / name, report, merge_type, scale,
+                                        notify)
+            _verify(report, "model ", verify_merged, staging / name, model, source.adapter,
+                    source.full, scale, summary, tokens, report, llamacpp=llamacpp,
+                    prefix="model ", fix=fix)
+            from_path, adapter_rel, label = str(out / name), None, f"{base_name}, merged"
         else:
-            target = out / OLLAMA_ADAPTER
-            types = write_adapter_gguf(fold_scale(source.adapter, scale), staging / OLLAMA_ADAPTER,
+            name = OLLAMA_ADAPTER
+            types = write_adapter_gguf(fold_scale(source.adapter, scale), staging / name,
                                        arch=cfg.arch, adapter_type=adapter_type,
                                        name=f"{base_name} LoRA")
             _note_adapter_fallbacks(report, types, adapter_type)
-            verify_target = partial(_verify, report, "adapter ", verify_gguf_lora, target, model,
-                                    source.adapter, scale, tokens, report, llamacpp=llamacpp,
-                                    prefix="adapter ")
-            from_path, adapter_rel, label = (base_path, f"./{OLLAMA_ADAPTER}",
+            _verify(report, "adapter ", verify_gguf_lora, staging / name, model, source.adapter,
+                    scale, tokens, report, llamacpp=llamacpp, prefix="adapter ")
+            from_path, adapter_rel, label = (base_path, f"./{name}",
                                              f"{base_name} + LoRA adapter")
         text, expected = modelfile_text(model, from_path, adapter_rel, label, why_merged)
         atomic_write_bytes(staging / MODELFILE, text.encode("utf-8"))
-    verify_target()
-    report.files = [str(out / MODELFILE), str(target)]
-    _verify(report, "", lambda: report.add(verify_modelfile(out, expected, from_path,
-                                                            adapter_rel)))
+        report.files = [str(out / MODELFILE), str(out / name)]
+        _verify(report, "", lambda: report.add(verify_modelfile(staging, expected, from_path,
+                                                                adapter_rel, final=out)))
 
 
 def _note_adapter_fallbacks(report: ExportReport, types: dict[str, int], adapter_type: str) -> None:

@@ -33,6 +33,7 @@ import numpy as np
 
 from app.engine.errors import EngineError
 from app.engine.model.context import ForwardContext
+from app.engine.runs.destinations import make_parent
 from app.engine.runtime.files import atomic_write_json
 
 # Worst |stored - intended| of a stored type relative to the tensor's largest |value| (F16/BF16:
@@ -88,6 +89,7 @@ class ExportReport:
     created_at: str = field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc)
                             .isoformat(timespec="seconds"))
     report_paths: list[str] = field(default_factory=list)
+    moved_from: str = ""       # failed verification: where it was asked for (`path` is aside)
 
     @property
     def ok(self) -> bool:
@@ -112,10 +114,14 @@ class ExportReport:
                 "created_at": self.created_at, "source": self.source, "settings": self.settings,
                 "prompt_tokens": self.prompt_tokens,
                 "max_abs_logit_diff": self.max_abs_logit_diff,
-                "checks": [c.to_dict() for c in self.checks], "warnings": self.warnings}
+                "checks": [c.to_dict() for c in self.checks], "warnings": self.warnings,
+                "moved_from": self.moved_from or None}
 
     def to_text(self) -> str:
         lines = [f"{'OK' if self.ok else 'FAILED'}  {self.format} export: {self.path}"]
+        if self.moved_from:
+            lines.append(f"  moved aside: it failed verification, so it was not left at "
+                         f"{self.moved_from}")
         for c in self.checks:
             mark = {True: "ok  ", False: "FAIL", None: "info" if c.data.get("informational")
                     else "skip"}[c.ok]
@@ -129,7 +135,7 @@ class ExportReport:
     def write(self, paths: Sequence[str | os.PathLike]) -> None:
         self.report_paths = [str(p) for p in paths]
         for p in paths:
-            Path(p).parent.mkdir(parents=True, exist_ok=True)
+            make_parent(Path(p))
             atomic_write_json(p, self.to_dict())
 
 

@@ -3,19 +3,26 @@
 The architecture and sizes are options; the tokenizer (every `tokenizer.*` key) is copied from an
 existing GGUF file. The tensors are exactly those the loader requires for that architecture
 (`app.engine.model.transformer.expected_shapes`), so the result loads, trains and runs like any other model.
+
+A shape whose tensors do not fit the machine's memory is refused with the size it would need
+before anything is allocated or written (`check_fits_memory`).
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
 import numpy as np
 
+from app.engine.model.card import human_bytes, human_count
 from app.engine.model.config import config_from_metadata
-from app.engine.errors import ConfigError
+from app.engine.errors import ConfigError, OutOfMemoryError
 from app.engine.io.gguf import read_gguf, write_gguf
 from app.engine.model.transformer import expected_shapes
+from app.engine.runtime.backend import device_memory
+from app.engine.runtime.files import storage_error
 
 
 # Architectures whose required metadata NewModelSpec covers (qwen2moe and deepseek need shared-
@@ -97,8 +104,23 @@ def init_tensors(shapes: dict[str, tuple[int, ...]], init_std: float, seed: int)
     return tensors
 
 
+def check_fits_memory(shapes: dict[str, tuple[int, ...]]) -> None:
+    """OutOfMemoryError when making a model of these shapes needs more than this machine's
+    memory: every tensor in float32 at once (init_tensors), plus the float64 draw of the
+    largest one (numpy's normal() draws float64 before the cast)."""
+    counts = [math.prod(shape) for shape in shapes.values()]
+    need = 4 * sum(counts) + 8 * max(counts)
+    total = device_memory(np)[1]
+    if need > total:
+        raise OutOfMemoryError(
+            f"A model of this shape has {human_count(sum(counts))} parameters: making it needs "
+            f"about {human_bytes(need)} of memory, and this machine has {human_bytes(total)}.",
+            "Choose fewer layers, a smaller width or FFN width, or fewer experts.")
+
+
 def create_model(path: str | os.PathLike, spec: NewModelSpec, tokenizer_from: str | os.PathLike):
-    """Write a freshly initialised F32 model with the tokenizer of `tokenizer_from`."""
+    """Write a freshly initialised F32 model with the tokenizer of `tokenizer_from`
+    (OutOfMemoryError, before allocating, for a shape this machine cannot hold)."""
     spec.validate()
     source = read_gguf(tokenizer_from)
     tokenizer_meta = {k: v for k, v in source.metadata.items() if k.startswith("tokenizer.")}
@@ -114,5 +136,9 @@ def create_model(path: str | os.PathLike, spec: NewModelSpec, tokenizer_from: st
         for il in range(cfg.n_layer):
             for proj in ("q", "k", "v"):
                 shapes[f"blk.{il}.attn_{proj}.bias"] = (shapes[f"blk.{il}.attn_{proj}.weight"][0],)
-    write_gguf(path, meta, init_tensors(shapes, spec.init_std, spec.seed))
+    check_fits_memory(shapes)
+    try:
+        write_gguf(path, meta, init_tensors(shapes, spec.init_std, spec.seed))
+    except OSError as e:
+        raise storage_error(e, path) from e
     return path

@@ -8,15 +8,16 @@ from __future__ import annotations
 import errno
 import json
 import os
+import secrets
 import stat
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from app.engine.errors import EngineError
 
 _DISK_FULL_ERRNOS = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+NAME_MAX = 255   # bytes in one file or folder name (ext4, APFS; NTFS counts 255 UTF-16 units)
 
 
 class StorageError(EngineError):
@@ -52,14 +53,23 @@ def to_json(obj: Any, indent: int | None = None) -> str:
 
 
 def storage_error(exc: OSError, path: str | os.PathLike, action: str = "write") -> StorageError:
-    """The EngineError for an OSError while reading or writing `path`."""
+    """The EngineError for an OSError while reading or writing `path`: a full disk names the
+    folder that has no space left, a folder the user cannot write to (a read-only file system,
+    or permission denied by the folder itself) says that folder is read-only."""
     path = Path(path)
+    folder = path.parent
     if exc.errno in _DISK_FULL_ERRNOS:
         return DiskFullError(
-            f"The disk is full: could not {action} {path}.",
-            f"Free some space on the disk that holds {path.parent} (for example delete old "
+            f"The disk is full: no space left in {folder} to {action} {path.name}.",
+            f"Free some space on the disk that holds {folder} (for example delete old "
             "checkpoints, exports or runs), then resume or retry the run. The previous files "
             "were kept intact.")
+    if action != "read" and (exc.errno == errno.EROFS or (
+            isinstance(exc, PermissionError) and folder.is_dir()
+            and not os.access(folder, os.W_OK))):
+        return StorageError(f"{folder} is read-only: could not {action} {path.name}.",
+                            "Write somewhere you can write to, or make the folder writable "
+                            "(its permissions, or how its disk is mounted).")
     if isinstance(exc, PermissionError):
         return StorageError(f"Permission denied: could not {action} {path}.",
                             "Check the file's and the folder's permissions.")
@@ -81,17 +91,36 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, fsync: bool = True) -> None:
+def temporary_name(name: str) -> str:
+    """A fresh name for a temporary file beside `name`: `.<name>.<random>.tmp`, with `name`
+    shortened (whole characters) so that the result fits NAME_MAX bytes however long `name` is."""
+    token = secrets.token_hex(4)
+    room = NAME_MAX - len(f"..{token}.tmp")
+    return f".{os.fsencode(name)[:room].decode('utf-8', 'ignore')}.{token}.tmp"
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, fsync: bool = True,
+                       mode: int = 0o666) -> None:
     """Replace `path` with `data` atomically: temp file in the same directory, fsync, os.replace.
 
     Readers see the old or the new content, never a mix; if anything fails (a crash, a full
-    disk) the old file stays as it was and the temporary file is removed. OSErrors become
-    StorageError / DiskFullError.
+    disk) the old file stays as it was and the temporary file is removed. The new file gets
+    `mode` less the umask, as any program's new file does (0644 under the usual umask; pass
+    0o600 for a private one). OSErrors become StorageError / DiskFullError.
     """
     path = Path(path)
     tmp = None
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        for _ in range(100):   # a name taken by another writer: draw another one
+            tmp = path.with_name(temporary_name(path.name))
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0),
+                             mode)
+                break
+            except FileExistsError:
+                tmp = None
+        else:
+            raise FileExistsError(errno.EEXIST, "no free temporary name", str(path.parent))
         try:
             view = memoryview(data)
             while view:

@@ -254,6 +254,19 @@ def restart_hint(folder: str | os.PathLike) -> str:
             f"(a GRPO run: workbench grpo --config {config}).")
 
 
+def newest_intact(folder: str | os.PathLike) -> tuple[Checkpoint | None, list[tuple[Path, str]]]:
+    """The newest checkpoint in `folder` that loads (None: none does, or there is none), and
+    the damaged newer ones as (path, reason), newest first: what resume and export fall back
+    to and what they say they skipped."""
+    damaged = []
+    for path in reversed(list_checkpoints(folder)):
+        try:
+            return load_checkpoint(path), damaged
+        except DamagedCheckpoint as e:
+            damaged.append((path, e.reason))
+    return None, damaged
+
+
 def latest_checkpoint(folder: str | os.PathLike) -> Path | None:
     found = list_checkpoints(folder)
     return found[-1] if found else None

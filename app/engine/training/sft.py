@@ -22,9 +22,8 @@ from typing import Callable, ClassVar
 import numpy as np
 
 from app.engine.runtime.backend import memory_report, peak_rss_mb
-from app.engine.training.checkpoints import (DamagedCheckpoint, list_checkpoints, load_checkpoint,
-                                             own_folder, prune_checkpoints, restart_hint, save_checkpoint,
-                                             set_aside)
+from app.engine.training.checkpoints import (newest_intact, own_folder, prune_checkpoints,
+                                             restart_hint, save_checkpoint, set_aside)
 from app.engine.training.communicator import Communicator, SingleProcess
 from app.engine.training.config import TrainConfig
 from app.engine.training.memory import run_cache_budget
@@ -282,19 +281,15 @@ def resume(session: TrainSession, checkpoints, state: dict, report: Report) -> P
     says so. Damaged newer ones are set aside (renamed `step-<N>.damaged`, so that pruning and
     export skip them), each with a log event; when none is intact, CheckpointError."""
     ckpt_dir = own_folder(checkpoints) if checkpoints else None   # a link: refused up front
-    damaged = []
-    for path in reversed(list_checkpoints(ckpt_dir) if ckpt_dir is not None else []):
-        try:
-            ckpt = load_checkpoint(path)
-        except DamagedCheckpoint as e:
-            damaged.append((path, e.reason))
-            continue
+    ckpt, damaged = newest_intact(ckpt_dir) if ckpt_dir is not None else (None, [])
+    if ckpt is not None:
         session.load_state_dict(ckpt.state)
         state.update(ckpt.meta.get("run", {}))
         for bad, reason in damaged:
             kept = set_aside(bad, "damaged")
             report(events.LOG_EVENT(message=f"checkpoint {bad.name} is damaged ({reason}); "
-                                            f"resuming from {path.name} (kept as {kept.name})"))
+                                            f"resuming from {ckpt.path.name} (kept as "
+                                            f"{kept.name})"))
         report(events.LOG_EVENT(message=f"resumed from step {session.step_count}"))
         return ckpt_dir
     if damaged:

@@ -15,7 +15,8 @@ import pytest
 from app.cli.main import run_cli
 from app.engine.export import exporter as ex
 from app.engine.errors import ConfigError
-from app.engine.export.exporter import ExportSource, ExportTargetExists, check_destination
+from app.engine.export.exporter import ExportSource, ExportTargetExists, check_export_destination
+from app.engine.runtime.files import DiskFullError
 from app.engine.model.lora import load_adapter
 from app.engine.runs.rundir import RunDir
 from tests.conftest import GOLDEN
@@ -62,8 +63,8 @@ def test_merging_over_the_base_model_is_refused(run, base, capsys):
     for extra in ([], ["--overwrite"]):
         assert export_cli(*adapter_args(run, base), "--to", "merged", "--out", base, *extra) == 2
         err = capsys.readouterr().err
-        assert f"error: Exporting to {base} would write over the base model" in err
-        assert "hint: An export never replaces its own inputs, not even when allowed" in err
+        assert f"error: Writing a merged export to {base} would write over the base model" in err
+        assert "hint: The workbench never replaces a command's own inputs, not even when" in err
     assert digest(base) == before
     assert sorted(p.name for p in base.parent.iterdir()) == ["base.gguf", "run"]
 
@@ -151,9 +152,9 @@ def test_a_file_where_a_folder_goes_and_the_reverse(run, tmp_path):
     a_file.write_bytes(b"x")
     (a_folder / "sub").mkdir(parents=True)
     with pytest.raises(ConfigError, match="is a file, and a peft export is a folder"):
-        check_destination(source, "peft", a_file, overwrite=True)
-    with pytest.raises(ConfigError, match="is a folder, and a merged export is one file"):
-        check_destination(source, "merged", a_folder, overwrite=True)
+        check_export_destination(source, "peft", a_file, overwrite=True)
+    with pytest.raises(ConfigError, match="is a folder, and a merged export is one regular file"):
+        check_export_destination(source, "merged", a_folder, overwrite=True)
 
 
 def test_the_runs_checkpoints_are_inputs(run, base):
@@ -164,10 +165,10 @@ def test_the_runs_checkpoints_are_inputs(run, base):
     for out, to in ((step / "state.npz", "merged"), (step, "peft"), (step / "new.gguf", "merged"),
                     (run.checkpoints_dir, "ollama"), (run.path, "peft")):
         with pytest.raises(ConfigError, match="would write over the (checkpoint|run's)"):
-            check_destination(source, to, out, overwrite=True)
-    check_destination(source, "merged", run.exports_dir / "merged.gguf")
-    with pytest.raises(ExportTargetExists):
-        check_destination(source, "merged", run.path / "config.json")
+            check_export_destination(source, to, out, overwrite=True)
+    check_export_destination(source, "merged", run.exports_dir / "merged.gguf")
+    with pytest.raises(ConfigError, match="would write over the run's config.json"):
+        check_export_destination(source, "merged", run.path / "config.json", overwrite=True)
 
 
 def test_a_failed_export_leaves_the_existing_file(run, base, tmp_path, monkeypatch):
@@ -180,7 +181,7 @@ def test_a_failed_export_leaves_the_existing_file(run, base, tmp_path, monkeypat
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", disk_full)
     source = ex.source_from_adapter(run.path / "adapter.gguf", base)
-    with pytest.raises(OSError, match="No space"):
+    with pytest.raises(DiskFullError, match=f"no space left in {tmp_path} to write merged.gguf"):
         ex.export(source, "merged", out, llamacpp=False, overwrite=True)
     assert out.read_bytes() == b"an earlier export"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["base.gguf", "merged.gguf", "run"]
@@ -195,7 +196,7 @@ def test_a_failed_folder_export_leaves_the_existing_folder(run, base, tmp_path, 
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(ex, "modelfile_text", broken)
     source = ex.source_from_adapter(run.path / "adapter.gguf", base)
-    with pytest.raises(OSError, match="No space"):
+    with pytest.raises(DiskFullError, match="no space left in"):
         ex.export(source, "ollama", out, llamacpp=False, scale=2.0, overwrite=True)
     assert tree(out) == before
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []

@@ -5,6 +5,7 @@ llama.cpp logits are the reference for what llama.cpp would compute with our fil
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -563,9 +564,13 @@ def test_cli_flags_a_failed_export_with_a_nonzero_exit(tmp_path, capsys, monkeyp
     assert run_cli(["export", "--adapter", str(GOLDEN / "olmoe-lora.gguf"), "--model",
                     str(GOLDEN / "olmoe-f32.gguf"), "--to", "merged", "--out", str(out)]) == 3
     captured = capsys.readouterr()
-    assert captured.out.startswith("FAILED") and "failed verification" in captured.err
-    report = json.loads((tmp_path / "m.gguf.verify.json").read_text())
-    assert not report["ok"]
+    aside = tmp_path / "m.failed-verification.gguf"          # not left where a good one goes
+    assert captured.out.startswith("FAILED") and not out.exists() and aside.is_file()
+    assert (f"error: the export failed verification, so it was moved aside to {aside} instead "
+            f"of {out}; do not use it." in captured.err)
+    report = json.loads((tmp_path / "m.failed-verification.gguf.verify.json").read_text())
+    assert not report["ok"] and report["path"] == str(aside) and report["moved_from"] == str(out)
+    assert report["files"] == [str(aside)]
     failed = {c["name"] for c in report["checks"] if c["ok"] is False}
     assert "unchanged" in failed and "logits" in failed
 
@@ -584,7 +589,10 @@ def test_an_unreadable_export_is_flagged_not_raised(tmp_path, monkeypatch):
         assert not report.ok
         failed = report.failed[0]
         assert failed.name.endswith("read back") and "truncated" in failed.detail
-        assert json.loads((tmp_path / f"{to}.verify.json").read_text())["ok"] is False
+        aside = tmp_path / f"{to}.failed-verification"
+        assert report.path == str(aside) and os.path.lexists(aside)
+        assert not os.path.lexists(tmp_path / to)
+        assert json.loads((tmp_path / f"{aside.name}.verify.json").read_text())["ok"] is False
 
 
 def test_verification_flags_a_bad_peft_config(tmp_path, monkeypatch):

@@ -49,8 +49,8 @@ def test_cli_new_model(tmp_path, capsys):
                     "--layers", "1", "--width", "32", "--heads", "2", "--ffn", "64",
                     "--experts", "4", "--experts-used", "2"]) == 0
     assert load_model(out).config.is_moe
-    assert run_cli(["new-model", "--tokenizer", str(GOLDEN / "qwen2-f32.gguf"), "-o", str(out),
-                    "--arch", "deepseek"]) == 2
+    assert run_cli(["new-model", "--tokenizer", str(GOLDEN / "qwen2-f32.gguf"), "-o",
+                    str(tmp_path / "other.gguf"), "--arch", "deepseek"]) == 2
     assert "not supported" in capsys.readouterr().err
 
 
