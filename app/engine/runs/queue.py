@@ -599,13 +599,17 @@ class JobQueue:
         return self.move(job_id, 1)
 
     # ---------------------------------------------------------------- the worker's side
-    def claim_next(self, worker_id: str) -> Job | None:
+    def claim_next(self, worker_id: str, skip_executors: Iterable[str] = ()) -> Job | None:
         """Atomically take the first queued job: running, owned by `worker_id` (and this
-        process's host and pid, for `recover_stale`). None when nothing is queued."""
+        process's host and pid, for `recover_stale`). None when nothing is queued. Jobs of
+        `skip_executors` are left queued (clusters the worker waits for: it backs off one
+        that does not answer)."""
         now = time.time()
+        skip = list(skip_executors)
         with self._tx(write=True) as conn:
-            row = conn.execute(f"{_SELECT} WHERE state = 'queued' "
-                               "ORDER BY position, id LIMIT 1").fetchone()
+            row = conn.execute(f"{_SELECT} WHERE state = 'queued' AND executor NOT IN "
+                               f"({', '.join('?' * len(skip))}) ORDER BY position, id LIMIT 1",
+                               skip).fetchone()
             if row is None:
                 return None
             job = self._row_to_job(row)

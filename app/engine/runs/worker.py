@@ -72,6 +72,8 @@ DEFAULT_HEARTBEAT_S = 5.0
 DEFAULT_GRACE_S = 5.0  # how long a runner may leave a cancel, pause or stop unhonoured
 STOPPED = {"cancel": "cancelled", "pause": "paused"}  # a request -> the job's state after it
 DEFAULT_PENDING_TIMEOUT_S = 60.0  # a cluster job pending longer: is it asking absent GPUs?
+BACKOFF_FIRST_S, BACKOFF_MAX_S = 1.0, 60.0  # waits for a cluster that does not answer
+DEFAULT_UNREACHABLE_TIMEOUT_S = 600.0  # a cluster silent longer fails the job that finds it so
 
 
 class WorkerAlreadyRunning(EngineError):
@@ -358,6 +360,44 @@ def _record(queue: JobQueue, job: Job, worker_id: str, run: RunDir, reporter: Ru
 # --------------------------------------------------------------------------- a job on a cluster
 
 
+class _Stopping(Exception):
+    """The worker was asked to stop while it waited on a cluster's answer."""
+
+
+class ClusterBackoff:
+    """The clusters this worker could not reach, and when it tries each again: 1 s after the
+    first failure, twice as long after each further one, at most 60 s (BACKOFF_FIRST_S,
+    BACKOFF_MAX_S): a head that is down costs a request a minute, not a request a second. The
+    job that found it down goes back to the queue; the worker's claim skips the jobs of the
+    clusters in `waiting()` and runs the others (local ones too) meanwhile. A cluster that
+    answers is forgotten. One that has not answered for `give_up_s` fails the job that finds
+    it so, with the reason: a head that restarts, or a network outage, must not fail the queue,
+    a wrong address must in the end (`workbench cluster test` says so at once)."""
+
+    def __init__(self, give_up_s: float = DEFAULT_UNREACHABLE_TIMEOUT_S,
+                 clock: Callable[[], float] = time.monotonic):
+        self.give_up_s = give_up_s
+        self._clock = clock
+        self._down: dict[str, tuple[float, float, float]] = {}  # name: since, wait, next try
+
+    def failed(self, name: str) -> tuple[float, float]:
+        """Cluster `name` did not answer: (seconds it has not answered for, seconds until the
+        worker tries it again)."""
+        now = self._clock()
+        since, wait, _ = self._down.get(name, (now, BACKOFF_FIRST_S / 2, now))
+        wait = min(2 * wait, BACKOFF_MAX_S)
+        self._down[name] = (since, wait, now + wait)
+        return now - since, wait
+
+    def reached(self, name: str) -> None:
+        self._down.pop(name, None)
+
+    def waiting(self) -> list[str]:
+        """The clusters whose jobs wait now."""
+        now = self._clock()
+        return sorted(name for name, (_, _, at) in self._down.items() if at > now)
+
+
 class _ClusterJob:
     """One claimed job that a cluster runs: submitted (or reattached to by its handle), polled
     every `poll_s` while the queue is heartbeated; a cancel or pause is a stop of the cluster's
@@ -374,6 +414,7 @@ class _ClusterJob:
         self.stop_event = stop_event
         self.run = RunDir(job.run_dir)
         self.lost = 0  # attempts the cluster lost since this worker took the job
+        self.requested: str | None = None  # the user's last request: "cancel", "pause", None
 
     def _submit_next(self) -> None:
         """Record attempt+1 and its handle, then submit it (recorded first: a worker that dies
@@ -385,26 +426,57 @@ class _ClusterJob:
         # finds another submission here and leaves the run alone (app.engine.runs.remote)
         self.run.write_status(submission_id=handle["submission_id"], attempt=attempt,
                               executor=self.job.executor)
-        deadline = time.monotonic() + self.pending_timeout_s
-        while True:  # the same submission id again after a timeout: never a second job
-            try:
-                self.executor.submit(self.job, self.run.path)
-                break
-            except AlreadySubmitted:
-                log.warning("job %s: attempt %s was already submitted; polling it",
-                            self.job.id, attempt)
-                break
-            except Unreachable as e:
-                if time.monotonic() > deadline:
-                    raise
-                log.warning("job %s: submitting: %s; trying again", self.job.id, e.message)
-                self.stop_event.wait(self.poll_s)
+        try:
+            self._call(self.executor.submit, self.job, self.run.path)
+        except AlreadySubmitted:
+            log.warning("job %s: attempt %s was already submitted; polling it",
+                        self.job.id, attempt)
+        except Unreachable:
+            # not submitted as far as we know: the job waits for its cluster (see
+            # ClusterBackoff) and then submits this attempt again, under the same id (Ray
+            # refuses it if this one did arrive: AlreadySubmitted, and it is polled)
+            self.job = self.queue.record_attempt(self.job.id, self.worker_id, attempt - 1,
+                                                 None)
+            raise
         self.run.log(f"job {self.job.id}: attempt {attempt} submitted to cluster "
                      f"{self.executor.name} as {handle['submission_id']}")
 
+    def _call(self, call, *args, interruptible: bool = True):
+        """`call(*args)`, a request to the cluster, in a thread of its own: a worker asked to
+        stop (`stop_event`) gives up waiting on it (`_Stopping`) instead of waiting out the
+        request's timeout (up to SUBMIT_TIMEOUT_S on a head that does not answer). A request
+        given up was recorded first (the attempt's handle), so the next worker finds out
+        whether it arrived. Not `interruptible`: waited for (a stop already sent, whose end
+        the worker records)."""
+        outcome: dict = {}
+        done = threading.Event()
+
+        def target():
+            try:
+                outcome["value"] = call(*args)
+            except BaseException as e:  # noqa: BLE001 - raised again in the worker's thread
+                outcome["error"] = e
+            finally:
+                done.set()
+
+        threading.Thread(target=target, daemon=True, name=f"cluster-job-{self.job.id}").start()
+        while not done.wait(0.1):
+            if interruptible and self.stop_event.is_set():
+                raise _Stopping
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]
+
     def run_to_end(self) -> tuple[str, dict | EngineError | None]:
         """(the job's new state, its error) once the cluster's job has ended, or the worker
-        stops ("queued": the cluster carries on, the next worker reattaches)."""
+        stops ("queued": the cluster carries on, the next worker reattaches). Unreachable
+        when the cluster does not answer (run_cluster_job puts the job back)."""
+        try:
+            return self._follow()
+        except _Stopping:
+            return "queued", None
+
+    def _follow(self) -> tuple[str, dict | EngineError | None]:
         if self.job.handle is None:
             self._submit_next()
         else:
@@ -412,7 +484,6 @@ class _ClusterJob:
         stopping: str | None = None     # the request sent to the cluster as a stop
         stop_asked = 0.0
         pending_since = time.monotonic()
-        unreachable_since = None
         while True:
             try:
                 action = self.queue.heartbeat(self.job.id, self.worker_id)
@@ -421,18 +492,11 @@ class _ClusterJob:
             except QueueError as e:  # busy for a moment: the next beat will do
                 log.warning("job %s: heartbeat failed: %s", self.job.id, e.message)
                 action = None
+            self.requested = action or self.requested
             if self.stop_event.is_set() and stopping is None:
                 return "queued", None
-            try:
-                poll = self.executor.poll(self.job.handle)
-                unreachable_since = None
-            except Unreachable as e:  # the head restarting, the network: tolerated a while
-                unreachable_since = unreachable_since or time.monotonic()
-                if time.monotonic() - unreachable_since > self.pending_timeout_s:
-                    raise
-                log.warning("job %s: %s", self.job.id, e.message)
-                self.stop_event.wait(self.poll_s)
-                continue
+            poll = self._call(self.executor.poll, self.job.handle,
+                              interruptible=stopping is None)
             if action in ("cancel", "pause") and stopping is None and not poll.ended:
                 stopping, stop_asked = action, time.monotonic()
                 self.executor.cancel(self.job.handle)
@@ -498,10 +562,15 @@ def run_cluster_job(queue: JobQueue, job: Job, worker_id: str, *, poll_s: float 
                     pending_timeout_s: float = DEFAULT_PENDING_TIMEOUT_S,
                     stop_grace_s: float = DEFAULT_STOP_GRACE_S,
                     max_attempts: int = DEFAULT_MAX_ATTEMPTS,
-                    stop_event: threading.Event | None = None) -> str:
+                    stop_event: threading.Event | None = None,
+                    backoff: ClusterBackoff | None = None) -> str:
     """Run one claimed cluster job to its end (see `_ClusterJob`) and record the outcome;
-    returns the job's new state, or "lost". Never raises for the job's own errors."""
+    returns the job's new state, or "lost". Never raises for the job's own errors. A cluster
+    that does not answer puts the job back ("queued", first in line) until `backoff` (the
+    worker's) says to try that cluster again, or fails it once the cluster has not answered
+    for `backoff.give_up_s`."""
     stop_event = stop_event or threading.Event()
+    backoff = backoff if backoff is not None else ClusterBackoff()
     run = RunDir(job.run_dir)
     reporter = RunReporter(run)
     try:
@@ -512,9 +581,15 @@ def run_cluster_job(queue: JobQueue, job: Job, worker_id: str, *, poll_s: float 
         if job.handle is None:
             reporter.started(job_id=job.id, worker_id=worker_id, executor=job.executor)
         state, error = cluster.run_to_end()
+        backoff.reached(job.executor)
     except JobLostError as e:
         log.warning("%s", e.message)
         return "lost"
+    except Unreachable as e:
+        silent_s, wait_s = backoff.failed(job.executor)
+        if silent_s < backoff.give_up_s:
+            return _wait_for_cluster(queue, cluster, run, reporter, e, wait_s)
+        state, error = "failed", e
     except Exception as e:  # noqa: BLE001 - an unreachable cluster must not kill the worker
         state, error = "failed", e
     if isinstance(error, BaseException):
@@ -527,6 +602,26 @@ def run_cluster_job(queue: JobQueue, job: Job, worker_id: str, *, poll_s: float 
         _record(queue, job, worker_id, run, reporter, state, error)
     log.info("job %s on %s: %s", job.id, job.executor, state)
     return state
+
+
+def _wait_for_cluster(queue: JobQueue, cluster: _ClusterJob, run: RunDir,
+                      reporter: RunReporter, error: Unreachable, wait_s: float) -> str:
+    """Put back a job whose cluster did not answer, and return its state: queued, with its
+    attempt's handle if one runs there (the next claim reattaches to it; a cancel or pause
+    the user asked is kept for it), else with the run's status saying queued (a cancel asked
+    meanwhile cancels it)."""
+    job = cluster.job
+    log.warning("job %s: %s; trying cluster %s again in %g s, running other jobs meanwhile",
+                job.id, error.message, job.executor, wait_s)
+    with suppress(EngineError):
+        if job.handle is None:
+            reporter.finished("queued", None)
+        run.log(f"job {job.id}: {error.message} Trying again in {wait_s:g} s.")
+    _finish_quietly(queue, job, cluster.worker_id, "queued")
+    if cluster.requested in ("cancel", "pause"):
+        with suppress(EngineError):
+            return getattr(queue, cluster.requested)(job.id).state
+    return "queued"
 
 
 def _finish_quietly(queue: JobQueue, job: Job, worker_id: str, state: str) -> None:
@@ -544,13 +639,16 @@ def run_worker(queue: JobQueue | str | os.PathLike, runner: Runner | None = None
                stale_after_s: float = DEFAULT_STALE_S, max_attempts: int = DEFAULT_MAX_ATTEMPTS,
                exclusive: bool = True,
                pending_timeout_s: float = DEFAULT_PENDING_TIMEOUT_S,
-               stop_grace_s: float = DEFAULT_STOP_GRACE_S) -> int:
+               stop_grace_s: float = DEFAULT_STOP_GRACE_S,
+               unreachable_timeout_s: float = DEFAULT_UNREACHABLE_TIMEOUT_S) -> int:
     """Run queued jobs until `stop_event` is set (or, with `once`, until none is queued).
 
     Local jobs run in this process (`runner`); a cluster's jobs are submitted there and polled
     every `poll_s` (`run_cluster_job`; one pending more than `pending_timeout_s` on a cluster
     without the GPUs it asks fails with that reason; a stopped one has `stop_grace_s` to save
-    its checkpoint and exit).
+    its checkpoint and exit; one whose cluster does not answer waits in the queue, tried
+    again after 1, 2, 4 ... 60 s (`ClusterBackoff`) while the other jobs run, and fails when
+    the cluster has not answered for `unreachable_timeout_s`).
 
     Recovers stale jobs first (and every `stale_after_s` while idle). With `exclusive` (the
     default, and what `workbench queue worker` does) it holds the queue's worker lock and
@@ -571,14 +669,15 @@ def run_worker(queue: JobQueue | str | os.PathLike, runner: Runner | None = None
                 "Only one worker may run per queue; it picks up the new jobs by itself.")
     try:
         return _loop(queue, runner, once, poll_s, stop_event, worker_id, heartbeat_s, grace_s,
-                     stale_after_s, max_attempts, pending_timeout_s, stop_grace_s)
+                     stale_after_s, max_attempts, pending_timeout_s, stop_grace_s,
+                     ClusterBackoff(unreachable_timeout_s))
     finally:
         if lock is not None:
             lock.release()
 
 
 def _loop(queue, runner, once, poll_s, stop_event, worker_id, heartbeat_s, grace_s,
-          stale_after_s, max_attempts, pending_timeout_s, stop_grace_s) -> int:
+          stale_after_s, max_attempts, pending_timeout_s, stop_grace_s, backoff) -> int:
     log.info("worker %s on %s", worker_id, queue.path)
     last_recover = -float("inf")
     n = 0
@@ -592,7 +691,7 @@ def _loop(queue, runner, once, poll_s, stop_event, worker_id, heartbeat_s, grace
                 log.warning("could not recover stale jobs: %s", e.message)
             last_recover = time.monotonic()
         try:
-            job = queue.claim_next(worker_id)
+            job = queue.claim_next(worker_id, skip_executors=backoff.waiting())
         except QueueError as e:
             log.warning("could not read the queue: %s", e.message)
             if once:
@@ -610,7 +709,7 @@ def _loop(queue, runner, once, poll_s, stop_event, worker_id, heartbeat_s, grace
         else:
             run_cluster_job(queue, job, worker_id, poll_s=poll_s,
                             pending_timeout_s=pending_timeout_s, stop_grace_s=stop_grace_s,
-                            max_attempts=max_attempts, stop_event=stop_event)
+                            max_attempts=max_attempts, stop_event=stop_event, backoff=backoff)
         n += 1
     log.info("worker %s: stopped after %d job(s)", worker_id, n)
     return n
