@@ -17,6 +17,14 @@ Concurrency: WAL mode, a busy timeout, short `BEGIN IMMEDIATE` write transaction
 connection per call, so any number of processes (GUI, CLI, workers) may read and write at
 once. `claim_next` is atomic: only one worker ever owns a job.
 
+The files beside the database are checked before SQLite opens it (`_check_database_files`),
+since SQLite itself trusts them: a database with several hard links is refused (SQLite keeps
+a write-ahead log per name, and each name would get its own worker lock), and so is a
+`-wal` file that is not the database's own (one copied from another database: SQLite would
+replay its pages over the queue's and the jobs would be gone). A log tells whose it is
+because every write transaction also bumps `meta.writes` (`_MARK_WRITE`), so each of its
+committed transactions carries the page of the `meta` table and its `queue_id`.
+
 The database lives at `platformdirs.user_data_dir("gguf-workbench")/queue.sqlite3`, or at
 `$WORKBENCH_QUEUE`, or at the path passed to `JobQueue(path)` (the CLI's `--queue PATH`).
 It stays on this machine (SQLite's WAL must not sit on a network filesystem), whatever runs
@@ -93,6 +101,11 @@ CREATE TABLE IF NOT EXISTS jobs (
 CREATE INDEX IF NOT EXISTS jobs_state_position ON jobs (state, position, id);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
+# Every write transaction ends with this, so that its pages in the write-ahead log include the
+# meta table's, which holds the database's queue_id: whose log it is (_check_database_files).
+_MARK_WRITE = ("INSERT INTO meta VALUES ('writes', 1) "
+               "ON CONFLICT (key) DO UPDATE SET value = value + 1")
+WAL_HEADER_BYTES = 32  # a -wal file no longer than its header holds no transaction
 # Columns added after schema 1: (name, declaration), added to an older database when missing.
 _ADDED_COLUMNS = (("executor", "TEXT NOT NULL DEFAULT 'local'"),
                   ("attempt", "INTEGER NOT NULL DEFAULT 0"),
@@ -298,6 +311,8 @@ class JobQueue:
                 raise self._translate(e) from e
             raise
         try:
+            if write:
+                conn.execute(_MARK_WRITE)
             conn.execute("COMMIT")
         except sqlite3.Error as e:
             try:
@@ -307,8 +322,67 @@ class JobQueue:
             self.close()
             raise self._translate(e) from e
 
+    def _check_database_files(self) -> None:
+        """Refuse what SQLite would silently take for part of the queue (see the module's
+        docstring): QueueError when the database has several hard links, or when its `-wal`
+        file shows another database's queue_id (or none) where the database file alone shows
+        its own. The log is read through a read-only connection, which never checkpoints it
+        into the file; a database with no queue_id of its own yet (new, or not a queue) or a
+        busy one is not judged. A log written before the write mark (an older workbench) is
+        judged only by the transactions that touched the meta table."""
+        try:
+            links = os.stat(self.path).st_nlink
+        except OSError:
+            return                        # none yet, or unreadable: the open says why
+        if links > 1:
+            raise QueueError(
+                f"The job queue {self.path} has {links} hard links (other names for the same "
+                "file). SQLite keeps a write-ahead log per name, so two names can lose jobs, "
+                "and each name would get a worker of its own.",
+                "Keep one name: delete the other hard links, or replace them with symbolic "
+                "links (those are safe).")
+        wal = Path(f"{self.path}-wal")
+        try:
+            if wal.stat().st_size <= WAL_HEADER_BYTES:
+                return
+        except OSError:
+            return
+        try:
+            own = self._read_queue_id("immutable=1")     # the database file alone
+        except sqlite3.Error:
+            return
+        if own is None:
+            return
+        try:
+            seen = self._read_queue_id("mode=ro")        # with the log replayed over it
+        except sqlite3.OperationalError as e:
+            if any(w in str(e).lower() for w in ("locked", "busy", "unable to open")):
+                return
+            seen = None
+        except sqlite3.Error:
+            seen = None
+        if seen != own:
+            raise QueueError(
+                f"{wal} does not belong to the job queue {self.path}: it is the write-ahead "
+                "log of another database, and SQLite would replay its pages over the queue's "
+                "(the queue's jobs would be gone).",
+                f"Move {wal.name} away (and {wal.name[:-4]}-shm beside it, if there is one), "
+                "then try again: the queue opens as its own file last saved it.")
+
+    def _read_queue_id(self, mode: str) -> str | None:
+        """meta's queue_id of the database opened with URI parameter `mode`; sqlite3.Error
+        when it cannot be read."""
+        conn = sqlite3.connect(f"{self.path.as_uri()}?{mode}", uri=True,
+                               timeout=self.busy_timeout_s)
+        try:
+            row = conn.execute("SELECT value FROM meta WHERE key = 'queue_id'").fetchone()
+        finally:
+            conn.close()
+        return row[0] if row else None
+
     def _init_db(self) -> None:
         ensure_state_dir(self.path.parent)
+        self._check_database_files()
         deadline = time.monotonic() + self.busy_timeout_s
         while True:
             try:
