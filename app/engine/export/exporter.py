@@ -62,7 +62,8 @@ from app.engine.runs.destinations import (DestinationExists, check_destination, 
 from app.engine.runs.kinds import kind_of
 from app.engine.runs.rundir import RunDir, best_checkpoint
 from app.engine.runtime.files import atomic_write_bytes, storage_error
-from app.engine.training.checkpoints import DamagedCheckpoint, load_checkpoint, newest_intact
+from app.engine.training.checkpoints import (DamagedCheckpoint, load_checkpoint, newest_intact,
+                                             own_folder)
 
 FORMATS = ("gguf-lora", "merged", "peft", "ollama")
 ADAPTER_TYPES = {"f32": 0, "f16": 1, "bf16": 30, "q8_0": 8}   # also the types of merged tensors
@@ -877,10 +878,11 @@ def _move_into_place(staging: Path, out: Path) -> None:
 
 
 def report_paths(source: ExportSource, out: Path) -> list[Path]:
-    """Where the report goes: next to the export, and into the run's exports/ folder."""
+    """Where the report goes: next to the export, and into the run's exports/ folder (which
+    is also where a run's export goes by default): StorageError when that folder is a link."""
     paths = [out.with_name(out.name + ".verify.json")]
-    if source.run_dir:
-        in_run = RunDir(source.run_dir).exports_dir / paths[0].name
+    if source.run_dir:      # exports/ a link (a run folder copied with links): refused
+        in_run = own_folder(RunDir(source.run_dir).exports_dir) / paths[0].name
         if in_run.resolve() != paths[0].resolve():
             paths.append(in_run)
     return paths

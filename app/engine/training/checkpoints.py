@@ -99,8 +99,9 @@ def _write(path: Path, data: bytes) -> None:
 
 
 def own_folder(path: str | os.PathLike) -> Path:
-    """`path` (the run's checkpoints folder, or a folder in it), once it is known not to be a
-    symbolic link: this module writes, renames and deletes only in folders of the run itself.
+    """`path` (the run's checkpoints folder, or a folder in it; the exporter asks it of the
+    run's exports/), once it is known not to be a symbolic link: this module writes, renames and
+    deletes only in folders of the run itself.
     A link is a StorageError naming it (`link_error`); a missing path is fine (made later)."""
     path = Path(path)
     if path.is_symlink():

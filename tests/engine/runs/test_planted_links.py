@@ -74,3 +74,24 @@ def test_atomic_replacement_replaces_the_link_not_its_target(tmp_path, name, wri
     write(run)
     assert target.read_bytes() == b"the user's own file\n"
     assert not link.is_symlink() and link.is_file()
+
+
+@pytest.mark.parametrize("out", [None, "elsewhere.gguf"], ids=["default-out", "out-elsewhere"])
+def test_an_export_never_writes_through_a_linked_exports_folder(tmp_path, capsys, out):
+    import shutil
+
+    from app.cli.main import run_cli
+    from tests.conftest import GOLDEN
+
+    base = tmp_path / "base.gguf"
+    shutil.copy(GOLDEN / "qwen2-f32.gguf", base)
+    run = RunDir.create(tmp_path / "run", {"model": str(base), "data": "d.jsonl"})
+    shutil.copy(GOLDEN / "qwen2-lora.gguf", run.path / "adapter.gguf")
+    target = tmp_path / "someone-elses"
+    target.mkdir()
+    run.exports_dir.rmdir()
+    run.exports_dir.symlink_to(target)
+    args = ["export", str(run.path), "--to", "gguf-lora", "--type", "f32", "--no-llamacpp"]
+    assert run_cli(args + (["--out", str(tmp_path / out)] if out else [])) == 2
+    assert f"{run.exports_dir} is a symbolic link" in capsys.readouterr().err
+    assert os.listdir(target) == [] and not (tmp_path / "elsewhere.gguf").exists()
