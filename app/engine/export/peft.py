@@ -41,7 +41,7 @@ import numpy as np
 
 from app.engine.errors import ConfigError, ModelFormatError
 from app.engine.model.lora import LoraAdapter
-from app.engine.runtime.files import atomic_write_json
+from app.engine.runtime.files import atomic_write_bytes, atomic_write_json
 
 WEIGHTS_NAME = "adapter_model.safetensors"
 CONFIG_NAME = "adapter_config.json"
@@ -179,8 +179,9 @@ def _hf_pairs(adapter: LoraAdapter, arch: str, n_head: int, n_head_kv: int, embe
 def export_peft(adapter: LoraAdapter, out_dir: str | os.PathLike, *, arch: str, n_head: int,
                 n_head_kv: int, embed_scale: float, shapes: dict[str, tuple[int, ...]],
                 user_scale: float = 1.0, base_model: str = "", dtype: str = "f32") -> PeftExport:
-    """Write `adapter_model.safetensors` and `adapter_config.json` into out_dir."""
-    from safetensors.numpy import save_file
+    """Write `adapter_model.safetensors` and `adapter_config.json` into out_dir (atomically,
+    as new files are: 0666 less the umask; safetensors' own save_file makes them 0600)."""
+    from safetensors.numpy import save
 
 
     if dtype not in ("f32", "f16"):
@@ -221,13 +222,7 @@ def export_peft(adapter: LoraAdapter, out_dir: str | os.PathLike, *, arch: str, 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     weights, cfg_path = out / WEIGHTS_NAME, out / CONFIG_NAME
-    tmp = weights.with_name(f".{WEIGHTS_NAME}.tmp-{os.getpid()}")
-    try:
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, weights)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    atomic_write_bytes(weights, save(tensors, metadata={"format": "pt"}))
     atomic_write_json(cfg_path, config)
     warnings = []
     if EMBEDDING in adapter.tensors:
