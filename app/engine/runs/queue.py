@@ -341,7 +341,7 @@ class JobQueue:
                 "and each name would get a worker of its own.",
                 "Keep one name: delete the other hard links, or replace them with symbolic "
                 "links (those are safe).")
-        wal = Path(f"{self.path}-wal")
+        wal = Path(f"{os.path.realpath(self.path)}-wal")   # SQLite's: beside the real file
         try:
             if wal.stat().st_size <= WAL_HEADER_BYTES:
                 return

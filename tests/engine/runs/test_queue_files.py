@@ -52,7 +52,8 @@ def test_a_hard_linked_queue_gets_no_second_worker(tmp_path, capsys):
     assert [j.run_dir for j in JobQueue(queue.path).list()] == [str(tmp_path / "a" / "r1")]
 
 
-def test_a_foreign_wal_is_refused_and_the_queue_keeps_its_jobs(tmp_path):
+@pytest.mark.parametrize("through_a_link", [False, True])
+def test_a_foreign_wal_is_refused_and_the_queue_keeps_its_jobs(tmp_path, through_a_link):
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     mine = _queue_with_jobs(tmp_path / "a" / "q.sqlite3", "r1", "r2", "r3")
@@ -64,8 +65,11 @@ def test_a_foreign_wal_is_refused_and_the_queue_keeps_its_jobs(tmp_path):
     wal = tmp_path / "a" / "q.sqlite3-wal"
     shutil.copy(f"{other.path}-wal", wal)
     before = _digest(mine.path)
+    name = tmp_path / "link.sqlite3" if through_a_link else mine.path
+    if through_a_link:                           # SQLite keeps the log beside the real file
+        name.symlink_to(mine.path)
     with pytest.raises(QueueError) as e:
-        JobQueue(mine.path)
+        JobQueue(name)
     assert f"{wal} does not belong to the job queue" in e.value.message
     assert "Move q.sqlite3-wal away" in e.value.hint
     assert _digest(mine.path) == before          # nothing replayed into the database
