@@ -13,8 +13,8 @@ every format with their `.verify.json` reports, `new-model`, `logits`).
   holding one;
 - never, even with overwrite: a run folder's own files, of any run (a folder holding
   config.json and checkpoints/, as `rundir.check_not_nested` tells a run folder): its
-  config.json, status.json, metrics.jsonl, log.txt, adapter.gguf, anything in checkpoints/, or
-  the run folder itself. Its exports/ folder and new names beside them are fine;
+  config.json, status.json, metrics.jsonl, log.txt, run.lock, adapter.gguf, anything in
+  checkpoints/, or the run folder itself. Its exports/ folder and new names beside them are fine;
 - never, even with overwrite: anything but a regular file where a file goes (a folder, a
   device node, a FIFO, a socket: replacing /dev/full with a file is not an export), or anything
   but a folder where a folder goes;
@@ -33,6 +33,7 @@ from pathlib import Path
 
 from app.engine.errors import ConfigError
 from app.engine.runs.rundir import CHECKPOINTS, CONFIG, LOG, METRICS, STATUS, RunDir
+from app.engine.runs.runlock import LOCK
 from app.engine.runtime.files import NAME_MAX, storage_error
 
 # Bytes the writers add to a destination's name (".failed-verification-N" then ".verify.json"
@@ -40,7 +41,7 @@ from app.engine.runtime.files import NAME_MAX, storage_error
 NAME_RESERVE = 40
 MAX_NAME = NAME_MAX - NAME_RESERVE
 FINAL_ADAPTER = "adapter.gguf"        # the adapter a finished run saves beside its config.json
-RUN_FILES = (CONFIG, STATUS, METRICS, LOG, FINAL_ADAPTER, CHECKPOINTS)
+RUN_FILES = (CONFIG, STATUS, METRICS, LOG, LOCK, FINAL_ADAPTER, CHECKPOINTS)
 FAILED = ".failed-verification"
 
 Inputs = Iterable[tuple[str, "str | os.PathLike | None"]]

@@ -30,7 +30,7 @@ def run(tmp_path) -> RunDir:
 
 
 @pytest.mark.parametrize("name", ["config.json", "status.json", "metrics.jsonl", "log.txt",
-                                  "adapter.gguf", "checkpoints/step-1/arrays.npz",
+                                  "run.lock", "adapter.gguf", "checkpoints/step-1/arrays.npz",
                                   "checkpoints/new.gguf", "checkpoints"])
 def test_a_run_folders_own_files_are_never_written(run, name):
     """Of any run folder, not only the one a command reads: a run's files are its own."""
