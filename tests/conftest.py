@@ -41,12 +41,13 @@ def gemma3_270m() -> Path:
 
 @pytest.fixture(autouse=True, scope="session")
 def _private_cache_and_queue(tmp_path_factory):
-    """Tests never touch the user's real dataset cache or job queue."""
+    """Tests never touch the user's real dataset cache or job queue. The queue's folder (the
+    user's state folder) does not exist yet: the app makes it, as for a new user."""
     import os
 
     base = tmp_path_factory.mktemp("workbench-state")
     os.environ["WORKBENCH_CACHE_DIR"] = str(base / "cache")
-    os.environ["WORKBENCH_QUEUE"] = str(base / "queue.sqlite3")
+    os.environ["WORKBENCH_QUEUE"] = str(base / "state" / "queue.sqlite3")
 
 
 GUI_TIMING = ("test_first_run_from_start_to_playground",
