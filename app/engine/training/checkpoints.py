@@ -193,15 +193,30 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
 
 
 def list_checkpoints(folder: str | os.PathLike) -> list[Path]:
-    """Complete checkpoints, oldest first (temporary folders are not checkpoints)."""
+    """Complete checkpoints, oldest first (temporary folders are not checkpoints, nor is a
+    `step-<N>` folder that holds another run: `nested_runs`)."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
     found = []
     for p in folder.iterdir():
-        if p.is_dir() and p.name.startswith("step-") and p.name[5:].isdigit():
+        if p.is_dir() and p.name.startswith("step-") and p.name[5:].isdigit() and not _a_run(p):
             found.append((int(p.name[5:]), p))
     return [p for _, p in sorted(found)]
+
+
+def nested_runs(folder: str | os.PathLike) -> list[Path]:
+    """`step-<N>` folders in `folder` that hold a run (its config.json) rather than a
+    checkpoint: never resumed from, set aside, pruned or exported, only left alone and named.
+    (The workbench refuses to make a run there; another program or an older one may have.)"""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.glob("step-*") if p.is_dir() and _a_run(p))
+
+
+def _a_run(path: Path) -> bool:
+    return (path / "config.json").is_file()   # app.engine.runs.rundir.CONFIG (a layer above)
 
 
 def set_aside(path: Path, why: str) -> Path:

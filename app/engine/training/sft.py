@@ -22,8 +22,9 @@ from typing import Callable, ClassVar
 import numpy as np
 
 from app.engine.runtime.backend import memory_report, peak_rss_mb
-from app.engine.training.checkpoints import (newest_intact, own_folder, prune_checkpoints,
-                                             restart_hint, save_checkpoint, set_aside)
+from app.engine.training.checkpoints import (nested_runs, newest_intact, own_folder,
+                                             prune_checkpoints, restart_hint, save_checkpoint,
+                                             set_aside)
 from app.engine.training.communicator import Communicator, SingleProcess
 from app.engine.training.config import TrainConfig
 from app.engine.training.memory import run_cache_budget
@@ -282,6 +283,9 @@ def resume(session: TrainSession, checkpoints, state: dict, report: Report) -> P
     export skip them), each with a log event; when none is intact, CheckpointError."""
     ckpt_dir = own_folder(checkpoints) if checkpoints else None   # a link: refused up front
     ckpt, damaged = newest_intact(ckpt_dir) if ckpt_dir is not None else (None, [])
+    for nested in nested_runs(ckpt_dir) if ckpt_dir is not None else ():
+        report(events.LOG_EVENT(message=f"checkpoints/{nested.name} holds a run (its "
+                                        "config.json), not a checkpoint: left as it is"))
     if ckpt is not None:
         session.load_state_dict(ckpt.state)
         state.update(ckpt.meta.get("run", {}))
