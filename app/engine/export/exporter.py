@@ -57,8 +57,8 @@ from app.engine.model.card import human_bytes
 from app.engine.model.lora import (LoraAdapter, LoraConfig, check_adapter_fits,
                                    llamacpp_lora_problems, load_adapter, tensor_kind)
 from app.engine.model.transformer import Model, load_model
-from app.engine.runs.destinations import (DestinationExists, check_destination, failed_path,
-                                          make_parent, run_inputs)
+from app.engine.runs.destinations import (FINAL_ADAPTER, DestinationExists, check_destination,
+                                          failed_path, make_parent, run_inputs)
 from app.engine.runs.kinds import kind_of
 from app.engine.runs.rundir import RunDir, best_checkpoint
 from app.engine.runtime.files import atomic_write_bytes, storage_error
@@ -174,7 +174,7 @@ def source_from_run(run_dir: str | os.PathLike, step: int | str | None = None,
                     + (checkpoint.path.name + ", the newest intact one" if checkpoint else
                        "the run's adapter.gguf") for bad, why in damaged]
     if checkpoint is None:
-        final = run.path / "adapter.gguf"
+        final = run.path / FINAL_ADAPTER
         if not final.is_file():
             raise ConfigError(f"The run {run.path} has no "
                               + ("intact checkpoint" if warnings else "checkpoint yet")
@@ -226,7 +226,7 @@ def _run_alpha(run, config, tensors) -> float:
     try:                                    # the run continued an existing adapter: its alpha
         return load_adapter(config.adapter).alpha
     except EngineError:
-        final = run.path / "adapter.gguf"  # else the one the run saved with the same alpha
+        final = run.path / FINAL_ADAPTER  # else the one the run saved with the same alpha
         if not final.is_file():
             raise ConfigError(f"The run continued {config.adapter}, which cannot be read, so "
                               "its alpha is unknown.", "Put the adapter file back.") from None
