@@ -22,6 +22,10 @@ every format with their `.verify.json` reports, `new-model`, `logits`).
 
 Writers then write beside `path` and rename into place (`runtime.files`), so they never write
 through a link either: a link at `path` is replaced, its target is left alone.
+
+What this cannot see: a hard link, somewhere else, to a file of a run the command does not
+read (nothing names a file's other links); the files of the run an export reads are among its
+inputs, so links to those are compared by inode like any input.
 """
 
 from __future__ import annotations
