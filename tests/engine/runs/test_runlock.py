@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from app.engine.runs.queue import JobQueue, JobStateError
+from app.engine.runs.remote import run_remote
 from app.engine.runs.rundir import RunDir
 from app.engine.runs.runlock import LOCK, RunBusyError, RunLock, lock_holder
 from app.engine.runs.worker import run_worker
@@ -108,3 +109,10 @@ def test_a_job_on_a_run_another_process_writes_fails_and_leaves_the_run_alone(ru
     assert (job.state, job.error_kind, ran) == ("failed", "run_busy", [])
     assert f"a terminal's resume (pid {os.getpid()}" in job.error_message
     assert not run.status_path.exists() and not run.log_path.exists()
+
+
+def test_a_cluster_attempt_on_a_run_another_process_writes_is_refused(run, holder):
+    ran = []
+    with pytest.raises(RunBusyError, match=f"pid {holder.pid}"):
+        run_remote(run.path, runner=lambda run_dir, control: ran.append(1))
+    assert ran == [] and not run.status_path.exists()
