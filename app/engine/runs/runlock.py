@@ -158,7 +158,7 @@ def lock_holder(run_dir: RunDir | str | os.PathLike) -> dict | None:
         if try_lock(fd, shared=True):
             unlock(fd)
             return None
-        return _holder(fd)
+        return _holder(fd) or {}     # {}: held, its holder not written yet
     finally:
         os.close(fd)
 
