@@ -17,8 +17,11 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
+
+from app.engine.runtime.inputs import NEVER, open_input
 
 CACHE_VERSION = 1
 ENV_VAR = "WORKBENCH_CACHE_DIR"
@@ -33,11 +36,14 @@ def cache_dir() -> Path:
     return Path(root) / "datasets"
 
 
-def file_digest(path, chunk: int = 1 << 20) -> str:
-    """SHA-256 of a file's bytes, read in chunks."""
+def file_digest(path, chunk: int = 1 << 20, what: str = "dataset",
+                stop: Callable[[], None] = NEVER) -> str:
+    """SHA-256 of a file's bytes, read in chunks (an input file: `open_input` checks it and
+    `what` names it; `stop`, a `StopCheck`, is called between chunks)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_input(path, what) as f:
         while block := f.read(chunk):
+            stop()
             h.update(block)
     return h.hexdigest()
 

@@ -49,12 +49,13 @@ from typing import Callable, ClassVar, Iterator
 import numpy as np
 
 from app.engine.data import cache as data_cache
-from app.engine.errors import Cancelled, ConfigError, DatasetError
+from app.engine.errors import ConfigError, DatasetError
 from app.engine.data.formats import (FORMATS, Example, Rejection, RejectionLog, detect_format,
                                      read_examples)
 from app.engine.data.loss_masks import Encoded, Encoder
 from app.engine.data.row_weights import (NORMALIZATIONS, Weights, WeightsFile, check_normalization,
                                          read_weights_file, resolve_weights)
+from app.engine.runtime.inputs import NEVER, StopCheck, check_input_file
 from app.engine.runtime.schema import ANY, AT_LEAST_0, AT_LEAST_1, FRACTION, TEXT
 from app.engine.text.tokenizer import Tokenizer
 from app.engine.data.batches import Batch
@@ -217,56 +218,103 @@ class Tokenized:
             return None
 
 
-ProgressFn = Callable[[int, int], None]   # (bytes read, file size)
-StopFn = Callable[[], bool]
+ProgressFn = Callable[[int, int, int], None]   # (rows read, bytes read, file size)
+StopFn = Callable[[], object]                  # a true value ("pause", "cancel") stops
 
 
 def encoded_rows(path, tokenizer: Tokenizer, config: DataConfig, fmt: str,
                  progress: ProgressFn | None = None,
-                 should_stop: StopFn | None = None) -> Iterator[Encoded | Rejection]:
+                 stop: Callable[[], None] = NEVER) -> Iterator[Encoded | Rejection]:
     """Every non-blank line of the file as an `Encoded` row or a `Rejection`, in file order,
-    streaming (rows are rendered and tokenized in blocks of BLOCK_ROWS)."""
+    streaming (rows are rendered and tokenized in blocks of BLOCK_ROWS). `progress` is called
+    after each block; `stop` (a `StopCheck`) at every line read and every block."""
     encoder = Encoder(tokenizer, chat_template=config.chat_template,
                       parse_special=config.parse_special, add_eos=config.add_eos)
     size = os.path.getsize(path)
-    report = (lambda done: progress(done, size)) if progress is not None else None
+    read = [0]                 # bytes read so far (iter_lines reports every few MB)
+    rows = 0
     block: list[Example | Rejection] = []
     pending: deque = deque()
+
+    def done(results: list) -> list:
+        nonlocal rows
+        rows += len(results)
+        if progress is not None:
+            progress(rows, read[0], size)
+        return results
+
     # Blocks are rendered here while the previous block is tokenized in a thread.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize") as pool:
         for item in read_examples(path, fmt, chat_loss=config.chat_loss,
                                   completion_as_chat=config.completion_as_chat,
-                                  weight_field=config.weight_field, progress=report):
+                                  weight_field=config.weight_field,
+                                  progress=lambda n: read.__setitem__(0, n), stop=stop):
             block.append(item)
             if len(block) >= BLOCK_ROWS:
-                if should_stop is not None and should_stop():
-                    raise Cancelled("Reading the dataset was cancelled.")
+                stop()
                 pending.append(pool.submit(encoder.tokenize, encoder.prepare(block)))
                 block = []
                 while len(pending) > 1:
-                    yield from pending.popleft().result()
+                    yield from done(pending.popleft().result())
         pending.append(pool.submit(encoder.tokenize, encoder.prepare(block)))
         while pending:
-            yield from pending.popleft().result()
+            yield from done(pending.popleft().result())
 
 
-def resolve_format(path, config: DataConfig) -> tuple[str, bool]:
+def resolve_format(path, config: DataConfig, stop: Callable[[], None] = NEVER) -> tuple[str, bool]:
     """(format, detected?) of a file under a config."""
     if config.format != "auto":
         return config.format, False
-    return detect_format(path), True
+    return detect_format(path, stop), True
+
+
+def _raw_bytes(a: np.ndarray, dtype) -> memoryview:
+    """The bytes of `a` as `dtype`, without a copy when it already is (for array.frombytes)."""
+    return memoryview(np.ascontiguousarray(a, dtype)).cast("B")
+
+
+class _Rows:
+    """The accepted rows of a file as they are tokenized, in growing flat buffers (`array`:
+    amortised appends, handed to NumPy without a copy at the end): 5 bytes per token and about
+    40 per row, never a Python object per token nor a NumPy array per row."""
+
+    def __init__(self):
+        self.tokens, self.trained = array("i"), array("b")
+        self.starts, self.lines, self.rows = array("q", [0]), array("q"), array("q")
+        self.raw, self.digests, self.ids = array("d"), array("Q"), []
+
+    def add(self, item: Encoded) -> None:
+        e = item.example
+        self.tokens.frombytes(_raw_bytes(item.ids, np.int32))
+        self.trained.frombytes(_raw_bytes(item.trained, np.bool_))
+        self.starts.append(len(self.tokens))
+        self.lines.append(e.line)
+        self.rows.append(e.row)
+        self.raw.append(math.nan if e.weight is None else e.weight)
+        self.digests.append(e.digest)
+        self.ids.append(e.row_id)
+
+    def sequences(self) -> Sequences:
+        return Sequences(np.frombuffer(self.tokens, np.int32) if self.tokens else
+                         np.zeros(0, np.int32),
+                         np.frombuffer(self.trained, np.bool_) if self.trained else
+                         np.zeros(0, bool), np.frombuffer(self.starts, np.int64))
+
+    @staticmethod
+    def numbers(a: array, dtype) -> np.ndarray:
+        return np.frombuffer(a, dtype) if len(a) else np.zeros(0, dtype)
 
 
 def tokenize_file(path, tokenizer: Tokenizer, config: DataConfig, *, use_cache: bool = True,
-                  progress: ProgressFn | None = None,
-                  should_stop: StopFn | None = None) -> Tokenized:
-    """Tokenize a dataset file, or take it from the cache."""
+                  progress: ProgressFn | None = None, should_stop: StopFn | None = None,
+                  what: str = "dataset") -> Tokenized:
+    """Tokenize a dataset file (`what` names it in errors), or take it from the cache. The file
+    is read line by line and only the tokens are kept (see `_Rows`); `should_stop` is asked
+    about every quarter second (`StopCheck`: a stop request raises Cancelled)."""
     path = os.fspath(path)
-    try:
-        digest = data_cache.file_digest(path)
-    except OSError as exc:
-        raise DatasetError(f"Cannot read the dataset {path!r}: {exc.strerror or exc}.",
-                           "Check the path and that the file is readable.") from exc
+    stop = StopCheck(should_stop, f"reading {os.path.basename(path)}")
+    # first read: checks that the file is a regular file (a pipe or a device: DatasetError)
+    digest = data_cache.file_digest(path, what=what, stop=stop)
     template = config.chat_template if config.chat_template is not None else tokenizer.chat_template
     key = data_cache.cache_key({"impl": _IMPLEMENTATION, "file": digest,
                                 "tokenizer": tokenizer.hash(), "template": template,
@@ -278,27 +326,21 @@ def tokenize_file(path, tokenizer: Tokenizer, config: DataConfig, *, use_cache: 
             if tokenized is not None:
                 tokenized.path = path
                 return tokenized
-    fmt, detected = resolve_format(path, config)
-    ids, masks, lines, rows, raw, row_ids, digests = [], [], [], [], [], [], []
+    fmt, detected = resolve_format(path, config, stop)
+    kept = _Rows()
     rejected = RejectionLog()
     n_rows = 0
-    for item in encoded_rows(path, tokenizer, config, fmt, progress, should_stop):
+    for item in encoded_rows(path, tokenizer, config, fmt, progress, stop):
         n_rows += 1
         if isinstance(item, Rejection):
             rejected.add(item)
-            continue
-        e = item.example
-        ids.append(item.ids)
-        masks.append(item.trained)
-        lines.append(e.line)
-        rows.append(e.row)
-        raw.append(np.nan if e.weight is None else e.weight)
-        row_ids.append(e.row_id)
-        digests.append(e.digest)
-    tokenized = Tokenized(path, fmt, detected, n_rows, Sequences.concat(ids, masks),
-                          np.asarray(lines, np.int64), np.asarray(rows, np.int64),
-                          np.asarray(raw, np.float64), row_ids, np.asarray(digests, np.uint64),
-                          rejected.kept, dict(rejected.kinds))
+        else:
+            kept.add(item)
+    tokenized = Tokenized(path, fmt, detected, n_rows, kept.sequences(),
+                          kept.numbers(kept.lines, np.int64), kept.numbers(kept.rows, np.int64),
+                          kept.numbers(kept.raw, np.float64), kept.ids,
+                          kept.numbers(kept.digests, np.uint64), rejected.kept,
+                          dict(rejected.kinds))
     if use_cache:
         data_cache.save(key, tokenized.to_arrays())
     return tokenized
@@ -541,22 +583,34 @@ class Dataset:
         return int(t.lines[i]), t.seqs.ids(i), t.seqs.mask(i)
 
 
+def check_data_files(path, config: DataConfig) -> None:
+    """DatasetError unless the dataset, the validation data and the weights file (those the
+    config names) are regular files: said before a run folder is made for them."""
+    check_input_file(path, "dataset")
+    if config.val_path:
+        check_input_file(config.val_path, "validation data")
+    if config.weights_path:
+        check_input_file(config.weights_path, "weights file")
+
+
 def load_dataset(path, tokenizer: Tokenizer, config: DataConfig | None = None, *,
                  use_cache: bool = True, progress: ProgressFn | None = None,
                  should_stop: StopFn | None = None) -> Dataset:
     """Read, tokenize (or take from the cache), weight, split and window a dataset file.
 
-    progress(bytes read, file size) is called while tokenizing; should_stop() is polled between
-    blocks of rows (True raises Cancelled). Raises DatasetError (unreadable file, unknown format,
+    progress(rows read, bytes read, file size) is called while tokenizing; should_stop() is
+    asked about every quarter second while reading any of the files (a true value raises
+    Cancelled). Raises DatasetError (unreadable file, not a regular file, unknown format,
     nothing to train on, a bad row in strict mode, a bad weights file) or ConfigError.
     """
     config = config or DataConfig()
     config.validate()
-    weights_file = read_weights_file(config.weights_path) if config.weights_path else None
+    weights_file = (read_weights_file(config.weights_path, should_stop) if config.weights_path
+                    else None)
     train = tokenize_file(path, tokenizer, config, use_cache=use_cache, progress=progress,
                           should_stop=should_stop)
     val = None
     if config.val_path:
         val = tokenize_file(config.val_path, tokenizer, config, use_cache=use_cache,
-                            should_stop=should_stop)
+                            should_stop=should_stop, what="validation data")
     return Dataset(train, config, tokenizer, val, weights_file)

@@ -44,6 +44,7 @@ from typing import Any, Callable, Iterator
 
 from app.engine.errors import DatasetError
 from app.engine.runtime.files import loads_json
+from app.engine.runtime.inputs import NEVER, open_input
 
 FORMATS = ("text", "completion", "chat", "alpaca", "sharegpt")
 ROLES = ("system", "user", "assistant", "tool")
@@ -156,25 +157,19 @@ class _Bad(Exception):
 
 # ---- lines ----------------------------------------------------------------------------------------
 
-def _open(path) -> Any:
-    try:
-        if os.path.isdir(path):
-            raise IsADirectoryError(f"{path} is a directory")
-        return open(path, "rb")
-    except OSError as exc:
-        raise DatasetError(f"Cannot read the dataset {os.fspath(path)!r}: {exc.strerror or exc}.",
-                           "Check the path and that the file is readable.") from exc
-
-
 def iter_lines(path, max_line_bytes: int | None = None,
-               progress: Callable[[int], None] | None = None) -> Iterator[tuple[int, bytes | None]]:
+               progress: Callable[[int], None] | None = None, *, what: str = "dataset",
+               stop: Callable[[], None] = NEVER) -> Iterator[tuple[int, bytes | None]]:
     """(line number, the line's bytes without its line end) for every non-blank line; None for a
     line longer than `max_line_bytes` (default MAX_LINE_BYTES; its bytes are skipped, not kept).
-    `progress(bytes read)` is called every few MB."""
+    The file must be a regular file (`open_input`: `what` names it in the error). `progress(bytes
+    read)` is called every few MB; `stop()` (a `StopCheck`) at every line and every MB of a long
+    line, so a stop request is heard within its interval whatever the lines look like."""
     max_line_bytes = max_line_bytes or MAX_LINE_BYTES
-    with _open(path) as f:
+    with open_input(path, what) as f:
         number, done, reported = 0, 0, 0
         while True:
+            stop()
             raw = f.readline(max_line_bytes + 1)
             if not raw:
                 break
@@ -182,6 +177,7 @@ def iter_lines(path, max_line_bytes: int | None = None,
             done += len(raw)
             if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
                 while raw and not raw.endswith(b"\n"):   # skip the rest of the long line
+                    stop()
                     raw = f.readline(1 << 20)
                     done += len(raw)
                 yield number, None
@@ -250,12 +246,12 @@ def row_format(obj: dict) -> str | None:
     return None
 
 
-def detect_format(path) -> str:
+def detect_format(path, stop: Callable[[], None] = NEVER) -> str:
     """The most common row format among the first rows (ties: chat, sharegpt, alpaca,
     completion, text). Raises DatasetError when no row there is in a known format."""
     counts: Counter[str] = Counter()
     objects, keys = 0, Counter()
-    for line, raw in iter_lines(path):
+    for line, raw in iter_lines(path, stop=stop):
         obj = parse_line(line, raw)
         if isinstance(obj, dict):
             objects += 1
@@ -504,9 +500,11 @@ def to_example(obj: dict, line: int, row: int, raw: bytes, fmt: str, *,
 
 def read_examples(path, fmt: str, *, chat_loss: str = "assistant", completion_as_chat: bool = False,
                   weight_field: str | None = None,
-                  progress: Callable[[int], None] | None = None) -> Iterator[Example | Rejection]:
-    """Every non-blank line of a JSONL file as an Example or a Rejection, streaming."""
-    for row, (line, raw) in enumerate(iter_lines(path, progress=progress)):
+                  progress: Callable[[int], None] | None = None,
+                  stop: Callable[[], None] = NEVER) -> Iterator[Example | Rejection]:
+    """Every non-blank line of a JSONL file as an Example or a Rejection, streaming (`stop`:
+    see `iter_lines`)."""
+    for row, (line, raw) in enumerate(iter_lines(path, progress=progress, stop=stop)):
         obj = parse_line(line, raw)
         if isinstance(obj, Rejection):
             yield obj

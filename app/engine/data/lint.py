@@ -27,6 +27,7 @@ from app.engine.data.row_weights import read_weights_file, resolve_weights
 from app.engine.data.windows import DROPPED, SPLIT, STATUSES, TRUNCATED, fit
 from app.engine.io.gguf import read_gguf
 from app.engine.text.tokenizer import Tokenizer
+from app.engine.runtime.inputs import StopCheck, check_input_file
 
 MAX_LISTED = 1000        # rejected rows listed in the JSON report (all are counted)
 TEXT_LISTED = 20         # ... in the text report
@@ -160,12 +161,16 @@ def build_report(path: str, fmt: str, detected: bool, config: DataConfig, rows: 
 def lint_dataset(path, tokenizer: Tokenizer, config: DataConfig | None = None, *,
                  progress: ProgressFn | None = None, should_stop: StopFn | None = None) -> LintReport:
     """Lint a dataset file in one streaming pass. Raises DatasetError when the file cannot be
-    read or its format cannot be told (bad rows are reported, not raised)."""
+    read (or is not a regular file) or its format cannot be told (bad rows are reported, not
+    raised); Cancelled when `should_stop` asks (see `StopCheck`)."""
     config = config or DataConfig()
     config.validate()
     path = os.fspath(path)
-    weights_file = read_weights_file(config.weights_path) if config.weights_path else None
-    fmt, detected = resolve_format(path, config)
+    check_input_file(path, "dataset")
+    weights_file = (read_weights_file(config.weights_path, should_stop) if config.weights_path
+                    else None)
+    stop = StopCheck(should_stop, f"reading {os.path.basename(path)}")
+    fmt, detected = resolve_format(path, config, stop)
     # a few numbers per row, in typed arrays (8 bytes each); ids only when a weights file needs them
     lines, rows, n_tokens, n_targets, kept_pos, kept_tgt = (array("q") for _ in range(6))
     raw, status = array("d"), array("b")
@@ -175,7 +180,7 @@ def lint_dataset(path, tokenizer: Tokenizer, config: DataConfig | None = None, *
     candidates: list[tuple[int, int, np.ndarray, np.ndarray]] = []   # a few rows for the example
     n_rows = plain_special = 0
     special_text = None
-    for item in encoded_rows(path, tokenizer, config, fmt, progress, should_stop):
+    for item in encoded_rows(path, tokenizer, config, fmt, progress, stop):
         n_rows += 1
         if isinstance(item, Rejection):
             rejected.add(item)

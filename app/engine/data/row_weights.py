@@ -36,6 +36,7 @@ import numpy as np
 
 from app.engine.errors import ConfigError, DatasetError
 from app.engine.data.formats import NEGATIVE_WEIGHT, NO_WEIGHT, Rejection, as_float, iter_lines
+from app.engine.runtime.inputs import StopCheck
 from app.engine.runtime.files import loads_json
 
 NORMALIZATIONS = ("none", "mean-std", "min-max", "clip")
@@ -81,13 +82,15 @@ def _number(value, where: str) -> float:
     return number
 
 
-def read_weights_file(path) -> WeightsFile:
-    """Read a weights file (streaming). Raises DatasetError with the line number of a bad line."""
+def read_weights_file(path, should_stop=None) -> WeightsFile:
+    """Read a weights file (streaming; `should_stop`: see `StopCheck`). Raises DatasetError
+    with the line number of a bad line, or when the file is not a regular file."""
     name = os.path.basename(os.fspath(path))
     numbers: list[float] = []
     by_id: dict[str, float] = {}
     mode = None
-    for line, raw in iter_lines(path):
+    stop = StopCheck(should_stop, f"reading {name}")
+    for line, raw in iter_lines(path, what="weights file", stop=stop):
         where = f"{name} line {line}"
         try:
             text = raw.decode("utf-8").strip() if raw is not None else ""

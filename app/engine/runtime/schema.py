@@ -33,6 +33,7 @@ from typing import Any
 
 from app.engine.errors import ConfigError
 from app.engine.runtime.files import loads_json
+from app.engine.runtime.inputs import CONFIG_MAX_BYTES, open_input
 
 INT_MAX = 2**31 - 1      # counts, sizes and seeds (and what the window's spin boxes hold)
 TEXT = "text"            # the rule of a free-text string (a path, a field name, ...)
@@ -198,13 +199,19 @@ def check(d, cls, source: str = "") -> None:
 
 
 def read_config_file(path) -> dict:
-    """A JSON (or, for *.toml, TOML) config file as a dict. A file that cannot be read, does not
-    parse (the error names the line and column) or is not an object raises ConfigError."""
+    """A JSON (or, for *.toml, TOML) config file as a dict. A file that cannot be read, is not a
+    regular file of at most CONFIG_MAX_BYTES (a pipe or /dev/zero would block or grow without
+    end), does not parse (the error names the line and column) or is not an object raises
+    ConfigError."""
     name = os.path.basename(os.fspath(path))
     kind = "TOML" if name.endswith(".toml") else "JSON"
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        with open_input(path, "config file", max_bytes=CONFIG_MAX_BYTES, error=ConfigError) as f:
+            raw = f.read(CONFIG_MAX_BYTES + 1)     # the cap holds if the file grew meanwhile
+        if len(raw) > CONFIG_MAX_BYTES:
+            raise ConfigError(f"The config file {os.fspath(path)} grew past 1 MB while read.",
+                              "Check that this is the config file you meant.")
+        text = raw.decode("utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"Could not read {name}: {getattr(e, 'strerror', None) or e}.",
                           "Check the path and that the file is readable text.") from None
