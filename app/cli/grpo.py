@@ -90,6 +90,7 @@ def add_grpo_parser(sub) -> None:
 
 def grpo_config_from_args(args):
     """A GrpoConfig from --config (if any) with the command-line options on top."""
+    from app.engine.runtime.inputs import check_input_file
     from app.engine.runtime.schema import check, read_config_file
     from app.engine.training.grpo import GrpoConfig, build_grpo_config
     from app.engine.training.reward_functions import RewardSpec
@@ -126,7 +127,9 @@ def grpo_config_from_args(args):
                      "device": args.device, "weight_cache_mb": args.weight_cache_mb,
                      "lora_targets": targets(args.targets) if args.targets else None}
     train.update({k: v for k, v in train_options.items() if v is not None})
-    return build_grpo_config(base)
+    config = build_grpo_config(base)
+    check_input_file(config.prompts, "prompts file")   # a pipe, a folder: before a run folder
+    return config
 
 
 class GrpoProgress(Progress):

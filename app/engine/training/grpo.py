@@ -81,6 +81,7 @@ from app.engine.errors import ConfigError, DatasetError
 from app.engine.model.lora import load_adapter, save_adapter
 from app.engine.model.transformer import Model, load_model
 from app.engine.runtime.backend import peak_rss_mb
+from app.engine.runtime.inputs import StopCheck
 from app.engine.text.chat_template import generation_prompt_ids
 from app.engine.training import events
 from app.engine.training.checkpoints import prune_checkpoints, save_checkpoint
@@ -90,7 +91,8 @@ from app.engine.runtime.schema import AT_LEAST_0, AT_LEAST_1, FRACTION, POSITIVE
 from app.engine.training.reward_functions import (RewardScorer, RewardSpec, ScoreItem,
                                                   check_reward_trust)
 from app.engine.training.session import TrainSession
-from app.engine.training.sft import RUN_LENGTHS, guarded_step, report_norms, resume
+from app.engine.training.sft import (RUN_LENGTHS, before_training, guarded_step, report_norms,
+                                    resume)
 
 Report = Callable[[dict], None]
 ShouldStop = Callable[[], "str | None"]
@@ -258,10 +260,13 @@ def prompt_ids(tokenizer, row: dict, parse_special: bool = False) -> tuple[list[
 
 
 def load_prompts(path: str, tokenizer, scorer: RewardScorer, max_prompt_tokens: int,
-                 parse_special: bool = False) -> tuple[list[PromptRow], list[Rejection], int]:
-    """(usable rows, rejections, number of rows) of a prompt JSONL file."""
+                 parse_special: bool = False,
+                 should_stop=None) -> tuple[list[PromptRow], list[Rejection], int]:
+    """(usable rows, rejections, number of rows) of a prompt JSONL file (a regular file: else
+    DatasetError; `should_stop`: see `StopCheck`)."""
     rows, rejected, n = [], [], 0
-    for index, (line, raw) in enumerate(iter_lines(path)):
+    stop = StopCheck(should_stop, f"reading {Path(path).name}")
+    for index, (line, raw) in enumerate(iter_lines(path, what="prompts file", stop=stop)):
         n += 1
         obj = parse_line(line, raw)
         if isinstance(obj, Rejection):
@@ -480,8 +485,12 @@ def train_grpo(config: GrpoConfig, report: Report, should_stop: ShouldStop,
     with RewardScorer(config.rewards, config.answer_field, config.reward_timeout,
                       Path(config.prompts).name) as scorer:
         max_prompt = model.config.context_length - config.max_new_tokens
-        rows, rejected, n_rows = load_prompts(config.prompts, tok, scorer, max_prompt,
-                                              config.parse_special)
+        loaded, stopped = before_training(
+            lambda ask: load_prompts(config.prompts, tok, scorer, max_prompt,
+                                     config.parse_special, ask), should_stop)
+        if stopped:
+            return stopped
+        rows, rejected, n_rows = loaded
         for r in rejected[:5]:
             report(events.LOG_EVENT(message=f"skipped line {r.line}: {r.reason}"))
         train_rows, val_rows = split_prompts(rows, config.val_split, seed)

@@ -78,11 +78,13 @@ import numpy as np
 
 from app.engine.errors import ConfigError, EngineError
 from app.engine.runtime.files import atomic_write_json
+from app.engine.runtime.inputs import check_input_file
 from app.engine.runtime.paths import state_file, user_state_dir
 from app.engine.runtime.schema import ANY, AT_LEAST_0, TEXT
 
 REWARD_KINDS = ("exact", "numeric", "regex", "format", "length", "file")
 DEFAULT_TIMEOUT_S = 10.0
+REWARD_FILE_MAX_BYTES = 16 << 20   # Python source; a larger "reward file" is not one
 _NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?")
 _SPACE = re.compile(r"\s+")
 
@@ -145,11 +147,9 @@ class RewardSpec:
             except re.error as e:
                 raise ConfigError(f"The regex reward's pattern {self.arg!r} is invalid: {e}.") from None
         if self.kind == "file":
-            path = Path(self.arg)
-            if not path.is_file():
-                raise ConfigError(f"The reward file {self.arg!r} does not exist.",
-                                  "Give the path of a Python file defining reward(prompt, "
-                                  "completion, **row).")
+            # missing, a folder, a pipe (whose reading would block) or oversized: ConfigError
+            check_input_file(self.arg, "reward file", max_bytes=REWARD_FILE_MAX_BYTES,
+                             error=ConfigError)
             if not self.function.isidentifier():
                 raise ConfigError(f"{self.function!r} is not a Python function name.")
         for tag in (self.tag, self.arg if self.kind == "format" else ""):

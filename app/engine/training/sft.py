@@ -31,8 +31,8 @@ from app.engine.training.memory import run_cache_budget
 from app.engine.runtime.schema import AT_LEAST_0, AT_LEAST_1, TEXT, check
 from app.engine.training import events
 from app.engine.data.dataset import DataConfig, load_dataset
-from app.engine.errors import (CheckpointError, ConfigError, DatasetError, EngineError,
-                               OutOfMemoryError)
+from app.engine.errors import (Cancelled, CheckpointError, ConfigError, DatasetError,
+                               EngineError, OutOfMemoryError)
 from app.engine.io.gguf import dequantize
 from app.engine.model.lora import adapter_norms, load_adapter, save_adapter
 from app.engine.model.transformer import load_model
@@ -133,6 +133,43 @@ class _RunningStats:
                 "epoch_accuracy_se": acc_se}
 
 
+PROGRESS_EVERY_S = 2.0   # a tokenizing progress event at most this often
+
+
+def tokenizing_progress(report: Report, name: str) -> Callable[[int, int, int], None]:
+    """A `load_dataset` progress callback that reports a log event ("tokenizing chat.jsonl:
+    12,000 rows, 20 of 60 MB") at most every PROGRESS_EVERY_S seconds: the CLI prints it, the
+    window's log shows it."""
+    last = time.monotonic()
+
+    def progress(rows: int, done: int, size: int) -> None:
+        nonlocal last
+        if time.monotonic() - last >= PROGRESS_EVERY_S:
+            last = time.monotonic()
+            report(events.LOG_EVENT(message=f"tokenizing {name}: {rows:,} rows, "
+                                            f"{done / 2**20:.0f} of {size / 2**20:.0f} MB"))
+    return progress
+
+
+def before_training(load: Callable, should_stop: ShouldStop):
+    """(load(ask), None), or (None, "paused" | "cancelled") when a stop request ended `load`:
+    reading the run's files asks `ask` (should_stop, its answer kept) as it goes and raises
+    Cancelled (app.engine.runtime.inputs.StopCheck). Nothing is trained yet then, so the run
+    stops at once, and resuming it starts over."""
+    answer = None
+
+    def ask():
+        nonlocal answer
+        answer = should_stop()
+        return answer
+    try:
+        return load(ask), None
+    except Cancelled:
+        if not answer:
+            raise
+        return None, "cancelled" if answer == "cancel" else "paused"
+
+
 def train(config: RunConfig, report: Report, should_stop: ShouldStop,
           checkpoints: str | Path | None = None, communicator: Communicator | None = None) -> str:
     """Run (or resume, from the newest checkpoint in `checkpoints`) a training run.
@@ -156,9 +193,14 @@ def train(config: RunConfig, report: Report, should_stop: ShouldStop,
     model = load_model(config.model,
                        run_cache_budget(config.model, config.train, config.data_config.context),
                        config.train.device)
-    report(events.LOG_EVENT(message=f"tokenizing {Path(config.data).name}"))
-    dataset = load_dataset(config.data, model.tokenizer, config.data_config,
-                           should_stop=lambda: bool(should_stop()))
+    name = Path(config.data).name
+    report(events.LOG_EVENT(message=f"tokenizing {name}"))
+    dataset, stopped = before_training(
+        lambda ask: load_dataset(config.data, model.tokenizer, config.data_config,
+                                 progress=tokenizing_progress(report, name), should_stop=ask),
+        should_stop)
+    if stopped:
+        return stopped
     if dataset.rejections.total:
         report(events.LOG_EVENT(message=dataset.rejections.summary()))
     tc = config.train
