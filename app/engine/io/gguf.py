@@ -16,6 +16,7 @@ import mmap
 import os
 import stat
 import struct
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ import numpy as np
 
 from app.engine.errors import ModelFormatError, UnsupportedModelError
 from app.engine.kernels import quants
+from app.engine.runtime import faults
 from app.engine.runtime.backend import get_array_module, to_host
 
 GGUF_MAGIC = b"GGUF"
@@ -162,24 +164,42 @@ def _shown(magic: bytes) -> str:
     return f'"{text}"' if text.isprintable() and text.isascii() else "the bytes " + magic.hex(" ")
 
 
+class ModelFileChanged(ModelFormatError):
+    """The model file was truncated, rewritten or replaced while it was in use."""
+
+    kind = "model_changed"
+
+
+_OPEN: "weakref.WeakSet[GGUFFile]" = weakref.WeakSet()   # mapped files, for a SIGBUS's message
+
+
 class GGUFFile:
-    """A parsed, validated GGUF file with memory-mapped tensor data."""
+    """A parsed, validated GGUF file with memory-mapped tensor data.
+
+    The mapping stays valid only while the file keeps its size: reading a page past a truncated
+    end kills the process (SIGBUS). So every tensor read (`raw`) first checks that the file is
+    still the one opened (`check_unchanged`: its size, mtime and inode), which turns a change
+    into ModelFileChanged, and a run's SIGBUS handler (app.engine.runtime.faults) names the
+    file if it shrinks between that check and the read."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = str(path)
         try:
-            mode = os.stat(self.path).st_mode
-            if stat.S_ISDIR(mode):  # checked first: Windows reports a folder as PermissionError
+            st = os.stat(self.path)
+            if stat.S_ISDIR(st.st_mode):  # checked first: Windows reports a folder as PermissionError
                 raise IsADirectoryError(self.path)
-            if not stat.S_ISREG(mode):  # a pipe would block open() forever
+            if not stat.S_ISREG(st.st_mode):  # a pipe would block open() forever
                 raise ModelFormatError(f"{self.path} is not a regular file.",
                                        "Pick a GGUF model file.")
             with open(self.path, "rb") as f:
-                self.file_size = os.fstat(f.fileno()).st_size
+                st = os.fstat(f.fileno())
+                self.file_size = st.st_size
                 if self.file_size == 0:
                     raise ModelFormatError(f"{Path(self.path).name} is empty.",
                                            "Pick a GGUF model file.")
                 self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                self._where = os.path.abspath(self.path)   # stat()ed by check_unchanged
+                self._opened = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
         except FileNotFoundError:
             raise ModelFormatError(f"No such file: {self.path}", "Check the path.") from None
         except IsADirectoryError:
@@ -193,6 +213,7 @@ class GGUFFile:
             raise ModelFormatError(f"Cannot read {self.path}: {reason}.", "Check the path.") from None
         self._data = np.frombuffer(self._mmap, dtype=np.uint8)
         self._parse(_Cursor(self._mmap, self.path))
+        _OPEN.add(self)
 
     def _parse(self, cur: _Cursor) -> None:
         cur.need(4, "magic")
@@ -271,8 +292,39 @@ class GGUFFile:
         return name, tuple(int(d) for d in reversed(ne)), ggml_type, rel_offset, int(nbytes)
 
     # ---- tensor access -------------------------------------------------------------------
+    def change(self) -> str | None:
+        """How the file differs from when it was opened ("it was truncated to N bytes", ...),
+        or None. A truncated mapping is found through the mapping itself (mmap.size() stats its
+        own descriptor), a rewrite or a replacement through the path."""
+        if self._mmap.closed:
+            return None
+        try:
+            mapped_size = self._mmap.size()
+            if mapped_size < self.file_size:
+                return f"it was truncated from {self.file_size:,} to {mapped_size:,} bytes"
+            st = os.stat(self._where)
+        except OSError as e:
+            return f"it can no longer be read ({e.strerror or e})"
+        dev, ino, size, mtime_ns = self._opened
+        if (st.st_dev, st.st_ino) != (dev, ino):
+            return "another file was put in its place"
+        if st.st_size != size:
+            return f"its size went from {size:,} to {st.st_size:,} bytes"
+        if st.st_mtime_ns != mtime_ns:
+            return "it was rewritten"
+        return None
+
+    def check_unchanged(self) -> None:
+        """ModelFileChanged when the file is no longer the one opened (see `change`)."""
+        change = self.change()
+        if change is not None:
+            raise ModelFileChanged(f"The model file changed while in use: {self.path} "
+                                   f"({change}).", faults.HINT)
+
     def raw(self, name: str) -> np.ndarray:
-        """Read-only uint8 view (*shape[:-1], row_bytes) of a tensor's stored bytes."""
+        """Read-only uint8 view (*shape[:-1], row_bytes) of a tensor's stored bytes, once
+        `check_unchanged` says the file is still the one mapped."""
+        self.check_unchanged()
         info = self.tensors[name]
         flat = self._data[info.offset:info.offset + info.nbytes]
         return flat.reshape(*info.shape[:-1], info.row_bytes)
@@ -285,6 +337,7 @@ class GGUFFile:
         return dequantize(self.raw(name), info.ggml_type).reshape(info.shape)
 
     def close(self) -> None:
+        _OPEN.discard(self)
         self._data = None
         self._mmap.close()
 
@@ -295,6 +348,18 @@ class GGUFFile:
 
 def read_gguf(path: str | os.PathLike) -> GGUFFile:
     return GGUFFile(path)
+
+
+def _changed_files() -> str | None:
+    """For a SIGBUS (app.engine.runtime.faults): the message naming the mapped file that changed."""
+    for f in list(_OPEN):
+        change = f.change()
+        if change is not None:
+            return f"The model file changed while in use: {f.path} ({change})."
+    return None
+
+
+faults.explain_with(_changed_files)
 
 
 def dequantize(raw: np.ndarray, ggml_type: int, out=None):

@@ -1,8 +1,11 @@
 """Frozen base weights: memory-mapped in their GGUF type, dequantized when used.
 
-F32 tensors are zero-copy views of the file. Quantized tensors are dequantized on demand into
-float32 and kept in a bounded LRU cache, so a model larger than the budget still runs (it just
-dequantizes again). Experts are cached one expert at a time, and embedding lookups dequantize
+Quantized tensors are dequantized on demand into float32 and kept in a bounded LRU cache, so a
+model larger than the budget still runs (it just dequantizes again). F32 tensors are copied out
+of the mapping into the same cache, not used as views of it: a view would be read throughout a
+step, and a page of a mapping whose file was truncated meanwhile kills the process (SIGBUS),
+whereas a copy is read once, right after the file is checked (`GGUFFile.raw`:
+ModelFileChanged). In quantized models they are the small tensors (norms, biases). Experts are cached one expert at a time, and embedding lookups dequantize
 only the rows they read. An expert the cache cannot keep is dequantized into a buffer that each
 engine thread reuses (`expert_tile`), so a step without the cache allocates no float32 expert.
 
@@ -73,10 +76,8 @@ class WeightStore:
     def get(self, name: str) -> np.ndarray:
         """The whole tensor as float32 (NumPy shape)."""
         info = self.gguf.tensors[name]
-        if info.ggml_type == 0:
-            if self.xp is np:
-                return self.gguf.array(name)
-            return self._cached(name, lambda: self.xp.asarray(self.gguf.array(name)))
+        if info.ggml_type == 0:   # a copy, not a view of the mapping (see the module docstring)
+            return self._cached(name, lambda: self.xp.array(self.gguf.array(name)))
         return self._cached(name, lambda: self._dequantize(self.gguf.raw(name),
                                                            info.ggml_type).reshape(info.shape))
 

@@ -15,6 +15,7 @@ import traceback
 
 from app.engine.errors import EngineError
 from app.engine.runs.rundir import RunDir
+from app.engine.runtime import faults
 from app.engine.training.events import STATUS_FIELDS, STEP, event_type
 
 FINAL_STATES = ("done", "failed", "cancelled")   # the states that stamp finished_at
@@ -31,9 +32,13 @@ class RunReporter:
         self._pending: dict = {}
 
     def started(self, **fields) -> None:
-        """status.json: running since now, no error, with the runner's own `fields`."""
+        """status.json: running since now, no error, with the runner's own `fields`. Until
+        `finished`, a SIGBUS (the model file truncated under the run) records the run as failed
+        with the message before the process ends (app.engine.runtime.faults)."""
         self.run_dir.write_status(state="running", started_at=time.time(), finished_at=None,
                                   error=None, **fields)
+        faults.on_bus_error(self, lambda message, hint: self.finished(
+            "failed", {"kind": "model_changed", "message": message, "hint": hint}))
 
     def report(self, event: dict) -> dict:
         """Record `event` (see app.engine.training.events); returns it as written."""
@@ -55,6 +60,7 @@ class RunReporter:
     def finished(self, state: str, error: dict | None = None, **fields) -> None:
         """status.json: the run's outcome `state` ("done", "paused", "failed", ... ), with the
         step fields held back and `error` (a `failure`; its kind, message and hint)."""
+        faults.forget(self)
         pending, self._pending = self._pending, {}
         public = None if error is None else {k: error[k] for k in ("kind", "message", "hint")}
         self.run_dir.write_status(state=state, error=public,

@@ -356,7 +356,12 @@ def guarded_step(session: TrainSession, batches, state: dict, max_bad_steps: int
     embedding row, one expert) the run would otherwise finish with most of its steps skipped
     and no error. No step can repair such a weight, so the run's first skipped step looks for them (one pass over the
     weights, paid only then rather than by every run at load) and raises TrainingDiverged
-    naming the tensors."""
+    naming the tensors.
+
+    The model file is checked first (ModelFileChanged when it was truncated, rewritten or
+    replaced): weights cached in memory would let the step run on, on a model that is no longer
+    the file's."""
+    session.model.gguf.check_unchanged()
     try:
         metrics = session.step(batches)
     except MemoryError:
