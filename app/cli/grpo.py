@@ -191,16 +191,18 @@ def grpo_progress_line(e: dict) -> str:
             f"ETA={clock(e['eta_s'])}")
 
 
-def execute_grpo(run_dir, as_json: bool, trust_reward_code: bool = False) -> int:
+def execute_grpo(run_dir, as_json: bool, trust_reward_code: bool = False,
+                 allow_changed_inputs: bool = False) -> int:
     """Run a GRPO run directory in this process, recording events in the run directory. Its
-    custom reward files must be trusted (`trust_reward_code`: the user trusts them now)."""
+    custom reward files must be trusted (`trust_reward_code`: the user trusts them now);
+    `allow_changed_inputs`: resume although the model or prompts changed."""
     from app.engine.training.grpo import GrpoConfig, train_grpo
     from app.engine.training.reward_functions import check_reward_trust
 
     config = GrpoConfig.from_dict(run_dir.config())
     check_reward_trust(config.rewards, TRUST_HINT, trust_reward_code)
-    runner = lambda report, should_stop, checkpoints: train_grpo(config, report, should_stop,
-                                                                  checkpoints)
+    runner = lambda report, should_stop, checkpoints: train_grpo(
+        config, report, should_stop, checkpoints, allow_changed_inputs=allow_changed_inputs)
     return run_in_foreground(run_dir, runner, GrpoProgress(as_json))
 
 

@@ -21,13 +21,13 @@ def resume_sft(run_dir, args) -> int:
                               "Runs with --epochs 0 are extended by editing max_steps.")
         config = dataclasses.replace(config, epochs=config.epochs + args.extend_epochs)
         run_dir.write_config(config.to_dict())
-    return execute_sft(run_dir, args.json)
+    return execute_sft(run_dir, args.json, args.allow_changed_data)
 
 
 def resume_grpo(run_dir, args) -> int:
     if args.extend_epochs:
         raise ConfigError("--extend-epochs does not apply to GRPO runs (they count steps).")
-    return execute_grpo(run_dir, args.json, args.trust_reward_code)
+    return execute_grpo(run_dir, args.json, args.trust_reward_code, args.allow_changed_data)
 
 
 RESUME = {SFT_RUN: resume_sft, GRPO_RUN: resume_grpo}   # by run kind (app.engine.runs.kinds)

@@ -85,6 +85,9 @@ def add_train_parsers(sub) -> None:
     p.add_argument("--trust-reward-code", action="store_true",
                    help="GRPO runs: run the custom reward files the run names (they run as "
                         "Python with your rights)")
+    p.add_argument("--allow-changed-data", action="store_true",
+                   help="continue although the model or data changed since the checkpoint "
+                        "(refused otherwise, naming the file)")
 
 
 def run_config_from_args(args):
@@ -157,13 +160,14 @@ def check_lora_targets(config) -> None:
         print(f"warning: {warning}", file=sys.stderr)
 
 
-def execute_sft(run_dir, as_json: bool) -> int:
-    """Run a training run directory's config in this process."""
+def execute_sft(run_dir, as_json: bool, allow_changed_inputs: bool = False) -> int:
+    """Run a training run directory's config in this process (`allow_changed_inputs`: resume
+    although the model or data changed since the checkpoint)."""
     from app.engine.training.sft import RunConfig, train
 
     config = RunConfig.from_dict(run_dir.config())
-    runner = lambda report, should_stop, checkpoints: train(config, report, should_stop,
-                                                             checkpoints)
+    runner = lambda report, should_stop, checkpoints: train(
+        config, report, should_stop, checkpoints, allow_changed_inputs=allow_changed_inputs)
     return run_in_foreground(run_dir, runner, Progress(as_json))
 
 

@@ -152,3 +152,54 @@ def test_a_model_file_truncated_under_a_run_fails_it_with_a_message(tmp_path):
     assert status["state"] == "failed"
     assert status["error"]["kind"] == "model_changed"
     assert status["error"]["message"].startswith("The model file changed while in use")
+
+
+# ---------------------------------------------------------------------- fingerprints on resume
+
+def _finished_run(tmp_path, capsys):
+    """A supervised run of 2 steps on copies of the sample model and data (checkpoints 1, 2)."""
+    from app.cli.main import run_cli
+
+    model, data, run = tmp_path / "model.gguf", tmp_path / "data.jsonl", tmp_path / "run"
+    shutil.copy(MODEL, model)
+    shutil.copy(CHAT, data)
+    assert run_cli(["train", "-m", str(model), "-d", str(data), "--max-steps", "2",
+                    "--save-every", "1", "-o", str(run)]) == 0
+    capsys.readouterr()
+    return model, data, run
+
+
+def _resume(capsys, run, *extra):
+    from app.cli.main import run_cli
+
+    code = run_cli(["resume", str(run), *extra])
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def test_resume_refuses_a_swapped_dataset_unless_allowed(tmp_path, capsys):
+    model, data, run = _finished_run(tmp_path, capsys)
+    lines = data.read_text().splitlines(keepends=True)
+    data.write_text("".join(reversed(lines)))          # the same size, another content
+    code, text = _resume(capsys, run)
+    assert code == 2                                  # before: resumed on the new data, silently
+    assert (f"error: The run's input changed since its checkpoint of step 2: the dataset "
+            f"{data} (content).") in text
+    assert "--allow-changed-data" in text
+    code, text = _resume(capsys, run, "--allow-changed-data")
+    assert code == 0, text
+    assert f"the dataset {data} changed since step 2 (content); continuing on it" in text
+
+
+def test_resume_refuses_a_changed_model_and_forgives_a_touch(tmp_path, capsys):
+    model, data, run = _finished_run(tmp_path, capsys)
+    os.utime(data, ns=(10**18, 10**18))
+    code, text = _resume(capsys, run)
+    assert code == 0, text
+    assert f"the dataset {data} was touched since step 2 (its content is the same)" in text
+    size = model.stat().st_size
+    with open(model, "ab") as f:
+        f.write(b"\0" * 64)
+    code, text = _resume(capsys, run)
+    assert code == 2
+    assert f"the model {model} (size {size} -> {size + 64} bytes, content)" in text

@@ -122,10 +122,11 @@ NEVER = StopCheck(None)
 
 # ---- fingerprints ------------------------------------------------------------------------------
 
-def fingerprint(path) -> dict:
+def fingerprint(path, what: str = "file") -> dict:
     """{"path", "size", "mtime_ns", "sha256"} of a file: sha256 over its first and last
-    EDGE_BYTES and SAMPLES samples between them (see the module docstring)."""
-    with open_input(path, "file", error=EngineError) as f:
+    EDGE_BYTES and SAMPLES samples between them (see the module docstring). An EngineError
+    naming the file as `what` when it is not a readable regular file."""
+    with open_input(path, what, error=EngineError) as f:
         size = os.fstat(f.fileno()).st_size
         mtime_ns = os.fstat(f.fileno()).st_mtime_ns
         h = hashlib.sha256(size.to_bytes(8, "little"))

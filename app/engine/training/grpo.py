@@ -83,7 +83,7 @@ from app.engine.model.transformer import Model, load_model
 from app.engine.runtime.backend import peak_rss_mb
 from app.engine.runtime.inputs import StopCheck
 from app.engine.text.chat_template import generation_prompt_ids
-from app.engine.training import events
+from app.engine.training import events, fingerprints
 from app.engine.training.checkpoints import prune_checkpoints, save_checkpoint
 from app.engine.training.config import TrainConfig
 from app.engine.training.memory import run_cache_budget
@@ -466,16 +466,20 @@ def _sample_items(completions, raw, total, adv, names, answer_field) -> list[dic
 
 
 def train_grpo(config: GrpoConfig, report: Report, should_stop: ShouldStop,
-               checkpoints: str | Path | None = None) -> str:
+               checkpoints: str | Path | None = None, allow_changed_inputs: bool = False) -> str:
     """Run (or resume, from the newest checkpoint in `checkpoints`) a GRPO run.
 
     Returns "done", "paused" or "cancelled". Events: log, start, eval, step, samples, norms,
     routing, checkpoint, done (formats in the module docstring). Raises EngineError subclasses
-    for bad input (RewardError when a reward function fails) and TrainingDiverged after
-    `max_bad_steps` consecutive non-finite steps.
+    for bad input (RewardError when a reward function fails; InputChanged when a resumed run's
+    model or prompts changed, unless `allow_changed_inputs`: app.engine.training.fingerprints)
+    and TrainingDiverged after `max_bad_steps` consecutive non-finite steps.
     """
     config.validate()
     t_start = time.perf_counter()
+    inputs = fingerprints.check_inputs(
+        checkpoints, {"model": config.model, "prompts": config.prompts, "adapter": config.adapter},
+        report, allow_changed_inputs)
     model = load_model(config.model,
                        run_cache_budget(config.model, config.train, config.micro_batch_tokens),
                        config.train.device)
@@ -504,6 +508,7 @@ def train_grpo(config: GrpoConfig, report: Report, should_stop: ShouldStop,
         state = {"bad_streak": 0, "skipped_steps": 0, "last_eval_step": -1,
                  "best_reward": -math.inf, "best_step": 0}
         ckpt_dir = resume(session, checkpoints, state, report)
+        state[fingerprints.STATE_KEY] = inputs     # what the checkpoints from now on record
         names = list(scorer.names)
         per_epoch = len(train_rows) / config.prompts_per_step
         report(events.GRPO_START(

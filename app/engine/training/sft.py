@@ -29,7 +29,7 @@ from app.engine.training.communicator import Communicator, SingleProcess
 from app.engine.training.config import TrainConfig
 from app.engine.training.memory import run_cache_budget
 from app.engine.runtime.schema import AT_LEAST_0, AT_LEAST_1, TEXT, check
-from app.engine.training import events
+from app.engine.training import events, fingerprints
 from app.engine.data.dataset import DataConfig, load_dataset
 from app.engine.errors import (Cancelled, CheckpointError, ConfigError, DatasetError,
                                EngineError, OutOfMemoryError)
@@ -133,6 +133,13 @@ class _RunningStats:
                 "epoch_accuracy_se": acc_se}
 
 
+def run_inputs(config: RunConfig) -> dict[str, str | None]:
+    """The run's input files by what they are (fingerprinted in its checkpoints)."""
+    return {"model": config.model, "dataset": config.data,
+            "validation data": config.data_config.val_path,
+            "weights file": config.data_config.weights_path, "adapter": config.adapter}
+
+
 PROGRESS_EVERY_S = 2.0   # a tokenizing progress event at most this often
 
 
@@ -171,14 +178,17 @@ def before_training(load: Callable, should_stop: ShouldStop):
 
 
 def train(config: RunConfig, report: Report, should_stop: ShouldStop,
-          checkpoints: str | Path | None = None, communicator: Communicator | None = None) -> str:
+          checkpoints: str | Path | None = None, communicator: Communicator | None = None,
+          allow_changed_inputs: bool = False) -> str:
     """Run (or resume, from the newest checkpoint in `checkpoints`) a training run.
 
     Returns "done", "paused" or "cancelled". Events: start, step, eval, norms, routing,
     checkpoint, log, done (their fields: app.engine.training.events). Raises EngineError
-    subclasses for bad input and TrainingDiverged after `max_bad_steps` consecutive non-finite
-    steps. With a `communicator` of config.workers ranks this is one rank of a data-parallel
-    run: only rank 0's `report`, `should_stop` and `checkpoints` are used.
+    subclasses for bad input, InputChanged when a resumed run's model or data changed since its
+    checkpoint (unless `allow_changed_inputs`: app.engine.training.fingerprints) and
+    TrainingDiverged after `max_bad_steps` consecutive non-finite steps. With a `communicator`
+    of config.workers ranks this is one rank of a data-parallel run: only rank 0's `report`,
+    `should_stop` and `checkpoints` are used.
     """
     config.validate()
     comm = communicator or SingleProcess()
@@ -190,6 +200,8 @@ def train(config: RunConfig, report: Report, should_stop: ShouldStop,
     if not lead:   # rank 0 alone reports and hears stop requests (broadcast between steps)
         report, should_stop = (lambda event: None), (lambda: None)
     t_start = time.perf_counter()
+    inputs = fingerprints.check_inputs(checkpoints, run_inputs(config), report,
+                                       allow_changed_inputs) if lead else {}
     model = load_model(config.model,
                        run_cache_budget(config.model, config.train, config.data_config.context),
                        config.train.device)
@@ -218,6 +230,7 @@ def train(config: RunConfig, report: Report, should_stop: ShouldStop,
     state = {"epoch": 0, "step_in_epoch": 0, "best_loss": math.inf, "best_step": 0,
              "evals_without_gain": 0, "bad_streak": 0, "skipped_steps": 0}
     ckpt_dir = resume(session, checkpoints, state, report) if lead else None
+    state[fingerprints.STATE_KEY] = inputs     # what the checkpoints from now on record
     if comm.world_size > 1:   # every rank continues from rank 0's state (resumed or fresh)
         trained, run_state = comm.broadcast((session.state_dict(), state) if lead else None)
         if not lead:
