@@ -62,6 +62,7 @@ CASES = {   # argv ({fifo}, {run}, {tmp}), the file the error names
     "config /dev/zero": (["train", "--config", "/dev/zero", "-m", MODEL, "-d", CHAT,
                           "-o", "{run}"], "/dev/zero"),
     "lint": (["lint", "{fifo}", "-m", MODEL], "{fifo}"),
+    "eval text": (["eval", "-m", MODEL, "--file", "{fifo}"], "{fifo}"),
     "grpo prompts": (["grpo", "-m", MODEL, "--prompts", "{fifo}", "--reward", "exact",
                       "-o", "{run}"], "{fifo}"),
     "grpo reward file": (["grpo", "-m", MODEL, "--prompts", str(SAMPLE_DATA / "addition.jsonl"),

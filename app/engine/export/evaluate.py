@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from app.engine.errors import ConfigError
+from app.engine.runtime.inputs import open_input
 
 _text_limit = 64 << 20     # bytes of text read for an evaluation
 
@@ -101,8 +102,8 @@ def perplexity(model, text_path: str | os.PathLike, n_ctx: int, adapter=None,
     """`workbench eval`: the model's (with an adapter at `scale`) perplexity on a UTF-8 text
     file, as llama-perplexity -c n_ctx computes it."""
     path = Path(text_path)
-    try:
-        with open(path, "rb") as f:
+    try:   # a regular file (a pipe would block open()), checked by open_input
+        with open_input(path, "text", error=ConfigError) as f:
             raw = f.read(_text_limit + 1)
     except OSError as e:
         raise ConfigError(f"Cannot read {path}: {e.strerror or e}.") from None
