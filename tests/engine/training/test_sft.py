@@ -285,3 +285,24 @@ def test_nan_weights_fail_the_run_naming_the_tensor(tmp_path):
     with pytest.raises(TrainingDiverged, match="token_embd.weight hold NaN/Inf") as err:
         train(config, lambda e: None, lambda: None, tmp_path / "ck")
     assert "model file is damaged" in err.value.hint
+
+
+@pytest.mark.parametrize("request_", ["cancel", "pause"])
+def test_a_stop_request_while_reading_the_data_ends_the_run_at_once(tmp_path, request_):
+    """A queue's cancel (or the worker's pause) reaches a run that is still reading its data:
+    a 64 GB file without a line end (sparse: no disk) would take minutes to hash and read."""
+    import time
+    data = tmp_path / "zeros.jsonl"
+    with open(data, "wb") as f:
+        f.truncate(64 << 30)
+    asked = []
+
+    def should_stop():
+        asked.append(time.monotonic())
+        return request_
+    t0 = time.monotonic()
+    events = []
+    assert train(_config(data), events.append, should_stop, tmp_path / "ck") == (
+        "cancelled" if request_ == "cancel" else "paused")
+    assert time.monotonic() - t0 < 30 and len(asked) == 1
+    assert not (tmp_path / "ck").exists() or not any((tmp_path / "ck").iterdir())
