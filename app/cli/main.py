@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import io
 import json
@@ -17,7 +18,7 @@ from app.cli.evaluate import add_eval_parser, cmd_eval
 from app.cli.resume import cmd_resume
 from app.cli.train import add_train_parsers, cmd_train
 from app.cli.grpo import add_grpo_parser, cmd_grpo
-from app.engine.errors import ConfigError, EngineError
+from app.engine.errors import ConfigError, EngineError, MissingModuleError
 from app.engine.training import events
 
 
@@ -25,6 +26,35 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", required=True, help="GGUF model file")
     p.add_argument("--adapter", "-a", help="GGUF LoRA adapter file")
     p.add_argument("--scale", "-s", type=float, default=1.0, help="adapter user scale (default 1.0)")
+
+
+def _whole(lo: int, hi: int):
+    """An argparse type: a whole number from `lo` to `hi` (a job id of 23 digits, say, is an
+    error of the command line, not an OverflowError of SQLite's 64-bit integers)."""
+    def whole(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:  # not a number, or more digits than int() reads
+            raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a whole number") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"{text[:40]} is not from {lo} to {hi}")
+        return value
+    return whole
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds from 0 to a week."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a number of seconds") from None
+    if not 0 <= value <= 7 * 86400:  # NaN fails this too
+        raise argparse.ArgumentTypeError(f"{text[:40]} is not from 0 to 604800 seconds")
+    return value
+
+
+JOB_ID = _whole(1, 2**63 - 1)      # SQLite's rowids
+PRIORITY = _whole(-10**9, 10**9)
 
 
 def _queue_option(p: argparse.ArgumentParser) -> None:
@@ -66,7 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text", required=True)
     p.add_argument("--no-special", action="store_true", help="do not add BOS/EOS")
     p.add_argument("--parse-special", action="store_true", help="parse <special> token texts")
-    p = sub.add_parser("lint", help="check a JSONL dataset against a model's tokenizer")
+    p = sub.add_parser("lint", help="check a JSONL dataset against a model's tokenizer",
+                       description="Check a JSONL dataset against a model's tokenizer. Exit "
+                                   "status: 0 when rows are accepted (rejected ones are listed; "
+                                   "training skips them), 1 when no row is, 2 on an error.")
     p.add_argument("data", help="JSONL dataset")
     p.add_argument("--model", "-m", required=True, help="GGUF model (or vocab) file")
     p.add_argument("--ctx", type=int, default=None,
@@ -124,22 +157,23 @@ def build_parser() -> argparse.ArgumentParser:
     qp["add"].add_argument("run_dir", help="run directory holding config.json")
     qp["add"].add_argument("--on", metavar="CLUSTER", default="local",
                            help="run it on this cluster (see: workbench cluster list)")
-    qp["add"].add_argument("--priority", type=int, default=0,
+    qp["add"].add_argument("--priority", type=PRIORITY, default=0,
                            help="higher goes ahead of queued jobs with a lower priority")
     qp["list"].add_argument("--state", action="append", help="only jobs in this state (repeatable)")
     qp["list"].add_argument("--json", action="store_true", help="print JSON")
     for name in ("cancel", "pause", "resume", "retry", "reorder", "logs"):
-        qp[name].add_argument("id", type=int, help="job id (see: workbench queue list)")
-    qp["reorder"].add_argument("position", type=int, help="new place among queued jobs (1 = next)")
+        qp[name].add_argument("id", type=JOB_ID, help="job id (see: workbench queue list)")
+    qp["reorder"].add_argument("position", type=_whole(1, 10**9),
+                               help="new place among queued jobs (1 = next)")
     qp["worker"].add_argument("--once", action="store_true",
                               help="exit when no job is queued instead of waiting for more")
-    qp["worker"].add_argument("--nice", type=int, default=0, metavar="N",
+    qp["worker"].add_argument("--nice", type=_whole(0, 19), default=0, metavar="N",
                               help="lower this worker's CPU priority by N (POSIX nice; the "
                                    "window starts its worker with 10)")
-    qp["worker"].add_argument("--pending-timeout", type=float, default=None, metavar="S",
+    qp["worker"].add_argument("--pending-timeout", type=_seconds, default=None, metavar="S",
                               help="fail a cluster job that pends longer than S seconds on a "
                                    "cluster without the GPUs it asks (default 60)")
-    qp["worker"].add_argument("--stop-grace", type=float, default=None, metavar="S",
+    qp["worker"].add_argument("--stop-grace", type=_seconds, default=None, metavar="S",
                               help="how long a cluster job that is cancelled or paused may take "
                                    "to save its checkpoint and exit (default 30)")
     r = qsub.add_parser("run-remote", help="run one attempt of a run here, without a queue (the "
@@ -305,11 +339,11 @@ def cmd_lint(args) -> int:
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="replace")   # dataset text on a console that lacks its characters
     print(json.dumps(report.to_dict(), ensure_ascii=False) if args.json else report.to_text())
-    return 0
+    return 0 if report.accepted else 1  # like a linter that found problems: nothing to train on
 
 
 def _fmt_seconds(s) -> str:
-    if not isinstance(s, (int, float)) or s != s or s < 0:
+    if not isinstance(s, (int, float)) or not 0 <= s < 1e12:  # NaN, inf, any nonsense
         return "?"
     s = int(round(s))
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
@@ -566,20 +600,42 @@ COMMANDS = {"lint": cmd_lint, "info": cmd_info, "generate": cmd_generate, "logit
             "resume": cmd_resume, "export": cmd_export, "grpo": cmd_grpo, "eval": cmd_eval}
 
 
+def _print_error(e: EngineError) -> int:
+    """`error:` and `hint:` on stderr; the exit status of an EngineError (2)."""
+    print(f"error: {e.message}", file=sys.stderr)
+    if e.hint:
+        print(f"hint: {e.hint}", file=sys.stderr)
+    return 2
+
+
+def _reader_gone() -> int:
+    """The reader of stdout went away (`workbench queue list | head`): it read what it wanted.
+    stdout is pointed at the null device, so that Python's own flush at exit does not fail
+    again, and the command ends quietly with 0."""
+    with contextlib.suppress(OSError, ValueError):  # no file descriptor (a test's capture)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    return 0
+
+
 def run_cli(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.command in ("train", "grpo") and args.on and args.queue is None:
         args.queue = ""  # `train --on CLUSTER` queues the run
     try:
-        return COMMANDS[args.command](args)
+        code = COMMANDS[args.command](args)
+        sys.stdout.flush()  # a closed pipe shows here, not in Python's flush at exit
+        return code
+    except BrokenPipeError:
+        return _reader_gone()
     except EngineError as e:
-        print(f"error: {e.message}", file=sys.stderr)
-        if e.hint:
-            print(f"hint: {e.hint}", file=sys.stderr)
-        return 2
+        return _print_error(e)
     except KeyboardInterrupt:
         return 130
-    except Exception:
+    except Exception as e:
+        if isinstance(e, ModuleNotFoundError) and MissingModuleError.of(e):
+            return _print_error(MissingModuleError.of(e))  # an installation, not a bug
         traceback.print_exc()
         print("error: this is a bug in the workbench; please report it with the traceback above.",
               file=sys.stderr)

@@ -7,6 +7,8 @@ bug and travels with its traceback.
 
 from __future__ import annotations
 
+import sys
+
 
 class EngineError(Exception):
     kind = "engine"
@@ -61,3 +63,23 @@ class CheckpointError(EngineError):
 
 class Cancelled(EngineError):
     kind = "cancelled"
+
+
+class MissingModuleError(EngineError):
+    """This Python lacks a module the workbench imports (a package not installed, or a
+    cluster's Python without the workbench): an installation to fix, not a bug to report, and
+    never mended by running the same thing again."""
+
+    kind = "missing_module"
+
+    @classmethod
+    def of(cls, error: ModuleNotFoundError) -> "MissingModuleError | None":
+        """The error for `error`, or None when the module missing is one of the workbench's own
+        (`app...`: that is a bug)."""
+        name = error.name or ""
+        if name == "app" or name.startswith("app."):
+            return None
+        return cls(f"This Python ({sys.executable}) cannot run the workbench: {error}.",
+                   "Install the workbench with its dependencies into this Python (`pip install "
+                   "gguf-workbench`, or `pip install -e .` in its folder); for a cluster, name "
+                   "the Python that has it: `workbench cluster add NAME URL --python PATH`.")

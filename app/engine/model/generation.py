@@ -13,10 +13,13 @@ matmuls).
 
 from __future__ import annotations
 
+import math
+from numbers import Integral, Real
 from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from app.engine.errors import ConfigError
 from app.engine.runtime.backend import get_array_module, to_host
 from app.engine.model.context import ForwardContext
 
@@ -24,6 +27,35 @@ if TYPE_CHECKING:
     from app.engine.model.transformer import Model
 
 PREFILL_TOKENS = 1024   # prompt tokens per prefill forward, whose attention mask is (T, T)
+
+
+MAX_SEED = 2**64 - 1
+
+
+def check_sampling(max_new_tokens, temperature, top_p, seeds: Sequence) -> None:
+    """A ConfigError for a setting generation cannot use (a user types them: `workbench
+    generate -t nan --seed -1`): max tokens a whole number from 0, temperature a finite number
+    from 0 (0: greedy), top-p in (0, 1] (at 0 or below no token is left to sample), each seed
+    None or a whole number from 0 to 2^64-1."""
+    def number(value) -> bool:
+        return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
+
+    if not isinstance(max_new_tokens, Integral) or max_new_tokens < 0:
+        raise ConfigError(f"Max new tokens {max_new_tokens!r} is not a whole number from 0.",
+                          "Give how many tokens to generate at most, e.g. 64.")
+    if not number(temperature) or temperature < 0:
+        raise ConfigError(f"Temperature {temperature!r} is not a number from 0 up.",
+                          "0 generates greedily (the likeliest token each time); 0.7 to 1 "
+                          "samples.")
+    if not number(top_p) or not 0 < top_p <= 1:
+        raise ConfigError(f"Top-p {top_p!r} is not a number above 0 and at most 1.",
+                          "1 samples from every token; 0.9 from the likeliest ones that make up "
+                          "90% of the probability.")
+    for seed in seeds:
+        if seed is not None and (not isinstance(seed, Integral) or not 0 <= seed <= MAX_SEED):
+            raise ConfigError(f"Seed {seed!r} is not a whole number from 0 to 2^64-1.",
+                              "Any number in that range gives a repeatable sample; leave it "
+                              "out for a different one each time.")
 
 
 def sample_token(logits: np.ndarray, temperature: float, top_p: float, rng) -> int:
@@ -130,6 +162,7 @@ def _decode(model: Model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     """Yield (sequence indices (n,), their next tokens (n,)) at each step while any sequence is
     live. A sequence ends after a token in `stop_ids` (yielded), after max_new_tokens tokens or
     when its prompt and tokens fill the context. llamacpp_numerics: see Model.logits."""
+    check_sampling(max_new_tokens, temperature, top_p, seeds)
     cfg = model.config
     params = model.params(adapter, adapter_scale, llamacpp_numerics=llamacpp_numerics)
     prompts = [tuple(model.check_tokens(p).tolist()) for p in prompts]

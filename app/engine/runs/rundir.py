@@ -26,7 +26,6 @@ Every status write records its writer (host, pid, process start time), so that a
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import socket
@@ -37,8 +36,8 @@ from typing import Any, Iterable
 
 from app.engine.errors import ConfigError, EngineError
 from app.engine.runs.registry import register_run, registry_entries
-from app.engine.runtime.files import (StorageError, append_line, atomic_write_json, read_json,
-                                      storage_error, to_json)
+from app.engine.runtime.files import (StorageError, append_line, atomic_write_json, loads_json,
+                                      read_json, storage_error, to_json)
 from app.engine.runtime.paths import ensure_state_dir
 from app.engine.runtime.processes import pid_alive, process_started
 from app.engine.training.checkpoints import best_checkpoint as best_in_folder
@@ -257,7 +256,7 @@ class RunDir:
             if not raw.strip():
                 continue
             try:
-                ev = json.loads(raw.decode("utf-8"))
+                ev = loads_json(raw.decode("utf-8"))   # a line nested too deeply is skipped too
             except (UnicodeDecodeError, ValueError):
                 continue
             if isinstance(ev, dict):

@@ -49,7 +49,16 @@ def _json_default(obj: Any) -> Any:
 
 
 def to_json(obj: Any, indent: int | None = None) -> str:
-    return json.dumps(obj, indent=indent, default=_json_default, ensure_ascii=False)
+    r"""JSON text that always encodes as UTF-8: non-ASCII text as itself, except where `obj`
+    holds a lone surrogate (a path with a byte that is not UTF-8, as os.fsdecode gives it:
+    b"data\xff.jsonl" is "data\udcff.jsonl"), written then as \u escapes, which read back as
+    the same string and so open the same file (os.fsencode)."""
+    text = json.dumps(obj, indent=indent, default=_json_default, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(obj, indent=indent, default=_json_default, ensure_ascii=True)
+    return text
 
 
 def storage_error(exc: OSError, path: str | os.PathLike, action: str = "write") -> StorageError:
