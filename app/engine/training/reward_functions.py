@@ -147,7 +147,11 @@ class RewardSpec:
             except re.error as e:
                 raise ConfigError(f"The regex reward's pattern {self.arg!r} is invalid: {e}.") from None
         if self.kind == "file":
-            # missing, a folder, a pipe (whose reading would block) or oversized: ConfigError
+            if not os.path.lexists(self.arg):
+                raise ConfigError(f"The reward file {self.arg!r} does not exist.",
+                                  "Give the path of a Python file defining reward(prompt, "
+                                  "completion, **row).")
+            # a folder, a pipe (whose reading would block) or oversized: ConfigError
             check_input_file(self.arg, "reward file", max_bytes=REWARD_FILE_MAX_BYTES,
                              error=ConfigError)
             if not self.function.isidentifier():

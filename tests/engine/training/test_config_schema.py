@@ -136,7 +136,7 @@ def test_read_config_file_names_file_line_and_column(tmp_path):
     path.write_text('{"a": 1,\n "b": }')
     with pytest.raises(ConfigError, match=r"c\.json: invalid JSON: .* at line 2, column 7"):
         read_config_file(path)
-    with pytest.raises(ConfigError, match="Could not read missing.json"):
+    with pytest.raises(ConfigError, match=r"Cannot read the config file .*missing\.json: No such"):
         read_config_file(tmp_path / "missing.json")
 
 
