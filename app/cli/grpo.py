@@ -90,7 +90,6 @@ def add_grpo_parser(sub) -> None:
 
 def grpo_config_from_args(args):
     """A GrpoConfig from --config (if any) with the command-line options on top."""
-    from app.engine.runtime.inputs import check_input_file
     from app.engine.runtime.schema import check, read_config_file
     from app.engine.training.grpo import GrpoConfig, build_grpo_config
     from app.engine.training.reward_functions import RewardSpec
@@ -127,9 +126,7 @@ def grpo_config_from_args(args):
                      "device": args.device, "weight_cache_mb": args.weight_cache_mb,
                      "lora_targets": targets(args.targets) if args.targets else None}
     train.update({k: v for k, v in train_options.items() if v is not None})
-    config = build_grpo_config(base)
-    check_input_file(config.prompts, "prompts file")   # a pipe, a folder: before a run folder
-    return config
+    return build_grpo_config(base)
 
 
 class GrpoProgress(Progress):
@@ -221,8 +218,10 @@ def cmd_grpo(args) -> int:
         with RunLock(run_dir, "workbench grpo --resume"):
             return execute_grpo(run_dir, args.json, args.trust_reward_code)
     from app.engine.runtime.backend import array_module
+    from app.engine.runtime.inputs import check_input_file
 
     config = grpo_config_from_args(args)
+    check_input_file(config.prompts, "prompts file")   # a pipe, a folder: before a run folder
     # --reward replaces the config's rewards: files named on the command line are trusted
     check_reward_trust(config.rewards, TRUST_HINT, args.trust_reward_code or bool(args.reward))
     check_lora_targets(config)

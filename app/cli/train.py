@@ -93,7 +93,6 @@ def add_train_parsers(sub) -> None:
 def run_config_from_args(args):
     """A RunConfig from --config (if any) with the command-line options on top. Every problem
     of the file is reported at once, before the options go on top of it."""
-    from app.engine.data.dataset import check_data_files
     from app.engine.model.card import describe_model
     from app.engine.runtime.schema import check, read_config_file
     from app.engine.training.config import TrainConfig, check_context, default_context, default_lr
@@ -145,7 +144,6 @@ def run_config_from_args(args):
     config = RunConfig.from_dict(base)
     config.validate()
     check_context(config.data_config.context, card)
-    check_data_files(config.data, config.data_config)   # a pipe, a folder: before a run folder
     return config
 
 
@@ -172,9 +170,11 @@ def execute_sft(run_dir, as_json: bool, allow_changed_inputs: bool = False) -> i
 
 
 def cmd_train(args) -> int:
+    from app.engine.data.dataset import check_data_files
     from app.engine.runtime.backend import array_module
 
     config = run_config_from_args(args)
+    check_data_files(config.data, config.data_config)   # a pipe, a folder: before a run folder
     check_lora_targets(config)
     if args.queue is None:
         array_module(config.train.device)  # no usable GPU: say so before a run folder exists
