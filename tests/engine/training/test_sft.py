@@ -306,3 +306,16 @@ def test_a_stop_request_while_reading_the_data_ends_the_run_at_once(tmp_path, re
         "cancelled" if request_ == "cancel" else "paused")
     assert time.monotonic() - t0 < 30 and len(asked) == 1
     assert not (tmp_path / "ck").exists() or not any((tmp_path / "ck").iterdir())
+
+
+def test_tokenizing_reports_its_progress_as_log_events(tmp_path, data_file, monkeypatch):
+    """The CLI prints log events and the window's log shows them: a long tokenization says
+    how far it is (at most every PROGRESS_EVERY_S seconds; 0 here: after every block)."""
+    from app.engine.training import sft
+    monkeypatch.setattr(sft, "PROGRESS_EVERY_S", 0.0)
+    events = []
+    train(dataclasses.replace(_config(data_file), max_steps=1, epochs=0), events.append,
+          lambda: None, tmp_path / "ck")
+    size = data_file.stat().st_size
+    logs = [e["message"] for e in events if e["type"] == "log"]
+    assert f"tokenizing data.jsonl: 40 rows, {size / 2**20:.0f} of {size / 2**20:.0f} MB" in logs
