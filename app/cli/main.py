@@ -198,7 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--cpus", type=float, default=1.0, help="CPUs each run asks (default 1)")
     c.add_argument("--gpus", type=float, default=0.0, help="GPUs each run asks (default 0)")
     csub.add_parser("list", help="the clusters and their path maps")
-    for name, text in (("test", "check the connection and the token"),
+    for name, text in (("test", "check the connection and the token, then run a small job "
+                                "there that imports the workbench (its version) and reads "
+                                "and writes through the path map"),
                        ("remove", "forget a cluster and its token")):
         csub.add_parser(name, help=text).add_argument("name")
     for c in csub.choices.values():
@@ -449,7 +451,7 @@ def cmd_queue(args) -> int:
 
 def cmd_cluster(args) -> int:
     from app.engine.runs.clusters import Cluster, PathMap
-    from app.engine.runs.executors import check_cluster
+    from app.engine.runs.executors import check_cluster, probe_cluster
     from app.engine.runs.queue import JobQueue
 
     store = JobQueue(args.queue).clusters()
@@ -469,7 +471,9 @@ def cmd_cluster(args) -> int:
             print(f"{c.name}  {c.url}  {c.num_cpus:g} CPU, {c.num_gpus:g} GPU per run  "
                   f"python {c.python}  {token}  paths: {c.path_map or '(none)'}")
     elif action == "test":
-        print(f"{args.name}: {check_cluster(store.get(args.name), store.token(args.name))}")
+        cluster, token = store.get(args.name), store.token(args.name)
+        print(f"{args.name}: {check_cluster(cluster, token)}", flush=True)
+        print(f"{args.name}: {probe_cluster(cluster, token)}")
     else:
         store.remove(args.name)
         print(f"removed cluster {args.name}")

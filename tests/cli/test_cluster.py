@@ -8,10 +8,12 @@ import sys
 
 import pytest
 
+import app
 from app.cli.main import run_cli
 from app.engine.runs.clusters import cluster_token_env
 from app.engine.runs.queue import JobQueue
-from tests.engine.runs.cluster_runs import train_args
+from tests.conftest import REPO
+from tests.engine.runs.cluster_runs import train_args, wait_finished, worker
 from tests.engine.runs.test_queue import make_run
 
 
@@ -69,14 +71,54 @@ def test_train_on_a_cluster_queues_the_run(tmp_path, capsys, monkeypatch):
 
 @pytest.mark.slow
 def test_cluster_test_with_and_without_the_token(tmp_path, capsys, monkeypatch, ray_head):
+    """With the token, `cluster test` runs a job there: the workbench imported by the
+    cluster's Python (its version compared), a file written and read through the path map
+    (a link stands in for the cluster's side of the shared storage)."""
     Q = ["--queue", str(tmp_path / "q.sqlite3")]
-    assert _cli(capsys, "cluster", "add", "loop", ray_head.dashboard_url, *Q)[0] == 0
+    shared, view = tmp_path / "shared", tmp_path / "view"
+    shared.mkdir()
+    view.symlink_to(shared)
+    assert _cli(capsys, "cluster", "add", "loop", ray_head.dashboard_url, "--python",
+                sys.executable, "--path-map", f"{shared}={view}", *Q)[0] == 0
     monkeypatch.delenv(cluster_token_env("loop"), raising=False)
     code, _, err = _cli(capsys, "cluster", "test", "loop", *Q)
     assert code == 2 and "token is missing or wrong" in err and "hint:" in err
     monkeypatch.setenv(cluster_token_env("loop"), ray_head.token)
-    code, out, _ = _cli(capsys, "cluster", "test", "loop", *Q)
-    assert code == 0 and out.startswith("loop: Ray 2.60.0")
+    code, out, err = _cli(capsys, "cluster", "test", "loop", *Q)
+    assert code == 0 and out.startswith("loop: Ray 2.60.0"), err
+    assert f"workbench {app.__version__} (as here) at {sys.executable}" in out
+    assert f"path map {shared}={view} written and read both ways" in out
+    assert list(shared.iterdir()) == []  # its test files are gone
+    assert _cli(capsys, "cluster", "add", "loop", ray_head.dashboard_url, "--python",
+                sys.executable, "--path-map", f"{shared}={tmp_path / 'elsewhere'}", *Q)[0] == 0
+    code, _, err = _cli(capsys, "cluster", "test", "loop", *Q)
+    assert code == 2 and f"does not see {shared} of this machine as" in err
+
+
+@pytest.mark.slow
+def test_a_python_without_the_workbench_fails_the_test_and_the_job_at_once(
+        tmp_path, capsys, monkeypatch, ray_head):
+    """The cluster's Python finds the app but not its dependencies (site-packages off): `cluster
+    test` says what it lacks, and a job sent there fails on its first attempt with that cause
+    (it was retried three times as "a bug in the workbench")."""
+    python = tmp_path / "bare-python"
+    python.write_text(f"#!/bin/sh\nPYTHONPATH={REPO} exec {sys.executable} -S \"$@\"\n")
+    python.chmod(0o755)
+    queue = JobQueue(tmp_path / "q.sqlite3")
+    Q = ["--queue", str(queue.path)]
+    assert _cli(capsys, "cluster", "add", "bare", ray_head.dashboard_url, "--python",
+                str(python), *Q)[0] == 0
+    monkeypatch.setenv(cluster_token_env("bare"), ray_head.token)
+    code, _, err = _cli(capsys, "cluster", "test", "bare", *Q)
+    assert code == 2 and f"cannot run the workbench with its Python ({python}): " in err
+    assert "No module named" in err and "--python PATH" in err
+    assert run_cli(train_args(tmp_path / "run", 2) + [*Q, "--on", "bare"]) == 0
+    [job] = queue.list()
+    with worker(queue):
+        job = wait_finished(queue, job.id)
+    assert (job.state, job.attempt) == ("failed", 1)
+    assert "cannot run the workbench" in job.error_message
+    assert "No module named" in job.error_message
 
 
 def test_queue_logs_of_a_running_job(tmp_path, capsys):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import threading
 
-from app.engine.errors import Cancelled
+from app.engine.errors import Cancelled, MissingModuleError
 from app.engine.runs.clusters import PathMap
 from app.engine.runs.executors.ray import SUBMISSION_ENV
 from app.engine.runs.reporter import RunReporter, failure
@@ -108,7 +108,8 @@ def run_remote(run_dir: str | os.PathLike, runner=remote_runner,
         except Cancelled:
             state = "paused"
         except Exception as e:  # noqa: BLE001 - recorded in status.json for the queue's side
-            state, error = "failed", failure(e)
+            missing = MissingModuleError.of(e) if isinstance(e, ModuleNotFoundError) else None
+            state, error = "failed", failure(missing or e)  # a module missing: not a bug
         control.reporter.finished(state, error)
         _say(run, f"attempt ended: {state}" + (f": {error['kind']}: {error['message']}\n"
                                                f"{error.get('detail') or ''}" if error else ""))

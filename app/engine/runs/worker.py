@@ -53,7 +53,8 @@ from app.engine.errors import Cancelled, EngineError
 from app.engine.runs.clusters import ClusterError
 from app.engine.runs.executors import AlreadySubmitted, RayExecutor, Unreachable, executor_for
 from app.engine.runs.executors.local import worker_log_path
-from app.engine.runs.executors.ray import DEFAULT_STOP_GRACE_S
+from app.engine.runs.executors.ray import (DEFAULT_STOP_GRACE_S, environment_error,
+                                           environment_problem)
 from app.engine.runs.queue import (DEFAULT_MAX_ATTEMPTS, DEFAULT_STALE_S, Job, JobLostError,
                                    JobQueue, QueueError)
 from app.engine.runtime.paths import default_queue_path
@@ -544,6 +545,10 @@ class _ClusterJob:
             return STOPPED[stopping], None
         if status.get("state") == "failed" and status.get("error"):
             return "failed", status["error"]   # the run's own error: retrying will not help
+        problem = environment_problem(self.executor.logs(self.job.handle)) \
+            if poll.state == "failed" else None
+        if problem:  # its Python cannot run the workbench: every attempt would end alike
+            return "failed", environment_error(self.executor.cluster, problem)
         why = f"{poll.state}: {poll.message}".strip(": ")
         self.lost += 1
         if self.lost >= self.max_attempts:

@@ -12,9 +12,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
+import secrets
 import shlex
+import time
 import urllib.error
 import urllib.request
+from contextlib import suppress
 from urllib.parse import quote
 
 from app.engine.runs.clusters import Cluster, ClusterError
@@ -24,6 +29,7 @@ SUBMISSION_ENV = "WORKBENCH_SUBMISSION_ID"  # tells run-remote which attempt it 
 DEFAULT_STOP_GRACE_S = 30.0   # how long a stopped run may take to checkpoint and exit
 HTTP_TIMEOUT_S = 10.0
 SUBMIT_TIMEOUT_S = 60.0       # a head's first job starts its job agent: slow on a busy node
+PROBE_TIMEOUT_S = 120.0       # `cluster test`'s job: started, run and ended within this
 _STATES = {"PENDING": "pending", "RUNNING": "running", "SUCCEEDED": "succeeded",
            "FAILED": "failed", "STOPPED": "stopped"}
 
@@ -134,6 +140,161 @@ def check_cluster(cluster: Cluster, token: str | None) -> str:
         return f"Ray {version['ray_version']} (its CPUs and GPUs are not reported yet)"
     cpus, gpus = resources.get("CPU", 0.0), resources.get("GPU", 0.0)
     return f"Ray {version['ray_version']}, {cpus:g} CPUs, {gpus:g} GPUs"
+
+
+# A job's output that says its Python cannot run the workbench: a module missing (Python's own
+# "No module named app", or the workbench's MissingModuleError), the interpreter not found.
+_ENVIRONMENT_PROBLEM = re.compile(r"No module named '?[\w.]+'?|^.*: (?:command )?not found$",
+                                  re.MULTILINE)
+
+
+def environment_problem(output: str) -> str | None:
+    """The line of a job's `output` that says its Python cannot run the workbench, or None.
+    Running such a job again cannot help."""
+    found = _ENVIRONMENT_PROBLEM.findall(output)
+    return found[-1].strip()[:300] if found else None
+
+
+def environment_error(cluster: Cluster, problem: str) -> ClusterError:
+    return ClusterError(
+        f"Cluster {cluster.name!r} cannot run the workbench with its Python "
+        f"({cluster.python}): {problem}",
+        "Install the workbench (the version of this machine) with its dependencies into that "
+        f"Python on the cluster's nodes, or name the Python that has it: `workbench cluster add "
+        f"{cluster.name} {cluster.url} --python PATH` (Settings > Clusters).")
+
+
+# The job of `probe_cluster`, run by the cluster's Python: imports what `queue run-remote`
+# imports, then, for each cluster prefix of the path map, reads the file this machine wrote
+# there and writes a reply beside it. Its one line of JSON starts with PROBE_MARK.
+PROBE_MARK = "WORKBENCH_PROBE "
+_PROBE_SCRIPT = """
+import json, sys
+out, files = {"python": sys.executable}, {}
+try:
+    import app, app.cli.main, app.engine.runs.remote, app.engine.runs.kinds
+    out["version"] = app.__version__
+except Exception as e:
+    out["error"] = f"{type(e).__name__}: {e}"
+token = sys.argv[1]
+for prefix in sys.argv[2:]:
+    name = prefix.rstrip("/") + "/.workbench-probe-" + token
+    try:
+        with open(name) as f:
+            seen = f.read()
+        with open(name + ".reply", "w") as f:
+            f.write(seen + " read")
+        files[prefix] = "ok" if seen == token else "it holds something else"
+    except OSError as e:
+        files[prefix] = str(e)
+out["files"] = files
+print(%r + json.dumps(out), flush=True)
+""" % PROBE_MARK
+
+
+def probe_cluster(cluster: Cluster, token: str | None, *,
+                  timeout_s: float = PROBE_TIMEOUT_S, poll_s: float = 0.5) -> str:
+    """Run a small job on the cluster (no CPU asked, so a busy cluster runs it too) that imports
+    the workbench with the cluster's Python, says its version, and, for each pair of the path
+    map, reads a file this machine wrote under the local prefix through the cluster's prefix
+    and writes one back. A line saying what it found ("workbench 0.1.0 (as here) at
+    /opt/wb/bin/python; path map: /home/me/runs=/mnt/runs written and read both ways"), or a
+    ClusterError saying what is wrong: a Python without the workbench (and what it lacks),
+    another version of it, a folder of the path map the cluster does not see as this machine's.
+    """
+    from app import __version__
+
+    client = RayClient(cluster, token)
+    mark = secrets.token_hex(8)
+    pairs = cluster.path_map.pairs
+    written = []
+    try:
+        for local, _ in pairs:
+            path = os.path.join(local, f".workbench-probe-{mark}")
+            try:
+                with open(path, "x") as f:
+                    f.write(mark)
+            except OSError as e:
+                raise ClusterError(f"Cannot write a test file in {local} (the path map's folder "
+                                   f"on this machine): {e.strerror or e}.",
+                                   "Map a folder of this machine that exists and that you may "
+                                   "write to (Settings > Clusters).") from e
+            written.append(path)
+        output = _run_probe(client, mark, [remote for _, remote in pairs], timeout_s, poll_s)
+        found = _probe_result(cluster, output)
+        replies = {}
+        for path, (local, remote) in zip(written, pairs):
+            try:
+                with open(path + ".reply") as f:
+                    replies[f"{local}={remote}"] = f.read() == mark + " read"
+            except OSError:
+                replies[f"{local}={remote}"] = False
+    finally:
+        for path in written:
+            for name in (path, path + ".reply"):
+                with suppress(OSError):
+                    os.remove(name)
+    if found.get("error"):
+        raise environment_error(cluster, found["error"])
+    if found.get("version") != __version__:
+        raise ClusterError(
+            f"Cluster {cluster.name!r} runs workbench {found.get('version')} "
+            f"({found.get('python')}); this machine runs {__version__}.",
+            "Install the same version on both: the run folder is their contract.")
+    for local, remote in pairs:
+        status = (found.get("files") or {}).get(remote, "the test job did not look")
+        if status != "ok" or not replies.get(f"{local}={remote}"):
+            why = status if status != "ok" else "its reply did not arrive here"
+            raise ClusterError(
+                f"Cluster {cluster.name!r} does not see {local} of this machine as {remote}: "
+                f"{why}.", "Fix the path map (LOCAL=CLUSTER) in Settings > Clusters, or mount "
+                           "the shared storage on the nodes.")
+    where = (f"; path map {cluster.path_map} written and read both ways" if pairs else
+             "; no path map" + (" (a head on this machine sees its paths)" if cluster.is_loopback
+                                else ": runs cannot be sent"))
+    return f"workbench {__version__} (as here) at {found.get('python')}{where}"
+
+
+def _run_probe(client: RayClient, mark: str, prefixes: list[str], timeout_s: float,
+               poll_s: float) -> str:
+    """Submit the probe job, wait for its end (stopped after `timeout_s`), return its output."""
+    command = " ".join(shlex.quote(a) for a in (client.cluster.python, "-c", _PROBE_SCRIPT,
+                                                mark, *prefixes))
+    job = f"wb-probe-{mark}"
+    client.call("POST", "/api/jobs/", {"entrypoint": command, "submission_id": job,
+                                       "metadata": {"workbench_probe": "1"}},
+                timeout_s=SUBMIT_TIMEOUT_S)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = client.call("GET", f"/api/jobs/{job}")
+        state = status.get("status") if isinstance(status, dict) else None
+        if state in ("SUCCEEDED", "FAILED", "STOPPED"):
+            break
+        if time.monotonic() > deadline:
+            with suppress(ClusterError):
+                client.call("POST", f"/api/jobs/{job}/stop")
+            raise ClusterError(f"Cluster {client.cluster.name!r} did not run the test job "
+                               f"within {timeout_s:g} s (it is {state}).",
+                               "See the Ray dashboard (Jobs) for why it waits.")
+        time.sleep(poll_s)
+    logs = client.call("GET", f"/api/jobs/{job}/logs")
+    return logs.get("logs", "") if isinstance(logs, dict) else str(logs)
+
+
+def _probe_result(cluster: Cluster, output: str) -> dict:
+    """The probe's JSON line in its `output`; a ClusterError when it has none."""
+    for line in reversed(output.splitlines()):
+        if line.startswith(PROBE_MARK):
+            try:
+                return json.loads(line[len(PROBE_MARK):])
+            except ValueError:
+                break
+    problem = environment_problem(output)
+    if problem:
+        raise environment_error(cluster, problem)
+    raise ClusterError(f"Cluster {cluster.name!r}: the test job ended without its answer; its "
+                       f"output ends: {_last_line(output)}",
+                       "See the job in the Ray dashboard (Jobs).")
 
 
 class RayExecutor:
