@@ -467,7 +467,10 @@ def cmd_cluster(args) -> int:
         if not clusters:
             print("no clusters yet (add one: workbench cluster add NAME URL --token-stdin)")
         for c in clusters:
-            token = "token set" if store.token(c.name) else "no token"
+            try:
+                token = "token set" if store.token(c.name) else "no token"
+            except ConfigError:
+                token = "token unusable (cluster test says why)"
             print(f"{c.name}  {c.url}  {c.num_cpus:g} CPU, {c.num_gpus:g} GPU per run  "
                   f"python {c.python}  {token}  paths: {c.path_map or '(none)'}")
     elif action == "test":

@@ -147,3 +147,26 @@ def test_add_refuses_a_bad_url_and_list_never_shows_a_password(tmp_path, capsys)
         '{"clusters": [{"name": "old", "url": "http://bob:hunter2@head:8265"}]}')
     code, out, err = _cli(capsys, "cluster", "list", *Q)
     assert code == 0 and "old  http://head:8265 " in out and "hunter2" not in out + err
+
+
+def test_a_token_that_cannot_be_a_header_and_a_nested_file_are_errors(tmp_path, capsys,
+                                                                       monkeypatch,
+                                                                       memory_keyring):
+    """A token with a line break (from stdin or the environment) was a ValueError of
+    http.client ("Invalid header value"); a clusters.json nested too deeply a RecursionError."""
+    Q = ["--queue", str(tmp_path / "q.sqlite3")]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("to\rken\n"))
+    code, _, err = _cli(capsys, "cluster", "add", "lab", "http://127.0.0.1:9", "--token-stdin",
+                        *Q)
+    assert code == 2 and "holds a space, a control character" in err
+    assert memory_keyring.passwords == {}
+    assert _cli(capsys, "cluster", "add", "lab", "http://127.0.0.1:9", *Q)[0] == 0
+    monkeypatch.setenv(cluster_token_env("lab"), "a\nb")
+    code, _, err = _cli(capsys, "cluster", "test", "lab", *Q)
+    assert code == 2 and f"(in {cluster_token_env('lab')}) holds a space" in err
+    code, out, _ = _cli(capsys, "cluster", "list", *Q)
+    assert code == 0 and "token unusable" in out
+    (tmp_path / "clusters.json").write_text('{"clusters": ' + "[" * 100_000 + "]" * 100_000
+                                            + "}")
+    code, _, err = _cli(capsys, "cluster", "list", *Q)
+    assert code == 2 and "nested too deeply" in err

@@ -40,6 +40,16 @@ def cluster_token_env(name: str) -> str:
     return "WORKBENCH_CLUSTER_TOKEN_" + re.sub(r"[^A-Za-z0-9]", "_", name).upper()
 
 
+def check_token(name: str, token: str, where: str = "") -> str:
+    """`token` as it goes into the Authorization header, or a ConfigError: printable ASCII
+    without spaces (Ray's tokens are hex; a line break would be a header of its own)."""
+    if not (token.isascii() and token.isprintable()) or any(c.isspace() for c in token):
+        raise ConfigError(f"The token of cluster {name!r}{where} holds a space, a control "
+                          "character or a character other than ASCII.",
+                          "Give the head's RAY_AUTH_TOKEN exactly as it is, on one line.")
+    return token
+
+
 def _split_userinfo(url: str) -> tuple[str, str, str]:
     """(before the authority's "user:password@", that userinfo, the rest); plain string work,
     so that it holds for any text."""
@@ -271,7 +281,7 @@ class ClusterStore:
         clusters = self._read()
         clusters[cluster.name] = cluster.to_dict()
         if token:
-            set_token(cluster.name, token)
+            set_token(cluster.name, check_token(cluster.name, token))
         self._write(clusters)
 
     def remove(self, name: str) -> None:
@@ -297,14 +307,15 @@ def get_token(name: str) -> str | None:
     """The token of cluster `name`: its environment variable first, then the keyring."""
     env = os.environ.get(cluster_token_env(name))
     if env:
-        return env
+        return check_token(name, env, f" (in {cluster_token_env(name)})")
     keyring = _keyring()
     if keyring is None:
         return None
     try:
-        return keyring.get_password(KEYRING_SERVICE, f"cluster:{name}")
+        token = keyring.get_password(KEYRING_SERVICE, f"cluster:{name}")
     except Exception:        # keyring.errors.KeyringError and backend-specific failures
         return None
+    return None if token is None else check_token(name, token, " (in the keyring)")
 
 
 def set_token(name: str, token: str) -> None:

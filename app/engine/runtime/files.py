@@ -176,7 +176,7 @@ def read_json(path: str | os.PathLike, *, what: str = "file",
         err = storage_error(e, path, "read")
         raise error_cls(err.message, err.hint) from e
     try:
-        return json.loads(raw.decode("utf-8"))
+        return loads_json(raw.decode("utf-8"))  # nested too deeply: a ValueError too
     except (UnicodeDecodeError, ValueError) as e:
         raise error_cls(f"The {what} {path} is corrupt (not valid JSON: {e}).",
                         "Restore it from a backup or recreate the run; the workbench always "
