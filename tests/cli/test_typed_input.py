@@ -131,3 +131,15 @@ def test_a_missing_module_is_an_installation_to_fix_not_a_bug(capsys, monkeypatc
     monkeypatch.setitem(cli.COMMANDS, "info", lacks("app.engine.gone"))
     code, _, err = _cli(capsys, "info", MODEL)
     assert code == 1 and "this is a bug" in err
+
+
+def test_the_queue_refuses_a_run_path_that_is_not_utf8(tmp_path, capsys):
+    """SQLite's text cannot hold the escaped byte (it was a UnicodeEncodeError)."""
+    try:
+        run = RunDir.create(os.fsdecode(os.path.join(os.fsencode(tmp_path), b"run\xff")),
+                            {"name": "run"})
+    except OSError:
+        pytest.skip("this file system refuses names that are not UTF-8")
+    code, _, err = _cli(capsys, "queue", "add", str(run.path), "--queue",
+                        str(tmp_path / "q.sqlite3"))
+    assert code == 2 and "has a byte that is not UTF-8" in err and "foreground" in err

@@ -52,7 +52,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
-from app.engine.errors import EngineError
+from app.engine.errors import ConfigError, EngineError
 from app.engine.runs.clusters import ClusterStore
 from app.engine.runs.executors.local import local_alive, local_handle
 from app.engine.runs.rundir import RunDir
@@ -529,6 +529,13 @@ class JobQueue:
         cluster sees this machine's paths).
         """
         key = run_key(run_dir)
+        try:
+            key.encode("utf-8")
+        except UnicodeEncodeError:  # a byte os.fsdecode escaped: SQLite's text cannot hold it
+            raise ConfigError(f"The run folder's path {key!r} has a byte that is not UTF-8 (the "
+                              "\\udc.. above); the queue cannot keep such a path.",
+                              "Rename the folder (or the one above it that has the byte), or "
+                              "run it in the foreground (without --queue or --on).") from None
         run = RunDir(key)
         if check:
             run.config()
