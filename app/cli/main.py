@@ -615,27 +615,28 @@ def _print_error(e: EngineError) -> int:
     return 2
 
 
-def _reader_gone() -> int:
-    """The reader of stdout went away (`workbench queue list | head`): it read what it wanted.
-    stdout is pointed at the null device, so that Python's own flush at exit does not fail
-    again, and the command ends quietly with 0."""
+def _reader_gone() -> None:
+    """The reader of stdout went away (`workbench queue list | head`): it read what it wanted,
+    and the command ends quietly. stdout is pointed at the null device, so that Python's own
+    flush at exit does not fail again."""
     with contextlib.suppress(OSError, ValueError):  # no file descriptor (a test's capture)
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
-    return 0
 
 
 def run_cli(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.command in ("train", "grpo") and args.on and args.queue is None:
         args.queue = ""  # `train --on CLUSTER` queues the run
+    code = 0
     try:
         code = COMMANDS[args.command](args)
         sys.stdout.flush()  # a closed pipe shows here, not in Python's flush at exit
         return code
     except BrokenPipeError:
-        return _reader_gone()
+        _reader_gone()
+        return code  # the command's own status if it ended before the flush, else 0
     except EngineError as e:
         return _print_error(e)
     except KeyboardInterrupt:
