@@ -122,6 +122,7 @@ def test_a_signal_while_reading_the_data_pauses_the_run_within_seconds(tmp_path,
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        data.unlink()
     err = (tmp_path / "err.txt").read_text()
     assert proc.returncode == 130, err
     assert f"paused: continue with  workbench resume {run}" in err

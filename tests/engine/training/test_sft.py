@@ -302,8 +302,11 @@ def test_a_stop_request_while_reading_the_data_ends_the_run_at_once(tmp_path, re
         return request_
     t0 = time.monotonic()
     events = []
-    assert train(_config(data), events.append, should_stop, tmp_path / "ck") == (
-        "cancelled" if request_ == "cancel" else "paused")
+    try:
+        assert train(_config(data), events.append, should_stop, tmp_path / "ck") == (
+            "cancelled" if request_ == "cancel" else "paused")
+    finally:
+        data.unlink()
     assert time.monotonic() - t0 < 30 and len(asked) == 1
     assert not (tmp_path / "ck").exists() or not any((tmp_path / "ck").iterdir())
 
