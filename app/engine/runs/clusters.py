@@ -250,7 +250,8 @@ class ClusterStore:
         if not isinstance(data, dict) or not isinstance(data.get("clusters"), list):
             raise ConfigError(f"{self.path} is not a cluster list.",
                               "Remove the file and add the clusters again.")
-        clusters = {c["name"]: c for c in data["clusters"] if isinstance(c, dict) and "name" in c}
+        clusters = {c["name"]: c for c in data["clusters"]
+                    if isinstance(c, dict) and isinstance(c.get("name"), str)}
         for entry in clusters.values():
             # credentials in the URL of an entry from before `check_url` refused them: left
             # out (never shown, never sent: the head's token is the way in), and out of the
@@ -263,7 +264,18 @@ class ClusterStore:
         atomic_write_json(state_file(self.path), {"clusters": [clusters[k] for k in sorted(clusters)]})
 
     def list(self) -> list[Cluster]:
-        return [Cluster.from_dict(c) for c in self._read().values()]
+        return [self._cluster(c) for c in self._read().values()]
+
+    def _cluster(self, entry: dict) -> Cluster:
+        """The Cluster of an entry; one that is not usable (written before its fields were
+        checked, or by hand) is a ConfigError naming it and how to get rid of it."""
+        try:
+            return Cluster.from_dict(entry)
+        except (ConfigError, TypeError, ValueError) as e:  # a field of the wrong type
+            why = e.message if isinstance(e, ConfigError) else str(e)
+            raise ConfigError(f"Cluster {entry.get('name')!r} in {self.path} is not usable: "
+                              f"{why}", f"Remove it (`workbench cluster remove "
+                                        f"{entry.get('name')}`) and add it again.") from e
 
     def names(self) -> list[str]:
         return sorted(self._read())
@@ -274,7 +286,7 @@ class ClusterStore:
             known = ", ".join(sorted(clusters)) or "none yet"
             raise ClusterError(f"No cluster named {name!r} (known: {known}).",
                                "Add it with `workbench cluster add NAME URL` or in Settings.")
-        return Cluster.from_dict(clusters[name])
+        return self._cluster(clusters[name])
 
     def save(self, cluster: Cluster, token: str | None = None) -> None:
         """Add or replace `cluster`; a token given is stored in the keyring."""

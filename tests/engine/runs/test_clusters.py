@@ -103,3 +103,19 @@ def test_any_text_is_a_usable_url_or_a_config_error(url):
     assert parts.port is None or 1 <= parts.port <= 65535
     assert "@" not in parts.netloc and kept.isprintable() and not any(c.isspace() for c in kept)
     urllib.request.Request(kept + "/api/version")
+
+
+@pytest.mark.parametrize("entry", [
+    {"name": "old", "url": "http://head:99999"}, {"name": "old", "url": "http://a\nb"},
+    {"name": "old", "url": "http://head:1", "num_cpus": "many"},
+    {"name": "old", "url": "http://head:1", "path_map": [["/a"]]},
+    {"name": "old", "url": "http://head:1", "path_map": 5}, {"name": "old", "url": None}])
+def test_an_entry_written_before_the_checks_is_named_with_the_way_out(tmp_path, entry):
+    path = tmp_path / "clusters.json"
+    path.write_text(json.dumps({"clusters": [entry, {"name": ["odd"]}]}))
+    store = ClusterStore(path)
+    with pytest.raises(ConfigError, match="Cluster 'old' in .* is not usable") as e:
+        store.list()
+    assert "workbench cluster remove old" in e.value.hint
+    store.remove("old")
+    assert store.list() == []
