@@ -96,24 +96,42 @@ def test_resume_refuses_a_dataset_that_became_a_fifo(tmp_path):
     assert r.returncode == 2 and f"{data} is a named pipe (FIFO)" in r.stderr, r.stderr
 
 
-def _huge_sparse_file(path, size=64 << 30):
-    """A regular file of `size` zero bytes and no line end, taking no disk space: a stand-in
-    for /dev/zero that the type check lets through, so reading it must hear the stop request."""
+def _huge_sparse_file(path) -> str:
+    """A regular file of 64 GB of zero bytes and no line end, taking no disk space: a stand-in
+    for /dev/zero that the type check lets through, so reading it must hear the stop request.
+    Returns what the run logs once it reads it."""
     with open(path, "wb") as f:
-        f.truncate(size)
+        f.truncate(64 << 30)
+    return "tokenizing"
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_while_reading_the_data_pauses_the_run_within_seconds(tmp_path, signum):
-    data = tmp_path / "zeros.jsonl"
-    _huge_sparse_file(data)
+def _many_rows(path) -> str:
+    """30 MB of chat rows (tokenizing takes ~10 s): returns the progress line to wait for, so
+    that the signal comes while the rows are tokenized."""
+    import random
+    rng = random.Random(0)
+    words = "the quick brown fox jumps over a lazy dog while seven rivers run".split()
+    with open(path, "w") as f:
+        while f.tell() < 30 << 20:
+            say = lambda n: " ".join(rng.choices(words, k=n))
+            f.write(json.dumps({"messages": [{"role": "user", "content": say(20)},
+                                             {"role": "assistant", "content": say(60)}]}) + "\n")
+    return "rows, "
+
+
+@pytest.mark.parametrize("signum, make", [(signal.SIGTERM, _huge_sparse_file),
+                                          (signal.SIGINT, _huge_sparse_file),
+                                          (signal.SIGTERM, _many_rows)])
+def test_a_signal_while_reading_the_data_pauses_the_run_within_seconds(tmp_path, signum, make):
+    data = tmp_path / "data.jsonl"
+    reading = make(data)
     run = tmp_path / "run"
     proc = _start(tmp_path, "train", "-m", MODEL, "-d", str(data), "-o", str(run))
     try:
         metrics = run / "metrics.jsonl"
-        _wait_for(lambda: metrics.exists() and "tokenizing" in metrics.read_text(), 60,
-                  "the run to start reading its data")
-        time.sleep(1.0)
+        _wait_for(lambda: metrics.exists() and reading in metrics.read_text(), 60,
+                  "the run to be reading its data")
+        time.sleep(0.5)
         sent = time.monotonic()
         proc.send_signal(signum)
         proc.wait(timeout=15)            # before: read all 64 GB, ignoring the signal
@@ -128,6 +146,7 @@ def test_a_signal_while_reading_the_data_pauses_the_run_within_seconds(tmp_path,
     assert f"paused: continue with  workbench resume {run}" in err
     status = json.loads((run / "status.json").read_text())
     assert status["state"] == "paused" and status["error"] is None
+    assert '"type": "start"' not in metrics.read_text()     # stopped before training
 
 
 def test_a_model_file_truncated_under_a_run_fails_it_with_a_message(tmp_path):
