@@ -53,6 +53,17 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _utf8(text: str) -> str:
+    """An argparse type: text to tokenize or generate from, without a byte that is not UTF-8
+    (which argv holds as a surrogate escape that no tokenizer takes)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError("the text holds a byte that is not UTF-8 (check the "
+                                         "terminal's encoding)") from None
+    return text
+
+
 JOB_ID = _whole(1, 2**63 - 1)      # SQLite's rowids
 PRIORITY = _whole(-10**9, 10**9)
 
@@ -77,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="generate text (streams to stdout)")
     _model_options(p)
-    p.add_argument("--prompt", "-p", required=True)
+    p.add_argument("--prompt", "-p", required=True, type=_utf8)
     p.add_argument("--chat", action="store_true",
                    help="wrap the prompt as a user turn with the model's chat template")
     p.add_argument("--max-tokens", "-n", type=int, default=64)
@@ -93,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tokenize", help="print the token ids of a text")
     p.add_argument("--model", "-m", required=True, help="GGUF model or vocab file")
-    p.add_argument("--text", required=True)
+    p.add_argument("--text", required=True, type=_utf8)
     p.add_argument("--no-special", action="store_true", help="do not add BOS/EOS")
     p.add_argument("--parse-special", action="store_true", help="parse <special> token texts")
     p = sub.add_parser("lint", help="check a JSONL dataset against a model's tokenizer",

@@ -143,3 +143,12 @@ def test_the_queue_refuses_a_run_path_that_is_not_utf8(tmp_path, capsys):
     code, _, err = _cli(capsys, "queue", "add", str(run.path), "--queue",
                         str(tmp_path / "q.sqlite3"))
     assert code == 2 and "has a byte that is not UTF-8" in err and "foreground" in err
+
+
+@pytest.mark.parametrize("argv", [["tokenize", "-m", MODEL, "--text", "a\udcff"],
+                                  ["generate", "-m", MODEL, "-p", "a\udcff"]])
+def test_text_with_a_byte_that_is_not_utf8_is_an_error_of_the_command_line(capsys, argv):
+    """argv holds such a byte as a surrogate escape: the tokenizer raised a TypeError."""
+    with pytest.raises(SystemExit) as e:
+        run_cli(argv)
+    assert e.value.code == 2 and "a byte that is not UTF-8" in capsys.readouterr().err
