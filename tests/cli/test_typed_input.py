@@ -152,3 +152,21 @@ def test_text_with_a_byte_that_is_not_utf8_is_an_error_of_the_command_line(capsy
     with pytest.raises(SystemExit) as e:
         run_cli(argv)
     assert e.value.code == 2 and "a byte that is not UTF-8" in capsys.readouterr().err
+
+
+def test_a_failure_naming_a_path_that_is_not_utf8_is_recorded(tmp_path):
+    """The worker writes a failed job's error to its run's log.txt: with the escaped byte of a
+    dataset path in it, that was a UnicodeEncodeError that took the worker down."""
+    from app.engine.errors import DatasetError
+    from app.engine.runs.queue import JobQueue
+    from app.engine.runs.worker import run_worker
+
+    def runner(run, control):
+        raise DatasetError("Cannot read /data/chat\udcff.jsonl.")
+
+    queue = JobQueue(tmp_path / "q.sqlite3")
+    first = queue.add(RunDir.create(tmp_path / "a", {"name": "a"}).path)
+    second = queue.add(RunDir.create(tmp_path / "b", {"name": "b"}).path)
+    assert run_worker(queue, runner=runner, once=True, exclusive=False) == 2
+    assert [queue.get(i).state for i in (first, second)] == ["failed", "failed"]
+    assert "chat\\udcff.jsonl" in (tmp_path / "a" / "log.txt").read_text()

@@ -200,7 +200,15 @@ _LIST_ORDER = ("ORDER BY CASE WHEN state = 'running' THEN 0 WHEN state IN ('queu
 
 
 def _error_fields(error: Any) -> dict:
-    """Normalise an error (None, EngineError, mapping) to the error_* columns."""
+    """Normalise an error (None, EngineError, mapping) to the error_* columns; a surrogate
+    escape in its text (a path's byte that is not UTF-8, as os.fsdecode gives it) spelled out
+    as \\udcXX, since SQLite keeps only UTF-8 text."""
+    columns = _error_columns(error)
+    return {column: value.encode("utf-8", "backslashreplace").decode("utf-8")
+            if isinstance(value, str) else value for column, value in columns.items()}
+
+
+def _error_columns(error: Any) -> dict:
     if error is None:
         return {"error_kind": None, "error_message": None, "error_hint": None,
                 "error_detail": None}

@@ -232,7 +232,9 @@ def append_line(path: str | os.PathLike, line: str) -> None:
     are the workbench's own files, never another file reached through them.
     """
     path = Path(path)
-    data = line.encode("utf-8") + b"\n"
+    # a log line naming a path with a byte that is not UTF-8 (os.fsdecode's surrogate escape)
+    # is written with the escape spelled out: a failure here would take the worker down
+    data = line.encode("utf-8", "backslashreplace") + b"\n"
     try:
         fd = open_own_file(path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
         try:
