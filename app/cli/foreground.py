@@ -165,6 +165,21 @@ def _progress_line(e: dict) -> str:
             f"ETA={clock(e['eta_s'])}")
 
 
+def _until_reader_gone(printer):
+    """`printer`, silenced once the reader of stdout is gone (`workbench train ... | head`):
+    the run goes on unprinted, as it does in the window, instead of failing on the pipe."""
+    gone = False
+
+    def show(event: dict) -> None:
+        nonlocal gone
+        if not gone:
+            try:
+                printer(event)
+            except BrokenPipeError:
+                gone = True
+    return show
+
+
 def run_in_foreground(run_dir, runner, printer) -> int:
     """Run `runner(report, should_stop, checkpoints)` (a train or train_grpo closure) here,
     recording every event in the run directory as a queued job does (through a RunReporter)
@@ -176,8 +191,9 @@ def run_in_foreground(run_dir, runner, printer) -> int:
     reporter = RunReporter(run_dir)
     reporter.started()
     previous = install_stop_signals(stop)
+    show = _until_reader_gone(printer)
     try:
-        result = runner(lambda event: printer(reporter.report(event)),
+        result = runner(lambda event: show(reporter.report(event)),
                         lambda: "pause" if stop.is_set() else None, run_dir.checkpoints_dir)
     except KeyboardInterrupt:  # a second Ctrl-C: stop now, the last checkpoint stays usable
         reporter.finished("paused")

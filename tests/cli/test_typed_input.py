@@ -50,6 +50,21 @@ def test_a_closed_pipe_ends_quietly(tmp_path, argv):
     assert (done.returncode, done.stderr) == (0, "")
 
 
+def test_a_run_whose_output_reader_is_gone_trains_on(tmp_path):
+    """`workbench train ... | head -1`: the run failed as "a bug: BrokenPipeError"."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = _workbench(tmp_path, "train", "-m", MODEL, "-d", CHAT, "--max-steps", "2",
+                          "--epochs", "0", "--val-split", "0", "--ctx", "64", "-o",
+                          str(tmp_path / "run"), stdout=write_end, stderr=subprocess.PIPE,
+                          text=True)
+    finally:
+        os.close(write_end)
+    assert done.returncode == 0 and "Traceback" not in done.stderr
+    assert RunDir(tmp_path / "run").status()["state"] == "done"
+
+
 @pytest.mark.parametrize("argv", [
     ["cancel", "12345678901234567890123"], ["pause", "0"], ["resume", "-1"],
     ["retry", "9" * 5000], ["logs", "99999999999999999999"], ["reorder", "1", "1" + "0" * 30],
