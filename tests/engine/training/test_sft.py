@@ -316,9 +316,11 @@ def test_tokenizing_reports_its_progress_as_log_events(tmp_path, data_file, monk
     how far it is (at most every PROGRESS_EVERY_S seconds; 0 here: after every block)."""
     from app.engine.training import sft
     monkeypatch.setattr(sft, "PROGRESS_EVERY_S", 0.0)
+    with open(data_file, "a") as f:     # a content of its own: not in the dataset cache
+        f.write(json.dumps({"text": f"a row of {tmp_path.name} alone"}) + "\n")
     events = []
     train(dataclasses.replace(_config(data_file), max_steps=1, epochs=0), events.append,
           lambda: None, tmp_path / "ck")
     size = data_file.stat().st_size
     logs = [e["message"] for e in events if e["type"] == "log"]
-    assert f"tokenizing data.jsonl: 40 rows, {size / 2**20:.0f} of {size / 2**20:.0f} MB" in logs
+    assert f"tokenizing data.jsonl: 41 rows, {size / 2**20:.0f} of {size / 2**20:.0f} MB" in logs
