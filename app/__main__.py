@@ -7,11 +7,6 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    for stream in (sys.stdout, sys.stderr):
-        # a path with a byte that is not UTF-8 (os.fsdecode's surrogate escapes), or text the
-        # console cannot show: printed escaped, never a UnicodeEncodeError
-        if hasattr(stream, "reconfigure"):
-            stream.reconfigure(errors="backslashreplace")
     try:
         return _run(argv)
     except ModuleNotFoundError as e:  # a dependency missing before the CLI could say so

@@ -636,7 +636,16 @@ def _reader_gone() -> None:
         os.close(devnull)
 
 
+def _escape_unencodable_output() -> None:
+    """A path with a byte that is not UTF-8 (os.fsdecode's surrogate escapes), or text the
+    console cannot show, is printed escaped, never a UnicodeEncodeError."""
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
+
+
 def run_cli(argv: list[str]) -> int:
+    _escape_unencodable_output()
     args = build_parser().parse_args(argv)
     if args.command in ("train", "grpo") and args.on and args.queue is None:
         args.queue = ""  # `train --on CLUSTER` queues the run

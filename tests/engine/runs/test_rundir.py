@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from app.engine.runtime.files import (DiskFullError, StorageError, atomic_write_
 from tests.conftest import REPO, SAMPLE_DATA
 
 MODEL = str(SAMPLE_DATA / "tiny-moe.gguf")   # the CLI reads its context before a run folder exists
+CHAT = str(SAMPLE_DATA / "chat.jsonl")       # and checks its dataset before that
 
 
 def _leftovers(folder) -> list[str]:
@@ -324,7 +326,7 @@ def test_a_run_folder_name_over_255_bytes_is_a_config_error(tmp_path, capsys):
         RunDir.create(tmp_path / ("a" * 300), {})
     with pytest.raises(ConfigError, match="is 256 bytes long"):
         RunDir.create(tmp_path / ("é" * 128) / "run", {})           # 2 bytes a letter
-    assert run_cli(["train", "-m", MODEL, "-d", "data.jsonl", "--queue",
+    assert run_cli(["train", "-m", MODEL, "-d", CHAT, "--queue",
                     str(tmp_path / "q.sqlite3"), "-o", str(tmp_path / ("r" * 300))]) == 2
     err = capsys.readouterr().err
     assert "is 300 bytes long; file systems allow at most 255" in err
@@ -337,6 +339,7 @@ def test_default_run_names_are_shortened_at_a_character(tmp_path, monkeypatch, c
     assert rd.default_run_name("data")[-5:] == "-data"
     monkeypatch.setattr(rd, "default_runs_dir", lambda: tmp_path / "runs")
     data = tmp_path / ("d" * 249 + ".jsonl")                        # a 255-byte file name
+    shutil.copyfile(CHAT, data)
     assert run_cli(["train", "-m", MODEL, "-d", str(data), "--queue",
                     str(tmp_path / "q.sqlite3")]) == 0
     [run] = list_runs(tmp_path / "runs")
@@ -344,7 +347,7 @@ def test_default_run_names_are_shortened_at_a_character(tmp_path, monkeypatch, c
 
 
 def test_a_running_status_whose_writer_is_gone_reads_as_interrupted(tmp_path):
-    from app.views.run_rows import _read_row
+    from app.views.runs.run_rows import _read_row
 
     run = RunDir.create(tmp_path / "run", {"model": "m.gguf"})
     st = run.write_status(state="running", step=3, total_steps=10, eta_s=42.0)

@@ -295,13 +295,14 @@ def test_a_full_disk_while_trusting_is_a_clear_error(tmp_path, monkeypatch):
     from tests.engine.runs.test_rundir import _full_disk_os
 
     monkeypatch.setenv("WORKBENCH_QUEUE", str(tmp_path / "state" / "queue.sqlite3"))
+    trust_file = trust_file_path()
     specs = [RewardSpec("file", arg=_reward_with_modules(tmp_path))]
     monkeypatch.setattr(files, "os", _full_disk_os())
     with pytest.raises(DiskFullError, match="no space left in") as e:
         check_reward_trust(specs, "the hint", trust=True)
     assert "Free some space" in e.value.hint
     monkeypatch.undo()
-    assert not trust_file_path().exists()
+    assert not trust_file.exists()
 
 
 def test_resume_asks_again_when_a_module_of_a_trusted_reward_changed(tmp_path, monkeypatch,
