@@ -437,6 +437,7 @@ def write_gguf(path: str | os.PathLike, metadata: dict[str, Any], tensors: dict[
 
     path = str(path)
     tmp = f"{path}.tmp-{os.getpid()}"
+    _make_own_temporary(tmp)
     arch = metadata.get("general.architecture", "unknown")
     writer = gguf.GGUFWriter(tmp, arch, use_temp_file=False)
     try:
@@ -468,6 +469,16 @@ def write_gguf(path: str | os.PathLike, metadata: dict[str, Any], tensors: dict[
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+def _make_own_temporary(tmp: str) -> None:
+    """Create `tmp` as a new regular file before the gguf writer opens it by name: whatever lay
+    at that name (a leftover of a process with the same pid, or a link planted in a run folder)
+    is removed, never written through."""
+    if os.path.lexists(tmp):
+        os.remove(tmp)      # a link is removed, not its target
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0),
+                     0o644))
 
 
 # ---- quantizing (for writing) ------------------------------------------------------------------

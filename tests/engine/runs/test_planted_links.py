@@ -95,3 +95,18 @@ def test_an_export_never_writes_through_a_linked_exports_folder(tmp_path, capsys
     assert run_cli(args + (["--out", str(tmp_path / out)] if out else [])) == 2
     assert f"{run.exports_dir} is a symbolic link" in capsys.readouterr().err
     assert os.listdir(target) == [] and not (tmp_path / "elsewhere.gguf").exists()
+
+
+def test_a_gguf_is_never_written_through_a_link_at_its_temporary_name(tmp_path):
+    """write_gguf writes `NAME.tmp-PID` beside the file, then renames it: a link planted at that
+    name (a run folder copied from a process with the same pid) is replaced, not written through."""
+    import numpy as np
+
+    from app.engine.io.gguf import GGUFFile, write_gguf
+
+    run, link, target = _run_with_link(tmp_path, f"adapter.gguf.tmp-{os.getpid()}")
+    write_gguf(run.path / "adapter.gguf", {"general.architecture": "llama"},
+               {"w": np.ones((2, 3), np.float32)})
+    assert target.read_bytes() == b"the user's own file\n"
+    assert not os.path.lexists(link)
+    np.testing.assert_array_equal(GGUFFile(run.path / "adapter.gguf").array("w"), np.ones((2, 3)))
