@@ -36,7 +36,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from app.engine.errors import ConfigError
-from app.engine.runs.rundir import CHECKPOINTS, CONFIG, LOG, METRICS, STATUS, RunDir
+from app.engine.runs.rundir import (CHECKPOINTS, CONFIG, LOG, METRICS, STATUS, RunDir,
+                                    enclosing_run)
 from app.engine.runs.runlock import LOCK
 from app.engine.runtime.files import NAME_MAX, storage_error
 
@@ -85,20 +86,11 @@ def _inside(path: str | os.PathLike, folder: str | os.PathLike) -> bool:
     return real != real_folder and real.is_relative_to(real_folder)
 
 
-def run_folder_of(path: Path) -> RunDir | None:
-    """The run folder `path` is, or lies in (the nearest one), else None."""
-    for folder in (path, *path.parents):
-        run = RunDir(folder)
-        if run.exists() and run.checkpoints_dir.is_dir():
-            return run
-    return None
-
-
 def _run_file(path: Path) -> tuple[RunDir, str] | None:
     """(the run, what of it) when `path`, as named or resolved through links, is a run folder
     or one of a run's own files (RUN_FILES, or anything inside its checkpoints/)."""
     for candidate in dict.fromkeys((path, _real(path))):
-        run = run_folder_of(candidate)
+        run = enclosing_run(candidate)
         if run is None:
             continue
         if candidate == run.path:

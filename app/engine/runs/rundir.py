@@ -36,8 +36,8 @@ from typing import Any, Iterable
 
 from app.engine.errors import ConfigError, EngineError
 from app.engine.runs.registry import register_run, registry_entries
-from app.engine.runtime.files import (StorageError, append_line, atomic_write_json, loads_json,
-                                      read_json, storage_error, to_json)
+from app.engine.runtime.files import (NAME_MAX, StorageError, append_line, atomic_write_json,
+                                      loads_json, read_json, storage_error, to_json)
 from app.engine.runtime.paths import ensure_state_dir
 from app.engine.runtime.processes import pid_alive, process_started
 from app.engine.training.checkpoints import best_checkpoint as best_in_folder
@@ -50,7 +50,6 @@ LOG = "log.txt"
 CHECKPOINTS = "checkpoints"
 EXPORTS = "exports"
 
-NAME_MAX = 255   # bytes in one file or folder name (ext4, APFS; NTFS counts 255 UTF-16 units)
 RUN_NAME_MAX = NAME_MAX - 8   # a new run's name: room for the "-N" that makes it unique
 
 
@@ -354,17 +353,25 @@ def check_path_length(path: Path) -> None:
                               "Choose a shorter run name or output folder.")
 
 
+def enclosing_run(path: Path) -> RunDir | None:
+    """The run folder `path` is, or lies in (the nearest one), else None. A run folder holds a
+    config.json and a checkpoints/ folder: both are asked, not config.json alone, which many
+    projects' folders hold."""
+    for folder in (path, *path.parents):
+        run = RunDir(folder)
+        if run.exists() and run.checkpoints_dir.is_dir():
+            return run
+    return None
+
+
 def check_not_nested(path: Path) -> None:
-    """ConfigError when `path` is inside another run's folder (a folder above it holds a
-    config.json and a checkpoints/ folder): its checkpoints would prune, resume or export the
-    new run as one of theirs (`train -o RUN/checkpoints/step-99`). Both files are asked, not
-    config.json alone, which many projects' folders hold. The folders above are those of the
-    resolved path (through `..` and links)."""
-    for folder in path.resolve().parents:
-        above = RunDir(folder)
-        if above.exists() and above.checkpoints_dir.is_dir():
-            raise ConfigError(f"{path} is inside the run folder {above.path}.",
-                              "Choose an output folder outside every run's folder.")
+    """ConfigError when `path` is inside another run's folder: its checkpoints would prune,
+    resume or export the new run as one of theirs (`train -o RUN/checkpoints/step-99`). The
+    folders above are those of the resolved path (through `..` and links)."""
+    above = enclosing_run(path.resolve().parent)
+    if above is not None:
+        raise ConfigError(f"{path} is inside the run folder {above.path}.",
+                          "Choose an output folder outside every run's folder.")
 
 
 def default_run_name(stem: str) -> str:
