@@ -157,12 +157,23 @@ class PathMap:
         matches = [p for p in self.pairs if _under(path, p[side])]
         return max(matches, key=lambda p: len(p[side])) if matches else None
 
-    def covers(self, local_path: str | os.PathLike) -> bool:
-        return self._match(os.path.abspath(local_path), 0) is not None
-
-    def to_cluster(self, local_path: str | os.PathLike) -> str:
+    def _local(self, local_path: str | os.PathLike) -> tuple[str, tuple[str, str] | None]:
+        """(the path as matched, its pair). The path as given first; else both it and the
+        local prefixes resolved through links (the queue keys runs by their resolved path, so
+        a run under a linked shared folder arrives resolved)."""
         path = os.path.abspath(local_path)
         pair = self._match(path, 0)
+        if pair is not None:
+            return path, pair
+        real = os.path.realpath(path)
+        resolved = PathMap(tuple((os.path.realpath(a), b) for a, b in self.pairs))
+        return real, resolved._match(real, 0)
+
+    def covers(self, local_path: str | os.PathLike) -> bool:
+        return self._local(local_path)[1] is not None
+
+    def to_cluster(self, local_path: str | os.PathLike) -> str:
+        path, pair = self._local(local_path)
         if pair is None:
             raise ConfigError(f"{path} is not under a shared folder of this cluster's path map.",
                               "Put the run on storage the cluster sees, and map it in Settings "

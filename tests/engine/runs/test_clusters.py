@@ -119,3 +119,18 @@ def test_an_entry_written_before_the_checks_is_named_with_the_way_out(tmp_path, 
     assert "workbench cluster remove old" in e.value.hint
     store.remove("old")
     assert store.list() == []
+
+
+def test_a_run_under_a_linked_shared_folder_is_mapped_by_its_resolved_path(tmp_path):
+    """The queue keys a run by its resolved path: a local prefix that is a link to the shared
+    folder still maps it (it did not: 'not under a shared folder')."""
+    from app.engine.runs.clusters import PathMap
+
+    (tmp_path / "real" / "runs").mkdir(parents=True)
+    (tmp_path / "shared").symlink_to(tmp_path / "real")
+    path_map = PathMap.parse(f"{tmp_path / 'shared'}=/mnt/shared")
+    resolved_run = (tmp_path / "shared" / "runs" / "r1").resolve()
+    assert path_map.covers(resolved_run)
+    assert path_map.to_cluster(resolved_run) == "/mnt/shared/runs/r1"
+    assert path_map.to_cluster(tmp_path / "shared" / "runs" / "r1") == "/mnt/shared/runs/r1"
+    assert not path_map.covers(tmp_path / "elsewhere")
