@@ -25,7 +25,7 @@ from pathlib import Path
 
 from app.engine.errors import EngineError
 from app.engine.runs.rundir import RunDir
-from app.engine.runtime.files import StorageError, loads_json, storage_error
+from app.engine.runtime.files import loads_json, open_own_file, storage_error
 from app.engine.runtime.processes import process_started
 
 LOCK = "run.lock"
@@ -175,14 +175,11 @@ def describe(holder: dict | None) -> str:
 
 
 def _open(path: Path, flags: int) -> int:
-    """The lock file's descriptor; never through a link (a planted run.lock -> elsewhere)."""
-    flags |= getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    """The lock file's descriptor; never through a link (a planted run.lock -> elsewhere) and
+    only a regular file (files.open_own_file)."""
     try:
-        return os.open(path, flags, 0o644)
+        return open_own_file(path, flags | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
-        if os.path.islink(path):
-            raise StorageError(f"The run's lock {path} is a link, not a file of the run.",
-                               "Remove the link (a run folder copied from elsewhere?).") from e
         raise storage_error(e, path, "open") from e
 
 

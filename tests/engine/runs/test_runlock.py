@@ -77,7 +77,7 @@ def test_a_lock_left_by_a_killed_holder_is_taken_over_with_a_log_line(run, holde
 def test_the_lock_is_never_a_link(run, tmp_path):
     target = tmp_path / "elsewhere.txt"
     (run.path / LOCK).symlink_to(target)
-    with pytest.raises(StorageError, match="is a link"):
+    with pytest.raises(StorageError, match="is a symbolic link"):
         RunLock(run, "this test").acquire()
     assert not target.exists()
 
