@@ -25,8 +25,8 @@ from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QListWidget, QListWi
 
 from app.engine.api import JobQueue, ModelCard, describe_model
 from app.views.context import SCREENS, AppContext
-from app.views.error_panel import ErrorPanel
-from app.views.run_tail import BackgroundPoll
+from app.views.widgets.error_panel import ErrorPanel
+from app.views.widgets.run_tail import BackgroundPoll
 
 APP_NAME = "GGUF Workbench"
 RECENT_KEY = "recent/models"
@@ -36,12 +36,12 @@ SCREEN_TITLES = {"new_run": "New run", "runs": "Runs", "monitor": "Monitor",
                  "experts": "Experts", "playground": "Playground", "export": "Export",
                  "settings": "Settings"}
 # key -> (module, class): the other screens are imported lazily, with a placeholder if missing
-SCREEN_CLASSES = {"runs": ("app.views.runs_view", "RunsView"),
-                  "monitor": ("app.views.monitor", "MonitorView"),
-                  "experts": ("app.views.experts", "ExpertsView"),
-                  "playground": ("app.views.playground", "PlaygroundView"),
-                  "export": ("app.views.export_view", "ExportView"),
-                  "settings": ("app.views.settings_view", "SettingsView")}
+SCREEN_CLASSES = {"runs": ("app.views.runs.view", "RunsView"),
+                  "monitor": ("app.views.monitor.view", "MonitorView"),
+                  "experts": ("app.views.experts.view", "ExpertsView"),
+                  "playground": ("app.views.playground.view", "PlaygroundView"),
+                  "export": ("app.views.export.view", "ExportView"),
+                  "settings": ("app.views.settings.view", "SettingsView")}
 STATUS_INTERVAL_MS = 1000
 MESSAGE_MS = 10_000
 
@@ -96,7 +96,7 @@ class MainWindow(QMainWindow):
         self.stack = QStackedWidget(objectName="content")
         self.nav = QListWidget(objectName="navList")
 
-        from app.views.new_run import NewRunView
+        from app.views.new_run.view import NewRunView
 
         kwargs = {"read_model": read_model}
         if lint is not None:

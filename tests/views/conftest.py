@@ -71,7 +71,7 @@ def shown(qtbot, view, width: int = 1000, height: int = 700):
 @pytest.fixture
 def new_run(qtbot, ctx):
     """A shown New run screen that has read the sample model and checked chat.jsonl."""
-    from app.views.new_run import NewRunView
+    from app.views.new_run.view import NewRunView
 
     view = shown(qtbot, NewRunView(ctx, discover=lambda: []), 1100, 720)
     wait_ready(qtbot, view)
@@ -81,10 +81,10 @@ def new_run(qtbot, ctx):
 @pytest.fixture
 def no_discovery(monkeypatch):
     """The model picker finds nothing on this machine (tests do not scan the home folder)."""
-    import app.views.model_card as model_card
+    import app.views.new_run.model_card as model_card
 
     monkeypatch.setattr(model_card, "discover_models", lambda *a, **k: [])
-    import app.views.new_run as new_run
+    import app.views.new_run.view as new_run
 
     monkeypatch.setattr(new_run, "discover_models", lambda *a, **k: [])
 

@@ -12,9 +12,9 @@ from PySide6.QtCore import Qt
 
 from app.engine.runs.rundir import RunDir
 from app.engine.runs.worker import run_worker
-from app.views.monitor import MonitorView
-from app.views.new_run import NewRunView
-from app.views.runs_view import COL, RunsView
+from app.views.monitor.view import MonitorView
+from app.views.new_run.view import NewRunView
+from app.views.runs.view import COL, RunsView
 from tests.views.conftest import GOLDEN
 
 

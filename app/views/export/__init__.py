@@ -1,0 +1,2 @@
+"""Export: a run's adapter or merged model for llama.cpp, Ollama or PEFT, verified
+(`view.ExportView`)."""

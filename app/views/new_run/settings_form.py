@@ -1,0 +1,513 @@
+"""The run's settings: what to train, the optimiser, lengths, evaluation, data and reward weights.
+
+`SettingsForm.values()` is the part of a RunConfig dict the form owns (everything but `model`
+and `data`); `set_values(d)` loads one (a saved settings file or a run's config.json). Problems
+are shown inline, under the field (`errors()` returns them), never as pop-ups. The targets'
+checkboxes show the trainable parameters each group adds for the current model and rank.
+
+`set_kind("grpo")` turns it into the training half of a GRPO run: LoRA only, a number of steps,
+held-out prompts; the dataset-only settings are hidden, and `values()` / `set_values(d)` speak
+the GrpoConfig dict's keys (train, max_steps, val_split, eval_every, save_every, norms_every).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import (QCheckBox, QFileDialog, QFrame, QGridLayout, QHBoxLayout, QLabel,
+                               QLineEdit, QPushButton, QScrollArea, QVBoxLayout, QWidget)
+
+from app.engine.api import (GRPO, SFT, TARGET_GROUPS, ModelCard, TrainConfig, default_lr,
+                            gpu_available, human_bytes, human_count, lora_param_count)
+from app.views.widgets.form_fields import (FormBase, combo, dspin, field_value, set_combo,
+                                           set_field, spin)
+from app.views.widgets.tooltips import SETTINGS_TIPS
+
+# A trained LoRA parameter's memory: float32 value, gradient and AdamW's two moments (the
+# estimate's adapter bytes, app.engine.model.card).
+BYTES_PER_TRAINED = 16
+AUTO_EXPERT_RANK = "auto"            # expert_rank None: the rank, at most 8 past 32 experts
+GROUP_LABELS = {"attention": "Attention (q, k, v, out)", "ffn": "Dense FFN",
+                "experts": "Experts (MoE)", "shared": "Shared experts", "router": "Router",
+                "output": "Output head", "embeddings": "Token embeddings"}
+FULL_TARGETS = ("norms", "router", "embeddings", "output")
+FORMATS = ("auto", "text", "completion", "chat", "alpaca", "sharegpt")
+DATA_KEYS = ("context", "format", "overflow", "packing", "chat_loss", "weights_source",
+             "weight_field", "weights_path", "normalize", "clip_lo", "clip_hi",
+             "allow_negative", "val_split")     # changes that change the linter's report
+# field -> (RunConfig section ("" = top level), key, default of a first run). How to train
+# (optimizer, schedule, warmup, clipping, ...) defaults to TrainConfig's values, the CLI's too:
+# one source; the learning rate follows the engine's default_lr for the mode and alpha. A first
+# run in the window is the README's first CLI run: rank 8, alpha 16 (half TrainConfig's: the
+# sweep in docs/USER_GUIDE.md finds ranks 4-64 alike at one alpha, and the smaller adapter is
+# quicker), 3 epochs, 10% held out, an evaluation every 30 steps, so it has a best checkpoint.
+_T = TrainConfig()
+FIRST_RANK, FIRST_ALPHA = 8, 16.0
+SIMPLE_FIELDS = {
+    "mode": ("train", "mode", _T.mode), "rank": ("train", "lora_rank", FIRST_RANK),
+    "alpha": ("train", "lora_alpha", FIRST_ALPHA), "rslora": ("train", "rslora", _T.rslora),
+    "dropout": ("train", "lora_dropout", _T.lora_dropout),
+    "optimizer": ("train", "optimizer", _T.optimizer),
+    "schedule": ("train", "schedule", _T.schedule),
+    "warmup": ("train", "warmup_steps", _T.warmup_steps),
+    "gclip": ("train", "gclip", _T.gclip), "weight_decay": ("train", "weight_decay", _T.weight_decay),
+    "seed": ("train", "seed", _T.seed), "grad_accum": ("train", "grad_accum", _T.grad_accum),
+    "device": ("train", "device", _T.device),
+    "checkpoint_interval": ("train", "checkpoint_interval", _T.checkpoint_interval),
+    "epochs": ("", "epochs", 3),
+    "max_steps": ("", "max_steps", 0), "eval_every": ("", "eval_every", 30),
+    "save_every": ("", "save_every", 0), "patience": ("", "patience", 0),
+    "norms_every": ("", "norms_every", 5), "format": ("data_config", "format", "auto"),
+    "context": ("data_config", "context", 256),
+    "overflow": ("data_config", "overflow", "truncate"),
+    "packing": ("data_config", "packing", "pack"),
+    "chat_loss": ("data_config", "chat_loss", "assistant"),
+    "val_split": ("data_config", "val_fraction", 0.1),
+    "normalize": ("data_config", "normalize", "none"),
+    "allow_negative": ("data_config", "allow_negative_weights", False)}
+WEIGHT_SOURCES = (("row", "From each row's field"), ("file", "From a weights file"))
+SFT_ONLY = ("mode", "epochs", "context", "batch", "grad_accum", "patience")
+GRPO_STEPS = 100                    # the steps of a first GRPO run
+# field -> ((label, special value text) of a supervised run, (the same) of a GRPO run)
+KIND_TEXTS = {"val_split": (("Validation split", ""), ("Held-out prompts", "")),
+              "max_steps": (("Max steps", "no cap"), ("Steps", "not set")),
+              "eval_every": (("Evaluate every", "end of epoch"), ("Evaluate every",
+                                                                  "start and end")),
+              "save_every": (("Save every", "end of epoch"), ("Save every", "at the end"))}
+
+
+def group_param_counts(card: ModelCard, rank: int,
+                       expert_rank: int | None = None) -> dict[str, int]:
+    """Trainable LoRA parameters per target group for `card`'s tensors at `rank` (expert
+    stacks at `expert_rank`, None: the engine's default for their number of experts)."""
+    shapes = card.tensor_shapes
+    out = {g: lora_param_count(shapes, rank, kinds, expert_rank)
+           for g, kinds in TARGET_GROUPS.items()}
+    for group, kinds in TARGET_GROUPS.items():  # output, token_embd: not block tensors, which
+        for kind in kinds:                      # lora_param_count skips
+            shape = shapes.get(f"{kind}.weight")
+            if shape is not None and len(shape) == 2:
+                out[group] += rank * sum(shape)
+    return out
+
+
+class SettingsForm(FormBase):
+    """Every training setting with inline validation. `changed(str)` names the field."""
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.target_boxes: dict[str, QCheckBox] = {}
+        self.full_boxes: dict[str, QCheckBox] = {}
+        self.card: ModelCard | None = None
+        self.kind = SFT.name                       # the run type: a name of KINDS
+        self._kind_steps: dict[str, int] = {}      # run type -> its max_steps when left
+        self._layout(self._build())
+        self.set_tooltips(SETTINGS_TIPS)
+        self._connect()
+        self.set_values({})
+        self._update_visibility()
+
+    def _build(self) -> tuple[tuple[QGridLayout, ...], ...]:
+        """The groups of fields, in two columns."""
+        t = TrainConfig()
+        train = self._group("What to train")
+        self._row(train, "mode", "Mode", combo([("lora", "LoRA adapters"),
+                                                  ("full", "Full fine-tuning"),
+                                                  ("hybrid", "LoRA + full (hybrid)")]))
+        self._row(train, "rank", "LoRA rank", spin(1, 4096, 8))
+        self._row(train, "expert_rank", "Expert rank", spin(0, 4096, 0, AUTO_EXPERT_RANK))
+        self._row(train, "alpha", "LoRA alpha", dspin(0, 100000, 16, 2, 1))
+        self._row(train, "rslora", "", QCheckBox("rsLoRA scaling (alpha / sqrt(rank))"))
+        self._row(train, "dropout", "LoRA dropout", dspin(0, 0.95, t.lora_dropout, 2, 0.05))
+        targets = QWidget()
+        grid = QGridLayout(targets)
+        grid.setContentsMargins(0, 0, 0, 0)
+        grid.setVerticalSpacing(2)
+        self.target_counts: dict[str, QLabel] = {}
+        for i, group in enumerate(TARGET_GROUPS):
+            box = QCheckBox(GROUP_LABELS.get(group, group))
+            count = QLabel("", objectName="paramCount")
+            count.setAlignment(Qt.AlignRight | Qt.AlignVCenter)
+            grid.addWidget(box, i, 0)
+            grid.addWidget(count, i, 1)
+            self.target_boxes[group], self.target_counts[group] = box, count
+        self._row(train, "targets", "Targets", targets)
+        self.trainable_label = QLabel(objectName="trainableTotal", wordWrap=True)
+        self._row(train, "trainable", "Trainable", self.trainable_label)
+        full = QWidget()
+        row = QHBoxLayout(full)
+        row.setContentsMargins(0, 0, 0, 0)
+        for name in FULL_TARGETS:
+            box = QCheckBox(name)
+            row.addWidget(box)
+            self.full_boxes[name] = box
+        row.addStretch(1)
+        self._row(train, "full_targets", "Fully trained", full)
+
+        opt = self._group("Optimiser")
+        self._row(opt, "optimizer", "Optimiser", combo([("adamw", "AdamW"), ("sgd", "SGD"),
+                                                          ("lbfgs", "L-BFGS")]))
+        self._row(opt, "lr", "Learning rate", QLineEdit(f"{default_lr(_T.mode, FIRST_ALPHA):g}"))
+        self._row(opt, "schedule", "Schedule", combo(["constant", "linear", "cosine"]))
+        self._row(opt, "warmup", "Warmup steps", spin(0, 10**7, t.warmup_steps))
+        self._row(opt, "gclip", "Gradient clip", dspin(0, 1e6, t.gclip, 3, 0.1))
+        self._row(opt, "weight_decay", "Weight decay", dspin(0, 10, t.weight_decay, 4, 0.01))
+        self._row(opt, "seed", "Seed", spin(0, 2**31 - 1, t.seed))
+        self._row(opt, "device", "Compute on", combo([("cpu", "CPU (NumPy)"),
+                                                       ("cuda", "CUDA GPU (CuPy)")]))
+
+        length = self._group("Length and batches")
+        self._row(length, "epochs", "Epochs", spin(0, 100000, 3, "0 (use steps)"))
+        self._row(length, "max_steps", "Max steps", spin(0, 10**8, 0, "no cap"))
+        self._row(length, "context", "Context (tokens)", spin(8, 1 << 20, 256))
+        self._row(length, "batch", "Batch (windows)", spin(1, 4096, 1))
+        self._row(length, "grad_accum", "Gradient accumulation", spin(1, 4096, 1))
+        self._row(length, "checkpoint_interval", "Gradient checkpointing",
+                  spin(0, 512, t.checkpoint_interval, "off"))
+        self.fields["checkpoint_interval"].setSuffix(" layers")
+
+        ev = self._group("Evaluation and saving")
+        self._row(ev, "val_split", "Validation split", dspin(0, 0.9, 0.1, 2, 0.05))
+        self._row(ev, "eval_every", "Evaluate every", spin(0, 10**7, 30, "end of epoch"))
+        self._row(ev, "save_every", "Save every", spin(0, 10**7, 0, "end of epoch"))
+        self._row(ev, "patience", "Early-stop patience", spin(0, 1000, 0, "off"))
+        self._row(ev, "norms_every", "Heatmap every", spin(0, 10**6, 5, "off"))
+        for key in ("eval_every", "save_every", "norms_every"):
+            self.fields[key].setSuffix(" steps")
+
+        data = self._group("Data")
+        self._row(data, "format", "Format", combo(FORMATS))
+        self._row(data, "overflow", "Rows longer than context",
+                  combo(["truncate", "split", "drop"]))
+        self._row(data, "packing", "Packing", combo(["pack", "pad", "none"]))
+        self._row(data, "chat_loss", "Chat turns trained",
+                  combo([("assistant", "every assistant turn"), ("last", "last turn only")]))
+
+        rw = self._group("Reward weights")
+        self._row(rw, "weights_source", "Weights", combo(WEIGHT_SOURCES))
+        self._row(rw, "weight_field", "Field", QLineEdit(placeholderText="weight or reward"))
+        path = QWidget()
+        prow = QHBoxLayout(path)
+        prow.setContentsMargins(0, 0, 0, 0)
+        self.weights_path = QLineEdit(placeholderText="weights .jsonl/.csv/.txt")
+        self._weights_browse = QPushButton("Browse\u2026")
+        prow.addWidget(self.weights_path, 1)
+        prow.addWidget(self._weights_browse)
+        self.fields["weights_path_edit"] = self.weights_path
+        self._row(rw, "weights_path", "File", path)
+        self._row(rw, "normalize", "Normalisation", combo(["none", "mean-std", "min-max", "clip"]))
+        clip = QWidget()
+        crow = QHBoxLayout(clip)
+        crow.setContentsMargins(0, 0, 0, 0)
+        self.clip_lo, self.clip_hi = dspin(-1e6, 1e6, 0, 3, 0.1), dspin(-1e6, 1e6, 1, 3, 0.1)
+        crow.addWidget(self.clip_lo)
+        crow.addWidget(QLabel("to"))
+        crow.addWidget(self.clip_hi)
+        self._row(rw, "clip", "Clip range", clip)
+        self._row(rw, "allow_negative", "", QCheckBox("Allow negative weights (unlikelihood)"))
+
+        self._sft_boxes = (data.parentWidget(), rw.parentWidget())
+        return (train, ev, data), (opt, length, rw)
+
+    def _layout(self, columns: tuple[tuple[QGridLayout, ...], ...]) -> None:
+        body = QWidget(objectName="formBody")
+        cols = QHBoxLayout(body)
+        cols.setContentsMargins(16, 12, 16, 12)
+        cols.setSpacing(16)
+        for groups in columns:
+            col = QVBoxLayout()
+            col.setSpacing(12)
+            for g in groups:
+                col.addWidget(g.parentWidget())
+            col.addStretch(1)
+            cols.addLayout(col, 1)
+        scroll = QScrollArea(widgetResizable=True, frameShape=QFrame.NoFrame)
+        scroll.setWidget(body)
+        outer = QVBoxLayout(self)
+        outer.setContentsMargins(0, 0, 0, 0)
+        outer.addWidget(scroll)
+
+    def _connect(self) -> None:
+        for key, boxes in (("targets", self.target_boxes), ("full_targets", self.full_boxes)):
+            for box in boxes.values():
+                box.toggled.connect(lambda _=False, k=key: self._changed(k))
+        self._weights_browse.clicked.connect(self._browse_weights)
+        for w in (self.weights_path, self.clip_lo, self.clip_hi):
+            self._watch(w, "weights_path" if w is self.weights_path else "clip")
+
+    # ---------------------------------------------------------------- model-dependent parts
+    def set_card(self, card: ModelCard | None) -> None:
+        """The model the run trains: targets it lacks are disabled, counts are shown."""
+        self.card = card
+        self._update_visibility()
+        self._update_counts()
+        self.validate()
+
+    def group_counts(self) -> dict[str, int]:
+        if self.card is None:
+            return {}
+        return group_param_counts(self.card, self.fields["rank"].value(), self.expert_rank())
+
+    def expert_rank(self) -> int | None:
+        return self.fields["expert_rank"].value() or None
+
+    def has_experts(self) -> bool:
+        return self.card is not None and any(len(shape) == 3
+                                             for shape in self.card.tensor_shapes.values())
+
+    def trainable_params(self) -> int | None:
+        """Trainable parameters of the chosen LoRA targets (None without a model or in full
+        mode, where every unquantized tensor trains)."""
+        if self.card is None or self.mode() == "full":
+            return None
+        counts = self.group_counts()
+        return sum(counts.get(g, 0) for g in self.targets())
+
+    def _update_counts(self) -> None:
+        counts = self.group_counts()
+        for group, label in self.target_counts.items():
+            box = self.target_boxes[group]
+            n = counts.get(group)
+            if n is None:
+                label.setText("")
+                box.setEnabled(True)
+            elif n == 0:
+                label.setText("not in model")
+                box.setEnabled(False)
+            else:
+                label.setText(f"{human_count(n)} params \u00b7 {human_bytes(n * BYTES_PER_TRAINED)}")
+                box.setEnabled(True)
+        total = self.trainable_params()
+        if self.mode() == "full":
+            self.trainable_label.setText("every F32/F16/BF16 tensor (quantized ones stay frozen)")
+        elif total is None:
+            self.trainable_label.setText("pick a model to see parameter counts")
+        else:
+            share = ""
+            n = self.card.n_params if self.card is not None else 0
+            if n:
+                share = f" ({100 * total / n:.2f}% of {human_count(n)})"
+            self.trainable_label.setText(f"{total:,} LoRA parameters{share}")
+
+    # ---------------------------------------------------------------- values
+    def mode(self) -> str:
+        return self.fields["mode"].currentData()
+
+    def targets(self) -> list[str]:
+        return [g for g, b in self.target_boxes.items() if b.isChecked() and b.isEnabled()]
+
+    def full_targets(self) -> list[str]:
+        return [g for g, b in self.full_boxes.items() if b.isChecked()]
+
+    def lr(self) -> float | None:
+        try:
+            value = float(self.fields["lr"].text().strip())
+        except ValueError:
+            return None
+        return value if math.isfinite(value) else None
+
+    def values(self) -> dict:
+        """The RunConfig dict without model and data; of a GRPO run, its GrpoConfig keys."""
+        v = self._run_values()
+        if self.kind != GRPO.name:
+            return v
+        skip = ("mode", "full_targets", "grad_accum")
+        return {"kind": GRPO.name,
+                "train": {k: x for k, x in v["train"].items() if k not in skip},
+                "val_split": v["data_config"]["val_fraction"],
+                **{k: v[k] for k in ("max_steps", "eval_every", "save_every", "norms_every")}}
+
+    def _run_values(self) -> dict:
+        f = self.fields
+        source = f["weights_source"].currentData()
+        clip = [self.clip_lo.value(), self.clip_hi.value()] \
+            if f["normalize"].currentData() == "clip" else None
+        train = {
+            "mode": self.mode(), "lora_rank": f["rank"].value(),
+            "expert_rank": self.expert_rank(), "lora_alpha": f["alpha"].value(),
+            "rslora": f["rslora"].isChecked(), "lora_dropout": f["dropout"].value(),
+            "lora_targets": self.targets(),
+            "full_targets": self.full_targets() if self.mode() == "hybrid" else [],
+            "optimizer": f["optimizer"].currentData(), "lr": self.lr() or 0.0,
+            "schedule": f["schedule"].currentData(), "warmup_steps": f["warmup"].value(),
+            "gclip": f["gclip"].value(), "weight_decay": f["weight_decay"].value(),
+            "grad_accum": f["batch"].value() * f["grad_accum"].value(),
+            "checkpoint_interval": f["checkpoint_interval"].value(), "seed": f["seed"].value(),
+            "device": f["device"].currentData()}
+        data = {
+            "format": f["format"].currentData(), "context": f["context"].value(),
+            "overflow": f["overflow"].currentData(), "packing": f["packing"].currentData(),
+            "chat_loss": f["chat_loss"].currentData(), "val_fraction": f["val_split"].value(),
+            "seed": f["seed"].value(),
+            "weight_field": (f["weight_field"].text().strip() or None)
+            if source == "row" else None,
+            "weights_path": (self.weights_path.text().strip() or None)
+            if source == "file" else None,
+            "normalize": f["normalize"].currentData(), "clip_range": clip,
+            "allow_negative_weights": f["allow_negative"].isChecked()}
+        return {"train": train, "data_config": data, "epochs": f["epochs"].value(),
+                "max_steps": f["max_steps"].value(), "eval_every": f["eval_every"].value(),
+                "save_every": f["save_every"].value(), "patience": f["patience"].value(),
+                "norms_every": f["norms_every"].value()}
+
+    def set_values(self, d: dict) -> None:
+        """Load a RunConfig or GrpoConfig dict (missing keys: the form's defaults for a first
+        run; the run type stays as it is: see `set_kind`)."""
+        t, dc = dict(d.get("train") or {}), dict(d.get("data_config") or {})
+        if d.get("kind") == GRPO.name:
+            dc["val_fraction"] = d.get("val_split", 0.0)
+        f = self.fields
+        self._loading = True
+        try:
+            for key, (section, name, default) in SIMPLE_FIELDS.items():
+                set_field(f[key], {"train": t, "data_config": dc, "": d}[section].get(name,
+                                                                                     default))
+            f["expert_rank"].setValue(t.get("expert_rank") or 0)
+            targets = set(t.get("lora_targets", ("attention", "experts", "router")))
+            for g, box in self.target_boxes.items():
+                box.setChecked(g in targets)
+            full = set(t.get("full_targets", ()))
+            for g, box in self.full_boxes.items():
+                box.setChecked(g in full)
+            lr = t.get("lr", default_lr(t.get("mode", _T.mode),
+                                        float(t.get("lora_alpha", FIRST_ALPHA))))
+            f["lr"].setText(f"{float(lr):g}")
+            f["batch"].setValue(1)
+            set_combo(f["weights_source"], "file" if dc.get("weights_path") else "row")
+            f["weight_field"].setText(dc.get("weight_field") or "")
+            self.weights_path.setText(dc.get("weights_path") or "")
+            clip = dc.get("clip_range") or (0.0, 1.0)
+            self.clip_lo.setValue(float(clip[0]))
+            self.clip_hi.setValue(float(clip[1]))
+        finally:
+            self._loading = False
+        self._update_visibility()
+        self._update_counts()
+        self.validate()
+        self.changed.emit("all")
+
+    def preset_values(self, keys) -> dict:
+        """The fields `keys` as a preset stores them ("targets": the ticked groups)."""
+        return {k: [g for g, b in self.target_boxes.items() if b.isChecked()] if k == "targets"
+                else self.fields[k].text().strip() if k == "lr" else field_value(self.fields[k])
+                for k in keys}
+
+    def apply_preset(self, values: dict) -> None:
+        """Set the fields of a preset ({field key: value}, "targets": groups); the others stay."""
+        self._loading = True
+        try:
+            for key, value in values.items():
+                if key == "targets":
+                    for g, box in self.target_boxes.items():
+                        box.setChecked(g in value)
+                else:
+                    set_field(self.fields[key], value)
+        finally:
+            self._loading = False
+        self._update_visibility()
+        self._update_counts()
+        self.validate()
+        self.changed.emit("all")
+
+    def set_kind(self, kind: str) -> None:
+        """Show the settings of a supervised ("sft") or a GRPO ("grpo") run. Each keeps its
+        own number of steps (a GRPO run needs one; a supervised run usually counts epochs)."""
+        steps = self.fields["max_steps"]
+        self._kind_steps[self.kind] = steps.value()
+        self.kind = kind
+        grpo = kind == GRPO.name
+        self._loading = True
+        if grpo:
+            set_combo(self.fields["mode"], "lora")
+        steps.setValue(self._kind_steps.get(kind) or (GRPO_STEPS if grpo else 0))
+        self._loading = False
+        for box in self._sft_boxes:
+            box.setVisible(not grpo)
+        for key, texts in KIND_TEXTS.items():
+            label, special = texts[grpo]
+            self.label(key).setText(label)
+            if special:
+                self.fields[key].setSpecialValueText(special)
+        self._update_visibility()
+        self._update_counts()
+        self.validate()
+        self.changed.emit("kind")
+
+    # ---------------------------------------------------------------- validation
+    def validate(self) -> dict[str, str]:
+        """Check every field, show the problems under their fields and return them."""
+        f = self.fields
+        errors: dict[str, str] = {}
+        lr = self.lr()
+        if lr is None:
+            errors["lr"] = "Enter a number, e.g. 1e-4 or 0.0005."
+        elif lr <= 0:
+            errors["lr"] = "The learning rate must be greater than 0."
+        elif lr > 1:
+            errors["lr"] = "A learning rate above 1 diverges; LoRA usually uses 1e-4 to 1e-2."
+        if self.mode() in ("lora", "hybrid") and not self.targets():
+            errors["targets"] = "Pick at least one target for the adapters."
+        if self.mode() == "hybrid" and not self.full_targets():
+            errors["full_targets"] = "A hybrid run trains some tensors fully: pick at least one."
+        if self.mode() in ("lora", "hybrid") and f["alpha"].value() <= 0:
+            errors["alpha"] = "Alpha must be greater than 0 (scale = alpha / rank)."
+        if not f["epochs"].value() and not f["max_steps"].value():
+            errors["epochs"] = "Set a number of epochs, or of steps with epochs 0."
+        if f["device"].currentData() == "cuda" and not gpu_available():
+            errors["device"] = ("This machine has no usable CUDA GPU (CuPy with a device): "
+                                "compute on the CPU, or queue the run on a GPU machine.")
+        if self.kind == GRPO.name and not f["max_steps"].value():
+            errors["max_steps"] = "A GRPO run counts steps: set how many."
+        if self.kind == GRPO.name and f["optimizer"].currentData() == "lbfgs":
+            errors["optimizer"] = "GRPO runs use AdamW or SGD: L-BFGS needs the same batch " \
+                                  "at every step."
+        if self.card is not None and f["context"].value() > self.card.config.context_length:
+            errors["context"] = (f"The model was trained with a context of "
+                                 f"{self.card.config.context_length:,} tokens; use at most that.")
+        total = f["max_steps"].value()
+        if total and f["warmup"].value() >= total:
+            errors["warmup"] = "Warmup must be shorter than the run's steps."
+        source = f["weights_source"].currentData()
+        if source == "file":
+            path = self.weights_path.text().strip()
+            if not path:
+                errors["weights_path"] = "Choose the weights file, or take weights from the rows."
+            elif not os.path.isfile(os.path.expanduser(path)):
+                errors["weights_path"] = f"There is no file {path}."
+        if f["normalize"].currentData() == "clip" and self.clip_lo.value() >= self.clip_hi.value():
+            errors["clip"] = "The lower bound must be below the upper bound."
+        return self._show_errors(errors)
+
+    # ---------------------------------------------------------------- reactions
+    def _changed(self, key: str) -> None:
+        if self._loading:
+            return
+        if key in ("mode", "weights_source", "normalize"):
+            self._update_visibility()
+        if key in ("rank", "expert_rank", "mode", "targets"):
+            self._update_counts()
+        super()._changed(key)
+
+    def _update_visibility(self) -> None:
+        mode = self.mode()
+        lora = mode in ("lora", "hybrid")
+        for key in ("rank", "alpha", "rslora", "dropout", "targets", "trainable"):
+            self._show(key, lora or key == "trainable")
+        self._show("expert_rank", lora and self.has_experts())
+        self._show("full_targets", mode == "hybrid")
+        for key in SFT_ONLY:
+            self._show(key, self.kind != GRPO.name)
+        source = self.fields["weights_source"].currentData()
+        self._show("weight_field", source == "row")
+        self._show("weights_path", source == "file")
+        self._show("clip", self.fields["normalize"].currentData() == "clip")
+
+    def _browse_weights(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Reward weights", self.weights_path.text(),
+                                              "Weights (*.jsonl *.json *.csv *.tsv *.txt);;"
+                                              "All files (*)")
+        if path:
+            self.weights_path.setText(path)
+

@@ -1,0 +1,1 @@
+"""Playground: a chat with the base model and the adapter (`view.PlaygroundView`)."""

@@ -1,0 +1,1 @@
+"""Runs: the queue's jobs and the registered runs (`view.RunsView`)."""

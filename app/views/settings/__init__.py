@@ -1,0 +1,1 @@
+"""Settings: the window's own settings, the clusters (`view.SettingsView`)."""

@@ -1,0 +1,169 @@
+"""Settings > Clusters: add, edit and remove clusters (kept in the queue's clusters.json, tokens
+in a keyring), the no-keyring error, and "Test connection" off the GUI thread."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import app.views.settings.clusters_panel as clusters_panel
+from app.engine.api import ClusterError
+from app.views.settings.clusters_panel import KEEP_TOKEN, ClustersPanel
+from tests.views.conftest import shown, untipped_inputs
+
+SERVICE = "gguf-workbench"
+
+
+@pytest.fixture(autouse=True)
+def no_token_env(monkeypatch):
+    for name in ("LAB", "HOME_HEAD"):
+        monkeypatch.delenv(f"WORKBENCH_CLUSTER_TOKEN_{name}", raising=False)
+
+
+@pytest.fixture
+def panel(qtbot, ctx):
+    return shown(qtbot, ClustersPanel(ctx), 1000, 600)
+
+
+def fill(panel, **values):
+    for key, value in values.items():
+        field = panel.form[key]
+        if hasattr(field, "setText"):
+            field.setText(value)
+        else:
+            field.setValue(value)
+
+
+def save(qtbot, panel):
+    panel.save_button.click()
+    qtbot.waitUntil(lambda: not panel.busy(), timeout=5000)
+
+
+def test_add_edit_and_remove_a_cluster(qtbot, ctx, panel, memory_keyring):
+    assert panel.names() == [] and panel.current is None
+    assert untipped_inputs(panel) == []
+    fill(panel, name="lab", url="http://head:8265/", token="s3cret",
+         path_map="/home/me/runs=/mnt/shared/runs", python="/opt/wb/bin/python", num_gpus=1.0)
+    with qtbot.waitSignal(ctx.clusters_changed, timeout=5000):
+        panel.save_button.click()
+    qtbot.waitUntil(lambda: not panel.busy())
+    assert panel.names() == ["lab"] and panel.current == "lab"
+    cluster = ctx.clusters().get("lab")
+    assert (cluster.url, str(cluster.path_map), cluster.python, cluster.num_cpus,
+            cluster.num_gpus) == ("http://head:8265", "/home/me/runs=/mnt/shared/runs",
+                                  "/opt/wb/bin/python", 1.0, 1.0)
+    assert memory_keyring.passwords == {(SERVICE, "cluster:lab"): "s3cret"}
+    assert panel.form["token"].text() == ""                  # never shown again
+    assert panel.form["token"].placeholderText() == KEEP_TOKEN
+    assert panel.form["name"].isReadOnly()
+
+    fill(panel, url="http://head2:8265", num_cpus=4.0)       # edit; the token stays
+    save(qtbot, panel)
+    assert ctx.clusters().get("lab").url == "http://head2:8265"
+    assert ctx.clusters().get("lab").num_cpus == 4.0
+    assert memory_keyring.passwords == {(SERVICE, "cluster:lab"): "s3cret"}
+
+    again = shown(qtbot, ClustersPanel(ctx))                 # a new window reads them back
+    assert again.names() == ["lab"]
+    assert again.form["url"].text() == "http://head2:8265"
+    assert again.form["path_map"].text() == "/home/me/runs=/mnt/shared/runs"
+    assert again.form["num_gpus"].value() == 1.0
+
+    panel.add_button.click()                                 # a second one
+    assert panel.current is None and panel.form["name"].text() == ""
+    assert not panel.remove_button.isEnabled()
+    fill(panel, name="lab", url="http://other:8265")         # the name is taken
+    save(qtbot, panel)
+    assert "There is a cluster named lab already" in panel.form.errors()["name"]
+    fill(panel, name="home-head", url="http://127.0.0.1:8265")
+    save(qtbot, panel)
+    assert panel.names() == ["home-head", "lab"] and panel.current == "home-head"
+
+    panel.select("lab")
+    with qtbot.waitSignal(ctx.clusters_changed, timeout=5000):
+        panel.remove_button.click()
+    qtbot.waitUntil(lambda: not panel.busy())
+    assert panel.names() == ["home-head"] and ctx.clusters().names() == ["home-head"]
+    assert memory_keyring.passwords == {}                    # its token went with it
+
+
+def test_invalid_fields_are_shown_under_them_and_nothing_is_saved(qtbot, ctx, panel,
+                                                                   memory_keyring):
+    fill(panel, name="my lab!", url="head:8265", path_map="runs=/mnt/runs")
+    save(qtbot, panel)
+    errors = panel.form.errors()
+    assert set(errors) == {"name", "url", "path_map"}
+    assert "not usable" in errors["name"] and "http" in errors["url"]
+    assert "absolute" in errors["path_map"]
+    assert ctx.clusters().names() == []
+    panel.form["url"].setText("http://head:8265")            # an edit clears its problem
+    assert set(panel.form.errors()) == {"name", "path_map"}
+
+
+def test_without_a_keyring_the_message_and_its_hint_are_shown(qtbot, ctx, panel, no_keyring):
+    fill(panel, name="lab", url="http://head:8265", token="s3cret")
+    save(qtbot, panel)
+    assert panel.error_panel.isVisible()
+    assert panel.error_panel.title_label.text() == "Could not save lab"
+    assert "Cannot store the token of cluster 'lab' in the OS keyring" in \
+        panel.error_panel.message_label.text()
+    assert "WORKBENCH_CLUSTER_TOKEN_LAB" in panel.error_panel.hint_label.text()
+    assert ctx.clusters().names() == []                      # not saved without its token
+    assert panel.form["name"].text() == "lab"                # what was typed stays
+    assert panel.form["token"].text() == "s3cret"
+    assert panel.save_button.isEnabled()
+
+
+def test_test_connection_runs_off_the_gui_thread_and_shows_the_answer(qtbot, ctx, panel,
+                                                                      memory_keyring,
+                                                                      monkeypatch):
+    calls = []
+
+    def answer(cluster, token):
+        calls.append((cluster.url, token, threading.current_thread() is threading.main_thread()))
+        return "Ray 2.60.0, 4 CPUs, 0 GPUs"
+
+    monkeypatch.setattr(clusters_panel, "check_cluster", answer)
+    fill(panel, name="lab", url="http://head:8265", token="typed")
+    panel.test_button.click()                                # not saved: the form as typed
+    qtbot.waitUntil(lambda: "Connected" in panel.test_label.text(), timeout=5000)
+    assert panel.test_label.text() == "\u2714 Connected: Ray 2.60.0, 4 CPUs, 0 GPUs"
+    assert calls == [("http://head:8265", "typed", False)]
+    assert panel.test_button.isEnabled() and not panel.error_panel.isVisible()
+
+    memory_keyring.set_password(SERVICE, "cluster:lab", "stored")
+    fill(panel, token="")                                    # empty: the stored token
+
+    def refuse(cluster, token):
+        calls.append((cluster.url, token, False))
+        raise ClusterError("http://head:8265 refused the token (HTTP 401).",
+                           "Check the cluster's token in Settings > Clusters.")
+
+    monkeypatch.setattr(clusters_panel, "check_cluster", refuse)
+    panel.test_button.click()
+    qtbot.waitUntil(panel.error_panel.isVisible, timeout=5000)
+    assert calls[-1] == ("http://head:8265", "stored", False)
+    assert panel.test_label.text() == "\u2716 Not connected"
+    assert panel.error_panel.title_label.text() == "Test connection failed"
+    assert panel.error_panel.message_label.text() == \
+        "http://head:8265 refused the token (HTTP 401)."
+    assert panel.error_panel.hint_label.text() == \
+        "Check the cluster's token in Settings > Clusters."
+
+
+@pytest.mark.slow
+def test_test_connection_against_a_real_loopback_head(qtbot, ctx, panel, memory_keyring,
+                                                      ray_head):
+    fill(panel, name="lab", url=ray_head.dashboard_url, token=ray_head.token)
+    panel.test_button.click()
+    qtbot.waitUntil(lambda: panel.test_label.property("ok") is not None, timeout=30_000)
+    assert panel.test_label.text().startswith("\u2714 Connected: Ray 2."), \
+        panel.error_panel.message_label.text()
+    assert "CPUs" in panel.test_label.text()
+    fill(panel, token="wrong-token")
+    panel.test_button.click()
+    qtbot.waitUntil(lambda: panel.test_label.property("ok") is False, timeout=30_000)
+    assert panel.error_panel.isVisible()
+    assert "token" in (panel.error_panel.message_label.text() +
+                       panel.error_panel.hint_label.text()).lower()
