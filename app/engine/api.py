@@ -13,6 +13,8 @@ from app.engine.data.lint import LintReport, lint_file
 from app.engine.errors import ConfigError, EngineError
 from app.engine.export.exporter import (ExportTargetExists, export, source_from_adapter,
                                         source_from_run)
+from app.engine.export.exporter import expected_export_size  # the size before writing
+from app.engine.export.verify import llamacpp_python  # can the llama.cpp cross-check run
 from app.engine.export.evaluate import compare_perplexity  # perplexity as llama-perplexity
 from app.engine.model.card import (ModelCard, describe_model, human_bytes, human_count,
                                    lora_param_count)
@@ -23,6 +25,7 @@ from app.engine.runs.clusters import Cluster, ClusterError, ClusterStore, PathMa
 from app.engine.runs.executors import Poll, check_cluster, executor_for
 from app.engine.runs.kinds import GRPO, KINDS, SFT, RunKind, kind_of
 from app.engine.runs.queue import LOCAL, PENDING, Job, JobQueue, JobStateError
+from app.engine.runs.registry import Registry, forget_run, read_registry, rename_run
 from app.engine.runs.rundir import (RUN_NAME_MAX, RunDir, dedupe_steps, default_run_name,
                                     default_runs_dir, list_runs)
 from app.engine.runs.rundir import (RunEntry, best_checkpoint, registered_run_paths,
@@ -50,6 +53,7 @@ __all__ = [
     "Poll",
     "ensure_worker", "stop_worker", "worker_pid", "worker_running",
     "RunEntry", "best_checkpoint", "registered_run_paths", "registered_runs",
+    "Registry", "forget_run", "read_registry", "rename_run",
     "check_context", "default_context",
     "default_lr", "run_entry",
     "GRPO", "KINDS", "SFT", "RunKind", "kind_of",
@@ -63,5 +67,5 @@ __all__ = [
     "LintReport", "lint_file", "TrainingMemory", "estimate_memory", "gpu_available",
     # export
     "ExportTargetExists", "export", "source_from_adapter", "source_from_run",
-    "compare_perplexity",
+    "compare_perplexity", "expected_export_size", "llamacpp_python",
 ]
