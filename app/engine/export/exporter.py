@@ -393,6 +393,73 @@ def merged_size(model_path: str | os.PathLike, changed, merge_type: str) -> tupl
     return base + grow, base
 
 
+GGUF_ALIGNMENT = 32
+PEFT_TENSOR_HEADER = 120     # safetensors' JSON entry of one tensor (name, dtype, shape, offsets)
+TEXT_FILE_ALLOWANCE = 640    # adapter_config.json, a Modelfile: about 500 to 700 bytes
+
+
+def _gguf_size(metadata: dict, tensors: list[tuple[str, int, int]]) -> int:
+    """Bytes of the GGUF (v3) file write_gguf writes: the header, `metadata` (str or 4-byte
+    numbers), the infos of `tensors` ((name, n_dims, data bytes)), each data block aligned."""
+    def pad(n: int) -> int:
+        return -(-n // GGUF_ALIGNMENT) * GGUF_ALIGNMENT
+    head = 24 + sum(8 + len(k.encode()) + 4 + (8 + len(v.encode()) if isinstance(v, str) else 4)
+                    for k, v in metadata.items())
+    head += sum(8 + len(name.encode()) + 4 + 8 * n_dims + 4 + 8 for name, n_dims, _ in tensors)
+    return pad(head) + sum(pad(nbytes) for _, _, nbytes in tensors)
+
+
+def _adapter_gguf_size(adapter: LoraAdapter, arch: str, base_name: str, adapter_type: str) -> int:
+    """What write_adapter_gguf writes for `adapter` (the same per-tensor types)."""
+    wanted = ADAPTER_TYPES[adapter_type]
+    meta = {"general.architecture": arch, "general.type": "adapter",
+            "general.name": f"{base_name} LoRA", "adapter.type": "lora", "adapter.lora.alpha": 0.0}
+    tensors = []
+    for base, (a, b) in adapter.tensors.items():
+        for suffix, arr in (("lora_a", a), ("lora_b", b)):
+            block, nbytes = BLOCK_SIZES[adapter_tensor_type(base, arr, wanted)]
+            tensors.append((f"{base}.{suffix}", arr.ndim, arr.size // block * nbytes))
+    return _gguf_size(meta, tensors)
+
+
+def expected_export_size(source: ExportSource, to: str, adapter_type: str | None = None) -> int:
+    """The bytes a `to` export of `source` will write, before writing it (the window shows it).
+    GGUF LoRA: exact from the adapter's shapes and the stored types; merged: `merged_size`
+    (the base's file, the changed tensors at their new type); PEFT: the tensors at f32/f16 plus
+    an allowance for the headers (experts are written one by one) and adapter_config.json;
+    Ollama: its adapter or merged model plus the Modelfile. Reads only the base's header.
+    Raises ConfigError as `export` does when the format cannot carry the source."""
+    if to not in FORMATS:
+        raise ConfigError(f"Unknown export format {to!r}.", "Use one of: " + ", ".join(FORMATS))
+    adapter_type = adapter_type or DEFAULT_TYPES.get(to, "f32")
+    if adapter_type not in ADAPTER_TYPES:
+        raise ConfigError(f"Unknown adapter type {adapter_type!r}.",
+                          "Use one of: " + ", ".join(ADAPTER_TYPES) + ".")
+    f = read_gguf(source.model_path)
+    try:
+        arch = str(f.metadata.get("general.architecture", "unknown"))
+        base_name = f.metadata.get("general.name") or Path(source.model_path).stem
+    finally:
+        _close(f)
+    changed = set(source.full) | set(source.adapter.tensors if source.adapter else ())
+    if to == "merged":
+        return merged_size(source.model_path, changed, adapter_type)[0]
+    if to == "ollama":
+        if arch in OLLAMA_ENGINE_ARCHS or source.full:      # as _export_ollama decides
+            merge_type = DEFAULT_TYPES["merged"] if adapter_type == "f32" else adapter_type
+            size = merged_size(source.model_path, changed, merge_type)[0]
+        else:
+            size = _adapter_gguf_size(_need_adapter(source, to), arch, base_name, adapter_type)
+        return size + TEXT_FILE_ALLOWANCE
+    live = _need_adapter(source, to)
+    if to == "gguf-lora":
+        return _adapter_gguf_size(live, arch, base_name, adapter_type)
+    itemsize = 2 if adapter_type == "f16" else 4
+    n_tensors = sum(2 * (a.shape[0] if a.ndim == 3 else 1) for a, _ in live.tensors.values())
+    return (sum(a.size + b.size for a, b in live.tensors.values()) * itemsize
+            + n_tensors * PEFT_TENSOR_HEADER + TEXT_FILE_ALLOWANCE)
+
+
 def _chunks(shape: tuple[int, ...]) -> Iterator[tuple]:
     """Index tuples covering a tensor along its leading axis: one expert at a time for 3-D
     tensors, blocks of rows of at most CHUNK_ELEMENTS values for 2-D, the whole of a 1-D one."""
