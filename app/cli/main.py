@@ -471,8 +471,10 @@ def cmd_cluster(args) -> int:
         token = sys.stdin.readline().strip() if args.token_stdin else None
         cluster = Cluster(args.name, args.url, PathMap.parse(args.path_map), python=args.python,
                           num_cpus=args.cpus, num_gpus=args.gpus)
-        store.save(cluster, token)
+        warning = store.save(cluster, token)
         print(f"cluster {cluster.name}: {cluster.url}" + (" (token saved)" if token else ""))
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr)
     elif action == "list":
         clusters = store.list()
         if not clusters:

@@ -4,6 +4,8 @@ columns of `queue list` (issue 23)."""
 from __future__ import annotations
 
 import io
+import json
+import os
 import sys
 
 import pytest
@@ -39,6 +41,26 @@ def test_add_list_remove(tmp_path, capsys, monkeypatch, memory_keyring):
     assert memory_keyring.passwords == {}
     code, _, err = _cli(capsys, "cluster", "test", "lab", *Q)
     assert code == 2 and "No cluster named 'lab'" in err
+
+
+def test_without_a_keyring_the_token_goes_to_a_private_file_with_a_warning(tmp_path, capsys,
+                                                                          monkeypatch,
+                                                                          no_keyring):
+    """Issue 29 item 10: without an OS keyring `cluster add --token-stdin` failed; the token is
+    now kept in cluster-tokens.json beside clusters.json (0600), and the command says so."""
+    Q = ["--queue", str(tmp_path / "state" / "q.sqlite3")]
+    monkeypatch.delenv("WORKBENCH_CLUSTER_TOKEN_LAB", raising=False)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("s3cret\n"))
+    code, out, err = _cli(capsys, "cluster", "add", "lab", "http://head:8265", "--token-stdin", *Q)
+    token_file = tmp_path / "state" / "cluster-tokens.json"
+    assert code == 0 and "(token saved)" in out
+    assert f"warning: No OS keyring is available" in err and str(token_file) in err
+    assert os.stat(token_file).st_mode & 0o777 == 0o600
+    assert "s3cret" not in (tmp_path / "state" / "clusters.json").read_text()
+    code, out, _ = _cli(capsys, "cluster", "list", *Q)
+    assert "token set" in out and "s3cret" not in out
+    assert _cli(capsys, "cluster", "remove", "lab", *Q)[0] == 0
+    assert json.loads(token_file.read_text()) == {}
 
 
 def test_queue_add_on_a_cluster_and_the_list_columns(tmp_path, capsys):

@@ -1,7 +1,9 @@
 """The clusters a user sends runs to: a name, the Ray dashboard's URL (the Jobs REST API), a path
 map, and what each run asks of it. Kept in `clusters.json` beside the queue's database (the
-user's state folder); the token is not in that file but in the OS keyring (`keyring`), or, on a
-machine without one, in the environment variable `cluster_token_env(name)`.
+user's state folder); the token is not in that file but in the OS keyring (`keyring`). On a
+machine without a keyring (a server, a bare desktop) the token is kept in `cluster-tokens.json`
+beside it, a file only the user can read (0600, in the 0700 state folder), and saving says so;
+the environment variable `cluster_token_env(name)`, if set, comes before both.
 
 The run directory is the contract between this machine and the cluster: runs live on storage
 both see, perhaps under other prefixes. A `PathMap` translates one to the other, prefix by
@@ -22,6 +24,7 @@ from app.engine.runtime.files import atomic_write_json, read_json
 from app.engine.runtime.paths import state_file, user_state_dir
 
 KEYRING_SERVICE = "gguf-workbench"
+TOKEN_FILE = "cluster-tokens.json"
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
 MAX_RESOURCES = 1e6  # CPUs or GPUs one run may ask: a sanity bound, not a cluster's size
@@ -299,66 +302,83 @@ class ClusterStore:
                                "Add it with `workbench cluster add NAME URL` or in Settings.")
         return self._cluster(clusters[name])
 
-    def save(self, cluster: Cluster, token: str | None = None) -> None:
-        """Add or replace `cluster`; a token given is stored in the keyring."""
+    def save(self, cluster: Cluster, token: str | None = None) -> str | None:
+        """Add or replace `cluster`; a token given is stored in the keyring, or, without one,
+        in the token file. Returns a warning to show the user (where the token went when it is
+        not the keyring), else None."""
         clusters = self._read()
         clusters[cluster.name] = cluster.to_dict()
+        warning = None
         if token:
-            set_token(cluster.name, check_token(cluster.name, token))
+            warning = self._set_token(cluster.name, check_token(cluster.name, token))
         self._write(clusters)
+        return warning
 
     def remove(self, name: str) -> None:
         clusters = self._read()
         if clusters.pop(name, None) is None:
             raise ClusterError(f"No cluster named {name!r}.", "`workbench cluster list` shows them.")
         self._write(clusters)
-        delete_token(name)
+        self._delete_token(name)
+
+    # ---------------------------------------------------------------- tokens
+    @property
+    def token_file(self) -> str:
+        """Where tokens are kept on a machine without a keyring: beside clusters.json."""
+        return os.path.join(os.path.dirname(self.path), TOKEN_FILE)
 
     def token(self, name: str) -> str | None:
-        return get_token(name)
+        """The token of cluster `name`: its environment variable, the keyring, the token file."""
+        env = os.environ.get(cluster_token_env(name))
+        if env:
+            return check_token(name, env, f" (in {cluster_token_env(name)})")
+        try:
+            token = _keyring().get_password(KEYRING_SERVICE, f"cluster:{name}")
+        except Exception:        # keyring.errors.KeyringError and backend-specific failures
+            token = None
+        if token is not None:
+            return check_token(name, token, " (in the keyring)")
+        token = self._file_tokens().get(name)
+        return None if token is None else check_token(name, token, f" (in {self.token_file})")
+
+    def _set_token(self, name: str, token: str) -> str | None:
+        try:
+            _keyring().set_password(KEYRING_SERVICE, f"cluster:{name}", token)
+        except Exception as e:   # no backend (keyring.errors.NoKeyringError) or a failing one
+            tokens = self._file_tokens()
+            tokens[name] = token
+            self._write_tokens(tokens)
+            return (f"No OS keyring is available ({e}): the token of cluster {name!r} is kept "
+                    f"in {self.token_file}, a file only you can read.")
+        tokens = self._file_tokens()
+        if tokens.pop(name, None) is not None:   # the keyring holds it now: no second copy
+            self._write_tokens(tokens)
+        return None
+
+    def _delete_token(self, name: str) -> None:
+        try:
+            _keyring().delete_password(KEYRING_SERVICE, f"cluster:{name}")
+        except Exception:        # no such password, or no keyring: nothing to delete
+            pass
+        tokens = self._file_tokens()
+        if tokens.pop(name, None) is not None:
+            self._write_tokens(tokens)
+
+    def _file_tokens(self) -> dict[str, str]:
+        if not os.path.exists(self.token_file):
+            return {}
+        data = read_json(self.token_file, what="cluster token file")
+        if not isinstance(data, dict):
+            raise ConfigError(f"{self.token_file} is not a token file.",
+                              "Remove it and save the clusters' tokens again.")
+        return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)}
+
+    def _write_tokens(self, tokens: dict[str, str]) -> None:
+        atomic_write_json(state_file(self.token_file), tokens, mode=0o600)
 
 
 def _keyring():
-    try:
-        import keyring
-    except ImportError:                                # pragma: no cover - a dependency
-        return None
+    import keyring
+
     return keyring
-
-
-def get_token(name: str) -> str | None:
-    """The token of cluster `name`: its environment variable first, then the keyring."""
-    env = os.environ.get(cluster_token_env(name))
-    if env:
-        return check_token(name, env, f" (in {cluster_token_env(name)})")
-    keyring = _keyring()
-    if keyring is None:
-        return None
-    try:
-        token = keyring.get_password(KEYRING_SERVICE, f"cluster:{name}")
-    except Exception:        # keyring.errors.KeyringError and backend-specific failures
-        return None
-    return None if token is None else check_token(name, token, " (in the keyring)")
-
-
-def set_token(name: str, token: str) -> None:
-    keyring = _keyring()
-    try:
-        if keyring is None:
-            raise RuntimeError("the keyring package is not installed")
-        keyring.set_password(KEYRING_SERVICE, f"cluster:{name}", token)
-    except Exception as e:
-        raise ClusterError(f"Cannot store the token of cluster {name!r} in the OS keyring: {e}",
-                           f"Set the environment variable {cluster_token_env(name)} to the "
-                           "token instead (for example in the shell that starts the workbench).")
-
-
-def delete_token(name: str) -> None:
-    keyring = _keyring()
-    if keyring is None:
-        return
-    try:
-        keyring.delete_password(KEYRING_SERVICE, f"cluster:{name}")
-    except Exception:        # no such password, or no keyring: nothing to delete
-        pass
 

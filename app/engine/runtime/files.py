@@ -153,9 +153,12 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, fsync: bool = Tr
                 pass
 
 
-def atomic_write_json(path: str | os.PathLike, obj: Any, *, fsync: bool = True) -> None:
-    """`obj` as indented JSON (numpy values converted), written with `atomic_write_bytes`."""
-    atomic_write_bytes(path, (to_json(obj, indent=2) + "\n").encode("utf-8"), fsync=fsync)
+def atomic_write_json(path: str | os.PathLike, obj: Any, *, fsync: bool = True,
+                      mode: int = 0o666) -> None:
+    """`obj` as indented JSON (numpy values converted), written with `atomic_write_bytes`
+    (`mode`: the new file's, less the umask; 0o600 for a private one)."""
+    atomic_write_bytes(path, (to_json(obj, indent=2) + "\n").encode("utf-8"), fsync=fsync,
+                       mode=mode)
 
 
 def read_json(path: str | os.PathLike, *, what: str = "file",

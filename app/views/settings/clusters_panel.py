@@ -2,11 +2,12 @@
 
 A list of the clusters (`ctx.clusters()`: clusters.json beside the queue) and an editor: name,
 the Ray dashboard's URL, the token (a password field; `ClusterStore.save` keeps it in the OS
-keyring, never in a file; left empty, the stored one stays), the path map (LOCAL=CLUSTER,...),
+keyring, or without one in a file only the user can read, which the panel then says; left empty,
+the stored one stays), the path map (LOCAL=CLUSTER,...),
 the cluster's Python and the CPUs/GPUs each run asks for. Saving, removing and "Test
 connection" (`check_cluster`: the cluster's Ray version and resources, or why not) run off the
-GUI thread (a keyring or an unreachable head can take seconds); their errors (no keyring, a
-wrong token, ...) show with their hint in the panel. A change emits `ctx.clusters_changed`,
+GUI thread (a keyring or an unreachable head can take seconds); their errors (a wrong token,
+...) show with their hint in the panel. A change emits `ctx.clusters_changed`,
 which reloads the list (whoever changed the clusters).
 """
 
@@ -23,7 +24,7 @@ from app.views.widgets.form_fields import FormBase, dspin
 from app.views.widgets.plots import box
 from app.views.widgets.tooltips import CLUSTER_TIPS
 
-NEW_TOKEN = "the head's token (kept in the OS keyring)"
+NEW_TOKEN = "the head's token (kept in the OS keyring, else in a file only you can read)"
 KEEP_TOKEN = "leave empty to keep the stored token"
 
 
@@ -121,9 +122,14 @@ class ClustersPanel(QWidget):
                                        toolTip="Ask the cluster for its Ray version and "
                                                "resources with this URL and token")
         self.save_button = QPushButton("Save", objectName="primaryButton",
-                                       toolTip="Keep the cluster (its token in the keyring)")
+                                       toolTip="Keep the cluster (its token in the OS keyring, or, "
+                                               "without one, in a file only you can read)")
         self.test_label = QLabel(objectName="testResult", wordWrap=True,
                                  textFormat=Qt.PlainText)
+        self.token_warning = QLabel(objectName="tokenWarning", wordWrap=True,
+                                    textFormat=Qt.PlainText,
+                                    styleSheet="color: #9a6700; font-weight: 600;")
+        self.token_warning.hide()                     # where a token went without a keyring
         self.error_panel = ErrorPanel(margins=0)
         self.error_panel.hide()
         left = box(QVBoxLayout, self.list, box(QHBoxLayout, self.add_button,
@@ -131,7 +137,7 @@ class ClustersPanel(QWidget):
         left.setFixedWidth(220)
         right = box(QVBoxLayout, self.form,
                     box(QHBoxLayout, (self.test_label, 1), self.test_button, self.save_button),
-                    self.error_panel, None, widget=True)
+                    self.token_warning, self.error_panel, None, widget=True)
         right.setMaximumWidth(820)                    # fields a URL or a path map long
         layout = QHBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
@@ -203,8 +209,7 @@ class ClustersPanel(QWidget):
         self._clear_results()
         self._set_busy(True)
         self._bg.run("save", self.store.save, cluster, self.form.token() or None,
-                     on_done=lambda _r: self._changed(cluster.name, f"Saved cluster "
-                                                                    f"{cluster.name}"),
+                     on_done=lambda warning: self._saved(cluster.name, warning),
                      on_error=lambda e: self._failed(f"Could not save {cluster.name}", e))
 
     def remove(self) -> None:
@@ -239,6 +244,14 @@ class ClustersPanel(QWidget):
         self.ctx.clusters_changed.emit()              # reloads this list too
         self.ctx.status(message)
 
+    def _saved(self, name: str, warning: str | None) -> None:
+        """Saved; `warning` (no OS keyring: the token went to a file only the user can read)
+        stays on screen until the next action."""
+        self._changed(name, f"Saved cluster {name}")
+        if warning:
+            self.token_warning.setText(f"\u26a0 {warning}")
+            self.token_warning.show()
+
     def _failed(self, title: str, error: BaseException) -> None:
         self._set_busy(False)                         # the form keeps what was typed
         self._show_error(title, error)
@@ -261,6 +274,7 @@ class ClustersPanel(QWidget):
         self.error_panel.show()
 
     def _clear_results(self) -> None:
+        self.token_warning.hide()
         self.test_label.clear()
         self.test_label.setProperty("ok", None)
         self.error_panel.hide()
