@@ -49,7 +49,10 @@ class CompletionsView(QWidget):
         self.step_box.setSizeAdjustPolicy(QComboBox.AdjustToMinimumContentsLengthWithIcon)
         self.step_box.activated.connect(lambda _i: self.follow_box.setChecked(False))
         self.step_box.currentIndexChanged.connect(lambda _i: self._show_entry())
+        self.step_box.setToolTip("Which step's completions to show: sampled ones (with their "
+                                 "advantages) or the held-out prompts' greedy ones.")
         self.follow_box = QCheckBox("Follow newest", checked=True)
+        self.follow_box.setToolTip("Show each new step's completions as they arrive.")
         self.follow_box.toggled.connect(self._on_follow)
         self.hint = QLabel("No completions yet: sampled completions are recorded every "
                            "samples_every steps, held-out ones at every evaluation.",

@@ -51,7 +51,8 @@ class GrpoCurves(QWidget):
         self._evals = Series(2)                       # step, held-out reward mean
         self._functions: dict[str, Series] = {}       # name -> (step, mean)
 
-        self.reward_plot = small_plot("Reward (weighted total per completion)", grid=True)
+        self.reward_title = "Reward (weighted total per completion)"
+        self.reward_plot = small_plot(self.reward_title, "reward", grid=True)
         self.reward_plot.setMinimumHeight(240)
         self.reward_plot.addLegend(offset=(-10, 10), labelTextColor="#1f2328")
         self.reward_band = Band(self.reward_plot, ACCENT, alpha=35, name="\u00b1 1 std")
@@ -64,16 +65,16 @@ class GrpoCurves(QWidget):
             pen=pg.mkPen(ORANGE, width=2), symbol="o", symbolSize=6, symbolBrush=ORANGE,
             symbolPen=None, name="held-out (greedy)")
 
-        self.functions_plot = small_plot(FUNCTIONS_TITLE)
+        self.functions_plot = small_plot(FUNCTIONS_TITLE, "reward (unweighted)")
         self.function_curves: dict[str, pg.PlotDataItem] = {}
-        self.fractions_plot = small_plot("")
+        self.fractions_plot = small_plot("", "share")
         title_with_keys(self.fractions_plot, "Share:", [("zero spread", ACCENT),
                                                         ("clipped", PALETTE[0])])
         self.zero_spread_curve = self.fractions_plot.plot(pen=pg.mkPen(ACCENT, width=1.5),
                                                           connect="finite")
         self.clipped_curve = self.fractions_plot.plot(pen=pg.mkPen(PALETTE[0], width=1.5),
                                                       connect="finite")
-        self.length_plot = small_plot("Completion length (tokens)")
+        self.length_plot = small_plot("Completion length", "tokens")
         self.length_band = Band(self.length_plot, ACCENT)
         self.length_curve = self.length_plot.plot(pen=pg.mkPen(ACCENT, width=1.5),
                                                   connect="finite")

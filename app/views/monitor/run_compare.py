@@ -1,18 +1,22 @@
-"""Comparing runs in the Monitor: tick other runs to overlay one of their curves (the smoothed
-training loss, or for GRPO runs the smoothed reward) on the followed run's plot, and list the
-settings in which the runs differ.
+"""Comparing runs in the Monitor: tick other runs to overlay their headline metric on the
+followed run's plot (the smoothed training loss and the validation loss, or for GRPO runs the
+smoothed reward and the held-out reward), and list the settings in which the runs differ, by
+their names in the window ("LoRA rank", the config key in the tooltip).
 
 `ComparePanel(ctx)` holds the list of runs (filled from the runs folder and the queue in the
 reader thread every 5 s) and the table of differing settings. The Monitor tells it which run it
-follows (`set_run`) and which plot and metric to overlay (`set_target`), and redraws when
+follows (`set_run`) and which plot and metric to overlay (`set_target`: a new target drops the
+compared runs, whose curves are of the other metric, and builds curves on the new plot; a
+curve moved between two plots' scenes is left half-added by pyqtgraph), and redraws when
 `changed` fires (`draw(weight)`). Test-visible state: `compare_list`, `diff_table`,
-`compare_curves`, `settings_diff()`.
+`compare_curves`, `compare_eval_curves`, `settings_diff()`.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +30,34 @@ from app.views.widgets.plots import PALETTE, num
 from app.views.widgets.run_tail import BackgroundPoll, RunTail, Series
 
 
+# config keys (flattened) as the window names them; others: their last part, in words
+LABELS = {"kind": "Run kind", "model": "Model", "data": "Dataset", "prompts": "Prompts",
+          "rewards": "Rewards", "adapter": "Starting adapter", "epochs": "Epochs",
+          "max_steps": "Max steps", "eval_every": "Evaluate every", "save_every": "Save every",
+          "keep_last": "Checkpoints kept", "norms_every": "Norms every",
+          "train.mode": "Training mode", "train.lora_rank": "LoRA rank",
+          "train.expert_rank": "Expert LoRA rank", "train.lora_alpha": "LoRA alpha",
+          "train.lora_targets": "LoRA targets", "train.lora_dropout": "LoRA dropout",
+          "train.rslora": "rsLoRA scaling", "train.lr": "Learning rate",
+          "train.min_lr": "Minimum learning rate", "train.weight_decay": "Weight decay",
+          "train.beta1": "AdamW beta1", "train.beta2": "AdamW beta2", "train.eps": "AdamW eps",
+          "train.max_grad_norm": "Gradient norm clip", "train.gclip": "Gradient clip",
+          "train.warmup_steps": "Warmup steps", "train.warmup_fraction": "Warmup fraction",
+          "train.max_steps": "Max steps (training)", "train.grad_accum": "Gradient accumulation",
+          "train.seed": "Seed", "data_config.context": "Context (tokens)",
+          "data_config.val_fraction": "Validation fraction", "group_size": "Group size",
+          "prompts_per_step": "Prompts per step", "max_new_tokens": "Max new tokens",
+          "kl": "KL weight", "val_split": "Held-out fraction"}
+
+
+def label(key: str) -> str:
+    """The window's name of a flattened config key ("train.lora_rank" -> "LoRA rank")."""
+    if key in LABELS:
+        return LABELS[key]
+    words = key.rsplit(".", 1)[-1].replace("_", " ")
+    return words[:1].upper() + words[1:]
+
+
 def flatten(cfg: dict, prefix: str = "") -> dict:
     """{"train.lr": 0.005, ...}: nested settings as dotted keys, lists as JSON text."""
     out = {}
@@ -35,6 +67,16 @@ def flatten(cfg: dict, prefix: str = "") -> dict:
         else:
             out[f"{prefix}{k}"] = json.dumps(v) if isinstance(v, (list, tuple)) else v
     return out
+
+
+@dataclass
+class Compared:
+    """A compared run: its reader, its steps' and evaluations' (step, metric), their curves."""
+    tail: RunTail
+    steps: Series
+    evals: Series
+    curve: pg.PlotDataItem
+    eval_curve: pg.PlotDataItem
 
 
 class ComparePanel(QWidget):
@@ -48,14 +90,19 @@ class ComparePanel(QWidget):
         self.run_path: str | None = None
         self._plot: pg.PlotWidget | None = None
         self._metric = "loss"
-        self._compare: dict[str, tuple[RunTail, Series, pg.PlotDataItem]] = {}
+        self._compare: dict[str, Compared] = {}
         self._configs: dict[str, dict] = {}
 
         self.compare_list = QListWidget()
         self.compare_list.itemChanged.connect(self._on_item)
+        self.compare_list.setToolTip("Tick a run to overlay its smoothed curve (dashed) and its "
+                                     "evaluations (triangles) on this run's plot, and to list "
+                                     "the settings in which the runs differ.")
         self.compare_hint = QLabel("No other runs yet.", objectName="pageSubtitle")
         self.diff_table = QTableWidget(0, 0)
         self.diff_table.verticalHeader().setVisible(False)
+        self.diff_table.setToolTip("The settings in which the shown runs differ; hover a cell "
+                                   "for all of it.")
         self.diff_table.horizontalHeader().setSectionResizeMode(QHeaderView.Stretch)
         self.diff_table.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)   # fits the pane
         self.diff_table.setTextElideMode(Qt.ElideMiddle)                     # hover: all of it
@@ -84,48 +131,64 @@ class ComparePanel(QWidget):
         self.runs_poll.tick()                     # a new run may have appeared
 
     def set_target(self, plot: pg.PlotWidget, metric: str) -> None:
-        """Overlay the compared runs' `metric` (a step event's key) on `plot`; the compared
-        runs are read again when the metric changes."""
+        """Overlay the compared runs' `metric` (a step and eval event's key) on `plot`. A new
+        target drops the compared runs (their curves show the other kind's metric)."""
         if plot is self._plot and metric == self._metric:
             return
-        old, self._plot, self._metric = self._plot, plot, metric
-        for path, (tail, series, curve) in self._compare.items():
-            if old is not None:
-                old.removeItem(curve)
-            plot.addItem(curve)
-            series.clear()
-            tail.set_run(path)
-        self.changed.emit()
-
-    # ---------------------------------------------------------------- compared runs
-    def set_compared(self, path: str, on: bool = True) -> None:
-        """Overlay (or remove) another run's smoothed curve."""
-        path = str(RunDir(path).path)
-        if on and path not in self._compare and path != self.run_path and self._plot:
-            tail = RunTail(self, interval_ms=1000, read_log=False)
-            series = Series(2)
-            color = PALETTE[len(self._compare) % len(PALETTE)]
-            curve = self._plot.plot(pen=pg.mkPen(color, width=2, style=Qt.DashLine),
-                                    name=Path(path).name, connect="finite")
-            self._compare[path] = (tail, series, curve)
-            tail.steps.connect(lambda evs, s=series: self._on_steps(s, evs))
-            tail.reset.connect(lambda _path, s=series: s.clear())   # read again from the start
-            tail.set_run(path)
-        elif not on and path in self._compare:
-            tail, _, curve = self._compare.pop(path)
-            tail.set_run(None)
-            tail.deleteLater()
-            self._plot.removeItem(curve)
+        for path in list(self._compare):
+            self._drop(path)
+        self._plot, self._metric = plot, metric
         self.changed.emit()
         self._sync_list()
         self._update_diff()
 
+    # ---------------------------------------------------------------- compared runs
+    def set_compared(self, path: str, on: bool = True) -> None:
+        """Overlay (or remove) another run's smoothed curve and its evaluations."""
+        path = str(RunDir(path).path)
+        if on and path not in self._compare and path != self.run_path and self._plot:
+            color = PALETTE[len(self._compare) % len(PALETTE)]
+            name = Path(path).name
+            run = Compared(RunTail(self, interval_ms=1000, read_log=False), Series(2),
+                           Series(2),
+                           self._plot.plot(pen=pg.mkPen(color, width=2, style=Qt.DashLine),
+                                           name=name, connect="finite"),
+                           self._plot.plot(pen=pg.mkPen(color, width=1, style=Qt.DotLine),
+                                           symbol="t", symbolSize=7, symbolBrush=color,
+                                           symbolPen=None, name=f"{name} ({self._evals_name})"))
+            self._compare[path] = run
+            run.tail.steps.connect(lambda evs, s=run.steps: self._on_events(s, evs))
+            run.tail.evals.connect(lambda evs, s=run.evals: self._on_events(s, evs))
+            run.tail.reset.connect(lambda _path, r=run: (r.steps.clear(), r.evals.clear()))
+            run.tail.set_run(path)
+        elif not on and path in self._compare:
+            self._drop(path)
+        self.changed.emit()
+        self._sync_list()
+        self._update_diff()
+
+    def _drop(self, path: str) -> None:
+        run = self._compare.pop(path)
+        run.tail.set_run(None)
+        run.tail.deleteLater()
+        for curve in (run.curve, run.eval_curve):
+            self._plot.removeItem(curve)
+
+    @property
+    def _evals_name(self) -> str:
+        return "validation" if self._metric == "loss" else "held-out"
+
     @property
     def compare_curves(self) -> dict[str, pg.PlotDataItem]:
         """{run directory: its overlaid (smoothed) curve}."""
-        return {path: curve for path, (_, _, curve) in self._compare.items()}
+        return {path: run.curve for path, run in self._compare.items()}
 
-    def _on_steps(self, series: Series, events: list) -> None:
+    @property
+    def compare_eval_curves(self) -> dict[str, pg.PlotDataItem]:
+        """{run directory: its evaluations' points (validation loss, held-out reward)}."""
+        return {path: run.eval_curve for path, run in self._compare.items()}
+
+    def _on_events(self, series: Series, events: list) -> None:
         series.extend([(e.get("step", 0), num(e, self._metric)) for e in events])
         self.changed.emit()
 
@@ -134,17 +197,19 @@ class ComparePanel(QWidget):
         for the plot's range."""
         if plot is not self._plot:
             return []
-        for _, series, curve in self._compare.values():
-            curve.setData(series.col(0), series.smoothed(weight))
-        return [series.col(1) for _, series, _ in self._compare.values()]
+        for run in self._compare.values():
+            run.curve.setData(run.steps.col(0), run.steps.smoothed(weight))
+            run.eval_curve.setData(run.evals.col(0), run.evals.col(1))
+        return [s.col(1) for run in self._compare.values() for s in (run.steps, run.evals)]
 
     def last_step(self) -> float:
-        return max([s.col(0)[-1] for _, s, _ in self._compare.values() if s.n], default=0.0)
+        return max([r.steps.col(0)[-1] for r in self._compare.values() if r.steps.n],
+                   default=0.0)
 
     def stop(self) -> None:
         self.runs_poll.stop()
-        for tail, _, _ in self._compare.values():
-            tail.stop()
+        for run in self._compare.values():
+            run.tail.stop()
 
     def start(self) -> None:
         self.runs_poll.start()
@@ -222,8 +287,8 @@ class ComparePanel(QWidget):
         self.diff_table.setHorizontalHeaderLabels(["setting"] + names)
         self.diff_table.setRowCount(len(diff))
         for r, (key, values) in enumerate(diff.items()):
-            texts = [key] + [str(values[name]) for name in names]
+            texts = [label(key)] + [str(values[name]) for name in names]
             for c, text in enumerate(texts):
                 item = QTableWidgetItem(text)
-                item.setToolTip(text)
+                item.setToolTip(f"{text} (config.json: {key})" if c == 0 else text)
                 self.diff_table.setItem(r, c, item)

@@ -1,5 +1,7 @@
-"""The Monitor screen: live curves of the selected run, its progress and log, stop buttons, and
-an overlay of other runs with the settings in which they differ (`run_compare`).
+"""The Monitor screen: live curves of the selected run, its progress and log, stop and resume
+buttons, and an overlay of other runs with the settings in which they differ (`run_compare`).
+Everything a run owns (curves, best mark, progress, statistics, log, compared runs of the
+other kind) is reset when another run is followed (`set_run` -> `_set_kind`, `_on_reset`).
 
 Data arrives from `RunTail` (a background read of only the new bytes, delivered in batches);
 curves are built once and updated with `setData` on those batches, one plot per pass of the
@@ -9,8 +11,10 @@ axis shows the whole run (step 0 to the total) until the user zooms (`ranges`, a
 A supervised run shows its loss page alone. A GRPO run (config.json "kind": "grpo") gets three
 pages: Rewards (`grpo`, a `GrpoCurves`), Completions (`completions`, a `CompletionsView`) and
 the same loss page. Test-visible state: `loss_curve` (raw training loss), `smooth_curve` (its
-EMA), `val_curve`, `best_line` (the best evaluation's step, `best`), `lr_curve`, `grad_curve`, `clipped_curve`, `tps_curve`, `pages`, `kind` (the
-run's RunKind), `grpo`, `completions`, `compare`, `progress`, `stats_label`, `log_view`.
+EMA), `val_curve`, `best_mark` (the best evaluation's step, `best`, on the headline plot;
+`best_marks` by kind), `lr_curve`, `grad_curve`, `clipped_curve`, `tps_curve`, `pages`, `kind`
+(the run's RunKind), `grpo`, `completions`, `compare`, `progress`, `stats_label`, `log_view`,
+`resume_button`, `stop_save_button`, `stop_discard_button`.
 """
 
 from __future__ import annotations
@@ -28,14 +32,13 @@ from app.views.monitor.completions import CompletionsView
 from app.views.monitor.grpo_curves import KEYS as GRPO_KEYS
 from app.views.monitor.grpo_curves import GrpoCurves
 from app.views.monitor.run_compare import ComparePanel
-from app.views.widgets.plots import (ACCENT, ORANGE, PacedReveal, RunRanges, box, filled_curve,
-                                     num, small_plot)
+from app.views.widgets.plots import (ACCENT, ORANGE, BestMark, PacedReveal, RunRanges, box,
+                                     filled_curve, num, small_plot)
 from app.views.widgets.run_best import better
 from app.views.widgets.run_tail import PacedRedraw, RunTail, Series, clock
 
 ACTIVE = ("running", "queued", "paused")
 SFT_KEYS = ("loss", "lr", "grad", "clipped", "tps")
-GREEN = "#1a7f37"
 
 
 def run_kind(path: str | None) -> RunKind:
@@ -76,6 +79,10 @@ class MonitorView(QWidget):
         self.stop_save_button = QPushButton("Stop and save")
         self.stop_save_button.setToolTip("Pause: the worker saves a checkpoint after the current "
                                          "step; resume it later from the Runs screen.")
+        self.resume_button = QPushButton("Resume")
+        self.resume_button.setToolTip("Continue the run from its last checkpoint: a paused job "
+                                      "is queued again in its place, a stopped or interrupted "
+                                      "run gets a new job; the worker starts it.")
         self.stop_discard_button = QPushButton("Stop and discard")
         self.stop_discard_button.setToolTip("Cancel the job after the current step; it is marked "
                                             "cancelled (its files stay on disk).")
@@ -89,7 +96,7 @@ class MonitorView(QWidget):
         self.reveal = PacedReveal(self)            # and when the screen appears
         self.ranges = RunRanges(self._x_max)
         self.compare = ComparePanel(self.ctx)
-        self.loss_plot = small_plot("Loss", grid=True)
+        self.loss_plot = small_plot("Loss", "loss (nats/token)", grid=True)
         self.loss_plot.setMinimumHeight(240)
         self.loss_plot.addLegend(offset=(-10, 10), labelTextColor="#1f2328")
         self.loss_curve = self.loss_plot.plot(pen=pg.mkPen("#9db8ec", width=1), name="train",
@@ -99,14 +106,10 @@ class MonitorView(QWidget):
         self.val_curve = self.loss_plot.plot(pen=pg.mkPen(ORANGE, width=2), symbol="o",
                                              symbolSize=6, symbolBrush=ORANGE,
                                              symbolPen=None, name="validation")
-        self.best_line = pg.InfiniteLine(
-            angle=90, pen=pg.mkPen(GREEN, width=1.5, style=Qt.DashLine),
-            label="best", labelOpts={"position": 0.08, "color": GREEN,      # below the legend,
-                                     "anchors": [(1, 1), (1, 1)]})       # left of the line
-        self.best_line.hide()
-        self._best_plot = None
-        plots = [small_plot(t) for t in ("Learning rate", "Gradient norm", "Clipped fraction",
-                                         "Tokens / s")]
+        plots = [small_plot(*t) for t in (("Learning rate", "learning rate"),
+                                          ("Gradient norm", "norm (before clipping)"),
+                                          ("Clipped fraction", "share of gradients"),
+                                          ("Tokens / s", "tokens/s"))]
         self.lr_plot, self.grad_plot, self.clipped_plot, self.tps_plot = plots
         self.lr_curve, self.grad_curve, self.clipped_curve, self.tps_curve = (
             filled_curve(p) for p in plots)
@@ -119,10 +122,18 @@ class MonitorView(QWidget):
                                  maximumWidth=160)
         self.smoothing_label = QLabel("0.60")
         self.reset_zoom_button = QPushButton("Reset zoom")
+        self.log_scale.setToolTip("Show the loss on a logarithmic scale (its late, small "
+                                  "changes become visible).")
+        self.smoothing.setToolTip("How much the smoothed curve averages out step-to-step noise "
+                                  "(an exponential moving average; 0: the raw values).")
+        self.reset_zoom_button.setToolTip("Back to the whole run (step 0 to the last), values "
+                                          "fitted; the mouse wheel zooms, dragging pans.")
         self.log_view = QPlainTextEdit(readOnly=True, maximumBlockCount=300)
         self.grpo = GrpoCurves(self.redraw, self.ranges, lambda: self.smoothing.value() / 100,
                                self.compare.draw)
         self.completions = CompletionsView()
+        self.best_marks = {SFT: BestMark(self.loss_plot, "Loss"),
+                           GRPO: BestMark(self.grpo.reward_plot, self.grpo.reward_title)}
 
     def _layout(self) -> None:
         grid = QGridLayout()
@@ -144,7 +155,8 @@ class MonitorView(QWidget):
         split.setSizes([900, 340])
         layout = box(QVBoxLayout, box(QHBoxLayout, (box(QVBoxLayout, self.title,
                                                         self.subtitle), 1),
-                                      self.stop_save_button, self.stop_discard_button),
+                                      self.resume_button, self.stop_save_button,
+                                      self.stop_discard_button),
                      self.progress, self.stats_label, (split, 1))
         layout.setContentsMargins(20, 16, 20, 16)
         self.setLayout(layout)
@@ -158,6 +170,7 @@ class MonitorView(QWidget):
         self.tail.status_changed.connect(self._on_status)
         self.stop_save_button.clicked.connect(self.stop_and_save)
         self.stop_discard_button.clicked.connect(self.stop_and_discard)
+        self.resume_button.clicked.connect(self.resume)
         self.compare.changed.connect(lambda: self.redraw.mark(self._headline_plot()))
         self.redraw.add("loss", self._draw_loss)
         for i, key in enumerate(SFT_KEYS[1:], start=2):
@@ -180,18 +193,21 @@ class MonitorView(QWidget):
         self.tail.set_run(path)
 
     def _set_kind(self, kind: RunKind) -> None:
-        """Show the pages of a GRPO or a supervised run."""
+        """Show the pages of a GRPO or a supervised run; compared runs go with the old kind.
+        Each kind's headline plot has its own best mark (one moved between two plots' scenes
+        was drawn outside both)."""
         self.kind = kind
         grpo = kind is GRPO
         for i in (0, 1):
             self.pages.setTabVisible(i, grpo)
         self.pages.tabBar().setVisible(grpo)
         self.pages.setCurrentIndex(0 if grpo else 2)
-        if self._best_plot is not None:
-            self._best_plot.removeItem(self.best_line)
-        self._best_plot = self.grpo.reward_plot if grpo else self.loss_plot
-        self._best_plot.addItem(self.best_line, ignoreBounds=True)
         self.compare.set_target(self.grpo.reward_plot if grpo else self.loss_plot, kind.metric)
+
+    @property
+    def best_mark(self) -> BestMark:
+        """The best mark on the followed run's headline plot."""
+        return self.best_marks[self.kind]
 
     def _headline_plot(self) -> str:
         """The redraw key of the plot with the run's headline metric (and the runs compared)."""
@@ -219,7 +235,8 @@ class MonitorView(QWidget):
         self.completions.clear()
         self.status, self.last_step = {}, {}
         self.best = None
-        self.best_line.hide()
+        for mark in self.best_marks.values():
+            mark.clear()
         self.log_view.clear()
         self.ranges.refit()
         self.redraw.mark()                          # every plot, the hidden pages' too
@@ -241,9 +258,7 @@ class MonitorView(QWidget):
         for event in events:
             self.best = better(event, self.kind.name, self.best)
         if self.best is not None:
-            self.best_line.setValue(self.best.step)
-            self.best_line.label.setFormat(f"best: {self.best.text()}")
-            self.best_line.show()
+            self.best_mark.set(self.best.step, self.best.text())
         if self.kind is GRPO:                  # held-out rewards, no validation loss
             self.grpo.add_evals(events)
             self.redraw.mark("reward")
@@ -356,9 +371,39 @@ class MonitorView(QWidget):
         self.stop_save_button.setEnabled(active and job.state in ("running", "queued")
                                          and job.requested_action == "none")
         self.stop_discard_button.setEnabled(active and job.requested_action != "cancel")
+        self.resume_button.setEnabled(self._resumable(job))
         if job is None and self.status.get("state") == "running":
             tip = "Started from the command line: press Ctrl-C in its terminal to pause it."
             self.stop_save_button.setToolTip(tip)
+
+    def _resumable(self, job) -> bool:
+        """A paused job (or one asked to pause), or a run with no active job that was stopped
+        (paused) or interrupted and kept a checkpoint: as the Runs screen resumes them."""
+        if job is not None and job.state in ACTIVE:
+            return job.state == "paused" or job.requested_action == "pause"
+        if self.status.get("state") not in ("paused", "interrupted"):
+            return False
+        try:
+            return any(p.is_dir() for p in RunDir(self.run_path).checkpoints_dir.iterdir())
+        except OSError:
+            return False
+
+    def resume(self) -> None:
+        """Resume the followed run (see `_resumable`) and make sure a worker runs it."""
+        job = self.job()
+        try:
+            if job is not None and job.state in ACTIVE:
+                self.ctx.queue.resume(job.id)
+                message = f"Resumed job {job.id}"
+            else:
+                message = f"Queued {Path(self.run_path).name} as job " \
+                          f"{self.ctx.queue.add(self.run_path)}"
+            self.ctx.ensure_worker()
+            self.ctx.status_message.emit(message)
+        except EngineError as e:
+            self.ctx.status_message.emit(e.message)
+        self._update_buttons()
+        self.ctx.runs_changed.emit()
 
     def stop_and_save(self) -> None:
         self._request("pause", "Pausing")

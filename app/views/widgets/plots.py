@@ -16,11 +16,12 @@ from collections.abc import Callable
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QObject, QTimer
+from PySide6.QtCore import QObject, Qt, QTimer
 from PySide6.QtWidgets import QWidget
 
 ACCENT = "#2f6fde"
 ORANGE = "#e08a1e"
+GREEN = "#1a7f37"
 PALETTE = ("#d1453b", "#2e9d5b", "#8e44ad", "#e08a1e", "#16a2b8", "#7f8c8d", "#c2185b")
 
 
@@ -52,24 +53,38 @@ def box(kind, *items, widget: bool = False):
     return holder
 
 
-def small_plot(title: str, grid: bool = False) -> pg.PlotWidget:
-    plot = pg.PlotWidget(background="w")
+class StepAxis(pg.AxisItem):
+    """A step axis: ticks only on whole steps (a 5-step run showed 0.5, 1.5, ...)."""
+
+    def tickSpacing(self, minVal, maxVal, size):
+        levels = [(spacing, offset) for spacing, offset in
+                  super().tickSpacing(minVal, maxVal, size) if spacing >= 1]
+        return levels or [(1.0, 0.0)]
+
+
+def small_plot(title: str, y_label: str, grid: bool = False) -> pg.PlotWidget:
+    """A plot of a run's metric over its steps: `title` above, "step" under the x axis and
+    `y_label` (the value and its unit) beside the y axis."""
+    plot = pg.PlotWidget(background="w", axisItems={"bottom": StepAxis("bottom")})
     plot.setTitle(title, color="#3a4047", size="9pt")
     plot.showGrid(x=grid, y=grid, alpha=0.12)       # grid lines cost ~3 ms a paint
     plot.setMinimumHeight(120)
-    plot.getAxis("left").setWidth(54)          # fixed: a changing label width would relayout
+    plot.getAxis("left").setWidth(60)          # fixed: a changing label width would relayout
     item = plot.getPlotItem()
     item.setDownsampling(auto=True, mode="peak")
     item.setClipToView(True)
-    for axis in ("left", "bottom"):
+    for axis, label in (("left", y_label), ("bottom", "step")):
         item.getAxis(axis).setTextPen("#4d545c")
         item.getAxis(axis).setPen("#aab1b8")
+        item.setLabel(axis, label, color="#4d545c", **{"font-size": "8pt"})
     return plot
 
 
-def title_with_keys(plot: pg.PlotWidget, title: str, keys: list[tuple[str, str]]) -> None:
-    """A plot title that is its own legend: `title` then each (name, colour) in its colour."""
-    names = " ".join(f'<span style="color:{color}">\u25ac {name}</span>' for name, color in keys)
+def title_with_keys(plot: pg.PlotWidget, title: str, keys: list[tuple[str, str]],
+                    mark: str = "\u25ac") -> None:
+    """A plot title that is its own legend: `title` then each (name, colour) in its colour,
+    after `mark` (a line's sample)."""
+    names = " ".join(f'<span style="color:{color}">{mark} {name}</span>' for name, color in keys)
     plot.setTitle(f"{title} {names}", color="#3a4047", size="9pt")
 
 
@@ -100,6 +115,29 @@ class Band:
     def set_data(self, x: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> None:
         self.lower.setData(x, lo)
         self.upper.setData(x, hi)
+
+
+class BestMark:
+    """The best evaluation's step on `plot`: a dashed vertical line, and its text in the plot's
+    title after `title` (a label beside the line sat on the train curve; the title never
+    covers a curve). `set(step, text)` moves it there, `clear()` hides it."""
+
+    def __init__(self, plot: pg.PlotWidget, title: str):
+        self.plot, self.title, self.text = plot, title, ""
+        self.line = pg.InfiniteLine(angle=90, pen=pg.mkPen(GREEN, width=1.5, style=Qt.DashLine))
+        self.line.hide()
+        plot.getPlotItem().addItem(self.line, ignoreBounds=True)
+
+    def set(self, step: float, text: str) -> None:
+        self.text = f"best: {text}"
+        self.line.setValue(step)
+        self.line.show()
+        title_with_keys(self.plot, self.title, [(self.text, GREEN)], mark="\u00a6")
+
+    def clear(self) -> None:
+        self.text = ""
+        self.line.hide()
+        title_with_keys(self.plot, self.title, [])
 
 
 class RunRanges:
@@ -157,7 +195,8 @@ class RunRanges:
         if plot in self._refit or lo < bottom or hi > top or (hi - lo) < 0.4 * (top - bottom):
             self._refit.discard(plot)
             below = 0.0 if from_zero else 0.25 * span    # room to fall: fewer refits
-            vb.setYRange(lo - below, hi + 0.08 * span, padding=0)
+            bottom = lo - below if log or lo < 0 else max(0.0, lo - below)   # not below 0
+            vb.setYRange(bottom, hi + 0.08 * span, padding=0)
 
 
 class PacedReveal(QObject):

@@ -150,7 +150,7 @@ def test_a_lost_attempts_eval_and_best_go_when_the_next_attempt_repeats_its_step
     np.testing.assert_allclose(monitor.loss_curve.getData()[1][20:], [9.0 + s for s in
                                                                      range(21, 26)])
     np.testing.assert_array_equal(monitor.val_curve.getData()[0], [10, 20])
-    assert monitor.best.step == 20 and monitor.best_line.value() == 20
+    assert monitor.best.step == 20 and monitor.best_mark.line.value() == 20
 
 
 def test_switching_runs_resets_the_curves(qtbot, ctx, monitor):
@@ -201,8 +201,10 @@ def test_compare_runs_overlays_curves_and_diffs_settings(qtbot, ctx, monitor):
     a = FakeRun(ctx.runs_root() / "lr-5e-3")
     a.step(40)
     b = FakeRun(ctx.runs_root() / "lr-1e-3",
-                config=fake_config(train={"lr": 0.001}, epochs=3))
-    b.step(25)
+                config=fake_config(train={"lr": 0.001, "lora_rank": 16}, epochs=3))
+    b.step(10)
+    b.eval()                                            # overlaid too: validation at step 10
+    b.step(15)
     ctx.select_run(a.path)
     qtbot.waitUntil(lambda: monitor.compare.compare_list.count() == 2)
     items = {monitor.compare.compare_list.item(i).text(): monitor.compare.compare_list.item(i)
@@ -214,15 +216,23 @@ def test_compare_runs_overlays_curves_and_diffs_settings(qtbot, ctx, monitor):
     qtbot.waitUntil(lambda: n_points(monitor.compare.compare_curves[b.path]) == 25)
     np.testing.assert_allclose(monitor.compare.compare_curves[b.path].getData()[1],
                                [FakeRun.loss_at(s) for s in range(1, 26)])
+    val = monitor.compare.compare_eval_curves[b.path]
+    qtbot.waitUntil(lambda: n_points(val) == 1)
+    assert val in monitor.loss_plot.getPlotItem().items
+    np.testing.assert_allclose(val.getData()[1], [FakeRun.loss_at(10) + 0.1])
     assert monitor.compare.settings_diff() == {"epochs": {"lr-5e-3": 2, "lr-1e-3": 3},
-                                       "train.lr": {"lr-5e-3": 0.005, "lr-1e-3": 0.001}}
+                                               "train.lora_rank": {"lr-5e-3": 8, "lr-1e-3": 16},
+                                               "train.lr": {"lr-5e-3": 0.005, "lr-1e-3": 0.001}}
     table = monitor.compare.diff_table
-    assert table.rowCount() == 2 and table.columnCount() == 3
-    assert [table.item(r, 0).text() for r in range(2)] == ["epochs", "train.lr"]
-    assert table.item(1, 2).text() == "0.001"
+    assert table.rowCount() == 3 and table.columnCount() == 3
+    assert [table.item(r, 0).text() for r in range(3)] == ["Epochs", "LoRA rank",
+                                                           "Learning rate"]   # not raw keys
+    assert "train.lora_rank" in table.item(1, 0).toolTip()
+    assert table.item(2, 2).text() == "0.001"
     assert not table.isHidden() and monitor.compare.diff_hint.isHidden()
     items["lr-1e-3"].setCheckState(Qt.Unchecked)
     assert monitor.compare.compare_curves == {} and monitor.compare.settings_diff() == {}
+    assert val not in monitor.loss_plot.getPlotItem().items
     assert table.rowCount() == 0
     monitor.compare.set_compared(b.path)
     assert items["lr-1e-3"].checkState() == Qt.Checked
@@ -242,7 +252,8 @@ def test_the_best_step_is_marked_on_the_loss_curve(qtbot, ctx, monitor):
     ctx.select_run(fake.path)
     qtbot.waitUntil(lambda: monitor.best is not None and n_points(monitor.val_curve) == 2,
                     timeout=10_000)
-    assert monitor.best_line.isVisible() and monitor.best_line.value() == 20
-    assert monitor.best_line in monitor.loss_plot.getPlotItem().items
-    assert "best: step 20 (validation" in monitor.best_line.label.format
+    line = monitor.best_mark.line
+    assert line.isVisible() and line.value() == 20
+    assert line in monitor.loss_plot.getPlotItem().items
+    assert "best: step 20 (validation" in monitor.loss_plot.getPlotItem().titleLabel.text
     assert "best at step 20" in monitor.stats_label.text()
