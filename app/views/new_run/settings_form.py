@@ -8,6 +8,13 @@ checkboxes show the trainable parameters each group adds for the current model a
 `set_kind("grpo")` turns it into the training half of a GRPO run: LoRA only, a number of steps,
 held-out prompts; the dataset-only settings are hidden, and `values()` / `set_values(d)` speak
 the GrpoConfig dict's keys (train, max_steps, val_split, eval_every, save_every, norms_every).
+
+One source of truth: each run kind has one settings dict, `default_settings(kind, card)` (the
+engine's config class's defaults, which the CLI uses too, with a first run's choices on top), and
+the form shows one of them. `set_kind` keeps the dict of the kind it leaves and shows the other's,
+so nothing a GRPO preset set leaks into a supervised run. Every field shows what the engine will
+use: warmup 0 reads "auto: 5% = N steps", the context is `default_context(card)` until the user
+edits it (an edited one is capped at a new model's context, with a note).
 """
 
 from __future__ import annotations
@@ -15,15 +22,19 @@ from __future__ import annotations
 import math
 import os
 
+from dataclasses import replace
+
 from PySide6.QtCore import Qt
+
 from PySide6.QtWidgets import (QCheckBox, QFileDialog, QFrame, QGridLayout, QHBoxLayout, QLabel,
                                QLineEdit, QPushButton, QScrollArea, QVBoxLayout, QWidget)
 
-from app.engine.api import (GRPO, SFT, TARGET_GROUPS, ModelCard, TrainConfig, default_lr,
+from app.engine.api import (GRPO, SFT, TARGET_GROUPS, DataConfig, GrpoConfig, LintReport,
+                            ModelCard, RunConfig, TrainConfig, default_context, default_lr,
                             gpu_available, human_bytes, human_count, lora_param_count)
 from app.views.widgets.form_fields import (FormBase, combo, dspin, field_value, set_combo,
                                            set_field, spin)
-from app.views.widgets.tooltips import SETTINGS_TIPS
+from app.views.widgets.tooltips import CONFIG, SETTINGS_TIPS, tip
 
 # A trained LoRA parameter's memory: float32 value, gradient and AdamW's two moments (the
 # estimate's adapter bytes, app.engine.model.card).
@@ -37,39 +48,88 @@ FORMATS = ("auto", "text", "completion", "chat", "alpaca", "sharegpt")
 DATA_KEYS = ("context", "format", "overflow", "packing", "chat_loss", "weights_source",
              "weight_field", "weights_path", "normalize", "clip_lo", "clip_hi",
              "allow_negative", "val_split")     # changes that change the linter's report
-# field -> (RunConfig section ("" = top level), key, default of a first run). How to train
-# (optimizer, schedule, warmup, clipping, ...) defaults to TrainConfig's values, the CLI's too:
-# one source; the learning rate follows the engine's default_lr for the mode and alpha. A first
-# run in the window is the README's first CLI run: rank 8, alpha 16 (half TrainConfig's: the
-# sweep in docs/USER_GUIDE.md finds ranks 4-64 alike at one alpha, and the smaller adapter is
-# quicker), 3 epochs, 10% held out, an evaluation every 30 steps, so it has a best checkpoint.
+# A first run in the window is the README's first CLI run: rank 8, alpha 16 (half TrainConfig's:
+# the sweep in docs/USER_GUIDE.md finds ranks 4-64 alike at one alpha, and the smaller adapter is
+# quicker) on attention, experts and router; a supervised one 3 epochs, 10% held out and an
+# evaluation every 30 steps (so it has a best checkpoint). Everything else
+# is the engine's config classes' defaults, the CLI's too; the learning rate is the kind's own
+# (default_lr for the mode and alpha; GrpoConfig's for GRPO).
+FIRST_TRAIN = dict(lora_rank=8, lora_alpha=16.0, lora_targets=("attention", "experts", "router"))
+FIRST_SFT = dict(epochs=3, eval_every=30)
+FIRST_VAL_SPLIT = 0.1
 _T = TrainConfig()
-FIRST_RANK, FIRST_ALPHA = 8, 16.0
+
+
+def default_settings(kind: str, card: ModelCard | None = None) -> dict:
+    """The settings dict a new run of `kind` starts from (without its inputs: model, data,
+    prompts, rewards): a RunConfig's or GrpoConfig's defaults with the first run's choices;
+    a supervised run's context is the engine's `default_context(card)` for the model."""
+    if kind == GRPO.name:
+        g = GrpoConfig(model="", prompts="")
+        d = replace(g, train=replace(g.train, **FIRST_TRAIN)).to_dict()
+        for key in ("model", "prompts", "rewards"):
+            d.pop(key)
+        return d
+    context = default_context(card) if card is not None else DataConfig.context
+    train = replace(_T, **FIRST_TRAIN, lr=default_lr(_T.mode, FIRST_TRAIN["lora_alpha"]))
+    data = DataConfig(val_fraction=FIRST_VAL_SPLIT, context=context)
+    d = RunConfig(model="", data="", train=train, data_config=data, **FIRST_SFT).to_dict()
+    for key in ("model", "data"):
+        d.pop(key)
+    return d
+
+
+# field -> (section of the settings dict ("" = top level), key). A GRPO dict's held-out
+# fraction is its top-level val_split (set_values maps it).
 SIMPLE_FIELDS = {
-    "mode": ("train", "mode", _T.mode), "rank": ("train", "lora_rank", FIRST_RANK),
-    "alpha": ("train", "lora_alpha", FIRST_ALPHA), "rslora": ("train", "rslora", _T.rslora),
-    "dropout": ("train", "lora_dropout", _T.lora_dropout),
-    "optimizer": ("train", "optimizer", _T.optimizer),
-    "schedule": ("train", "schedule", _T.schedule),
-    "warmup": ("train", "warmup_steps", _T.warmup_steps),
-    "gclip": ("train", "gclip", _T.gclip), "weight_decay": ("train", "weight_decay", _T.weight_decay),
-    "seed": ("train", "seed", _T.seed), "grad_accum": ("train", "grad_accum", _T.grad_accum),
-    "device": ("train", "device", _T.device),
-    "checkpoint_interval": ("train", "checkpoint_interval", _T.checkpoint_interval),
-    "epochs": ("", "epochs", 3),
-    "max_steps": ("", "max_steps", 0), "eval_every": ("", "eval_every", 30),
-    "save_every": ("", "save_every", 0), "patience": ("", "patience", 0),
-    "norms_every": ("", "norms_every", 5), "format": ("data_config", "format", "auto"),
-    "context": ("data_config", "context", 256),
-    "overflow": ("data_config", "overflow", "truncate"),
-    "packing": ("data_config", "packing", "pack"),
-    "chat_loss": ("data_config", "chat_loss", "assistant"),
-    "val_split": ("data_config", "val_fraction", 0.1),
-    "normalize": ("data_config", "normalize", "none"),
-    "allow_negative": ("data_config", "allow_negative_weights", False)}
+    "mode": ("train", "mode"), "rank": ("train", "lora_rank"), "alpha": ("train", "lora_alpha"),
+    "rslora": ("train", "rslora"), "dropout": ("train", "lora_dropout"),
+    "optimizer": ("train", "optimizer"), "schedule": ("train", "schedule"),
+    "warmup": ("train", "warmup_steps"), "warmup_fraction": ("train", "warmup_fraction"),
+    "gclip": ("train", "gclip"), "max_grad_norm": ("train", "max_grad_norm"),
+    "weight_decay": ("train", "weight_decay"), "beta1": ("train", "beta1"),
+    "beta2": ("train", "beta2"), "eps": ("train", "eps"), "min_lr": ("train", "min_lr"),
+    "seed": ("train", "seed"), "device": ("train", "device"),
+    "checkpoint_interval": ("train", "checkpoint_interval"),
+    "epochs": ("", "epochs"), "max_steps": ("", "max_steps"), "eval_every": ("", "eval_every"),
+    "save_every": ("", "save_every"), "patience": ("", "patience"),
+    "norms_every": ("", "norms_every"), "keep_last": ("", "keep_last"),
+    "max_bad_steps": ("", "max_bad_steps"), "format": ("data_config", "format"),
+    "context": ("data_config", "context"), "overflow": ("data_config", "overflow"),
+    "packing": ("data_config", "packing"), "chat_loss": ("data_config", "chat_loss"),
+    "val_split": ("data_config", "val_fraction"), "normalize": ("data_config", "normalize"),
+    "allow_negative": ("data_config", "allow_negative_weights"),
+    "strict": ("data_config", "strict")}
+FLOAT_TEXTS = ("lr", "min_lr", "eps")      # typed as text: 1e-4 reads better than 0.000100
+WEIGHT_CACHE_AUTO = -1                     # the spin box's value for weight_cache_mb None
+ADVANCED_TIPS = {
+    "gclip": tip("Clips each gradient value to +-this before the update (0: off). The engine "
+                 "clips the global gradient norm instead (the field below).", "off", "--gclip"),
+    "max_grad_norm": tip("Scales the whole gradient down when its norm passes this (0: off): "
+                         "the engine's guard against a bad batch.", "1.0", "--max-grad-norm"),
+    "warmup": tip("Steps over which the learning rate rises from 0, so the first updates are "
+                  "small; auto: the warmup fraction of the run's steps.", "auto", "--warmup"),
+    "warmup_fraction": tip("The part of the steps the automatic warmup takes.", "0.05",
+                           "--warmup-fraction"),
+    "min_lr": tip("The lowest learning rate the linear or cosine schedule decays to.", "0",
+                  f"train.min_lr, {CONFIG}"),
+    "beta1": tip("AdamW's first-moment decay.", "0.9", f"train.beta1, {CONFIG}"),
+    "beta2": tip("AdamW's second-moment decay.", "0.999", f"train.beta2, {CONFIG}"),
+    "eps": tip("AdamW's epsilon, added to the second moment's root.", "1e-8",
+               f"train.eps, {CONFIG}"),
+    "weight_cache_mb": tip("Dequantized weights kept in memory (auto: 40% of RAM, less where "
+                           "the run would pass two thirds of it; 0: dequantize at every use, "
+                           "least memory).", "auto", "--weight-cache-mb"),
+    "adapter": tip("Continue training this GGUF LoRA adapter instead of new adapters.",
+                   "none", "--adapter"),
+    "keep_last": tip("Checkpoints kept besides the best one.", "2", f"keep_last, {CONFIG}"),
+    "max_bad_steps": tip("Consecutive NaN/Inf steps after which the run stops.", "5",
+                         f"max_bad_steps, {CONFIG}"),
+    "strict": tip("Refuse to start when any row is bad (default: skip and report them).", "off",
+                  "--strict"),
+}
 WEIGHT_SOURCES = (("row", "From each row's field"), ("file", "From a weights file"))
-SFT_ONLY = ("mode", "epochs", "context", "batch", "grad_accum", "patience")
-GRPO_STEPS = 100                    # the steps of a first GRPO run
+SFT_ONLY = ("mode", "epochs", "context", "batch", "grad_accum", "patience", "strict")
 # field -> ((label, special value text) of a supervised run, (the same) of a GRPO run)
 KIND_TEXTS = {"val_split": (("Validation split", ""), ("Held-out prompts", "")),
               "max_steps": (("Max steps", "no cap"), ("Steps", "not set")),
@@ -102,9 +162,12 @@ class SettingsForm(FormBase):
         self.full_boxes: dict[str, QCheckBox] = {}
         self.card: ModelCard | None = None
         self.kind = SFT.name                       # the run type: a name of KINDS
-        self._kind_steps: dict[str, int] = {}      # run type -> its max_steps when left
+        self._per_kind: dict[str, dict] = {}       # run type -> its settings when left
+        self._context_auto = True                  # the context follows the model
+        self.train_windows: int | None = None      # the dataset's, estimated (warmup's note)
         self._layout(self._build())
         self.set_tooltips(SETTINGS_TIPS)
+        self.set_tooltips(ADVANCED_TIPS)
         self._connect()
         self.set_values({})
         self._update_visibility()
@@ -149,10 +212,14 @@ class SettingsForm(FormBase):
         opt = self._group("Optimiser")
         self._row(opt, "optimizer", "Optimiser", combo([("adamw", "AdamW"), ("sgd", "SGD"),
                                                           ("lbfgs", "L-BFGS")]))
-        self._row(opt, "lr", "Learning rate", QLineEdit(f"{default_lr(_T.mode, FIRST_ALPHA):g}"))
+        self._row(opt, "lr", "Learning rate", QLineEdit())
         self._row(opt, "schedule", "Schedule", combo(["constant", "linear", "cosine"]))
-        self._row(opt, "warmup", "Warmup steps", spin(0, 10**7, t.warmup_steps))
-        self._row(opt, "gclip", "Gradient clip", dspin(0, 1e6, t.gclip, 3, 0.1))
+        self._row(opt, "warmup", "Warmup steps", spin(0, 10**7, t.warmup_steps, "auto"))
+        self._row(opt, "max_grad_norm", "Gradient-norm clip",
+                  dspin(0, 1e6, t.max_grad_norm, 3, 0.1))
+        self._row(opt, "gclip", "Per-value clip", dspin(0, 1e6, t.gclip, 3, 0.1))
+        for key in ("max_grad_norm", "gclip"):
+            self.fields[key].setSpecialValueText("off")
         self._row(opt, "weight_decay", "Weight decay", dspin(0, 10, t.weight_decay, 4, 0.01))
         self._row(opt, "seed", "Seed", spin(0, 2**31 - 1, t.seed))
         self._row(opt, "device", "Compute on", combo([("cpu", "CPU (NumPy)"),
@@ -161,7 +228,8 @@ class SettingsForm(FormBase):
         length = self._group("Length and batches")
         self._row(length, "epochs", "Epochs", spin(0, 100000, 3, "0 (use steps)"))
         self._row(length, "max_steps", "Max steps", spin(0, 10**8, 0, "no cap"))
-        self._row(length, "context", "Context (tokens)", spin(8, 1 << 20, 256))
+        self._row(length, "context", "Context (tokens)", spin(8, 1 << 20, DataConfig.context))
+        self.context_note = self._note(length)
         self._row(length, "batch", "Batch (windows)", spin(1, 4096, 1))
         self._row(length, "grad_accum", "Gradient accumulation", spin(1, 4096, 1))
         self._row(length, "checkpoint_interval", "Gradient checkpointing",
@@ -208,8 +276,37 @@ class SettingsForm(FormBase):
         self._row(rw, "clip", "Clip range", clip)
         self._row(rw, "allow_negative", "", QCheckBox("Allow negative weights (unlikelihood)"))
 
+        adv = self._group("Advanced")
+        self._row(adv, "warmup_fraction", "Warmup fraction", dspin(0, 1, t.warmup_fraction, 3,
+                                                                    0.01))
+        self._row(adv, "min_lr", "Minimum learning rate", QLineEdit())
+        self._row(adv, "beta1", "AdamW beta1", dspin(0, 1, t.beta1, 4, 0.01))
+        self._row(adv, "beta2", "AdamW beta2", dspin(0, 1, t.beta2, 4, 0.001))
+        self._row(adv, "eps", "AdamW epsilon", QLineEdit())
+        self._row(adv, "weight_cache_mb", "Weight cache",
+                  spin(WEIGHT_CACHE_AUTO, 10**7, WEIGHT_CACHE_AUTO, "auto (40% of RAM)"))
+        self.fields["weight_cache_mb"].setSuffix(" MB")
+        apath = QWidget()
+        arow = QHBoxLayout(apath)
+        arow.setContentsMargins(0, 0, 0, 0)
+        self.adapter_path = QLineEdit(placeholderText="none: new adapters")
+        self._adapter_browse = QPushButton("Browse\u2026")
+        arow.addWidget(self.adapter_path, 1)
+        arow.addWidget(self._adapter_browse)
+        self.fields["adapter_edit"] = self.adapter_path
+        self._row(adv, "adapter", "Starting adapter", apath)
+        self._row(adv, "keep_last", "Checkpoints kept", spin(1, 10**4, 2))
+        self._row(adv, "max_bad_steps", "Stop after bad steps", spin(1, 10**4, 5))
+        self._row(adv, "strict", "", QCheckBox("Refuse a dataset with any bad row"))
+
         self._sft_boxes = (data.parentWidget(), rw.parentWidget())
-        return (train, ev, data), (opt, length, rw)
+        return (train, ev, data), (opt, length, rw, adv)
+
+    def _note(self, grid: QGridLayout) -> QLabel:
+        """A hint under the last field of `grid`: what the engine makes of its value."""
+        note = QLabel(objectName="hint", wordWrap=True)
+        grid.addWidget(note, grid.rowCount(), 1)
+        return note
 
     def _layout(self, columns: tuple[tuple[QGridLayout, ...], ...]) -> None:
         body = QWidget(objectName="formBody")
@@ -234,13 +331,16 @@ class SettingsForm(FormBase):
             for box in boxes.values():
                 box.toggled.connect(lambda _=False, k=key: self._changed(k))
         self._weights_browse.clicked.connect(self._browse_weights)
+        self._adapter_browse.clicked.connect(self._browse_adapter)
         for w in (self.weights_path, self.clip_lo, self.clip_hi):
             self._watch(w, "weights_path" if w is self.weights_path else "clip")
+        self._watch(self.adapter_path, "adapter")
 
     # ---------------------------------------------------------------- model-dependent parts
     def set_card(self, card: ModelCard | None) -> None:
         """The model the run trains: targets it lacks are disabled, counts are shown."""
         self.card = card
+        self._fit_context()
         self._update_visibility()
         self._update_counts()
         self.validate()
@@ -302,11 +402,75 @@ class SettingsForm(FormBase):
         return [g for g, b in self.full_boxes.items() if b.isChecked()]
 
     def lr(self) -> float | None:
+        return self._float("lr")
+
+    def _float(self, key: str) -> float | None:
+        """The number typed in the text field `key` (None: not a finite number)."""
         try:
-            value = float(self.fields["lr"].text().strip())
+            value = float(self.fields[key].text().strip())
         except ValueError:
             return None
         return value if math.isfinite(value) else None
+
+    def total_steps(self) -> tuple[int | None, bool]:
+        """(the run's optimizer steps, whether that is an estimate): a GRPO run's or a
+        supervised run's cap without epochs are exact; epochs over the dataset's estimated
+        `train_windows` are an estimate; (None, True) while unknown."""
+        f = self.fields
+        cap = f["max_steps"].value()
+        if self.kind == GRPO.name or (cap and not f["epochs"].value()):
+            return (cap or None), False
+        if not self.train_windows:
+            return None, True
+        per_epoch = math.ceil(self.train_windows / (f["batch"].value() * f["grad_accum"].value()))
+        total = per_epoch * f["epochs"].value()
+        return (min(total, cap) if cap else total), True
+
+    def set_lint_report(self, report: LintReport | None) -> None:
+        """The dataset's linter report: its windows estimate the run's steps (warmup's note).
+        Packed rows share windows of `context` positions; otherwise one row is one window."""
+        if report is None or not report.accepted:
+            self.train_windows = None
+        else:
+            split = 1 - self.fields["val_split"].value()
+            windows = (math.ceil(report.positions / max(report.context, 1))
+                       if self.fields["packing"].currentData() == "pack"
+                       else report.accepted + report.split)
+            self.train_windows = max(1, round(windows * split))
+        self._update_warmup()
+
+    def _update_warmup(self) -> None:
+        """Warmup 0 reads what the engine does: a fraction of the steps, in steps when known."""
+        fraction = self.fields["warmup_fraction"].value()
+        total, approx = self.total_steps()
+        text = f"auto: {fraction:.0%}"
+        if total:
+            sign = "\u2248" if approx else "="
+            text += f" {sign} {min(round(fraction * total), total)} steps"
+        else:
+            text += " of the steps"
+        self.fields["warmup"].setSpecialValueText(text)
+
+    def _fit_context(self) -> None:
+        """The context follows the model: its default (`default_context`) until the user edits
+        it; an edited one longer than the model's context is capped at it, with a note."""
+        box, note = self.fields["context"], ""
+        if self.card is not None:
+            limit = self.card.config.context_length
+            value = box.value()
+            if self._context_auto:
+                value = default_context(self.card)
+                note = f"this model's default (at most {DataConfig.context:,})"
+            elif value > limit:
+                value = limit
+                note = f"capped at this model's context ({limit:,} tokens)"
+            if value != box.value():
+                self._loading, loading = True, self._loading
+                box.setValue(value)
+                self._loading = loading
+                self.changed.emit("context")
+        self.context_note.setText(note)
+        self.context_note.setVisible(bool(note))
 
     def values(self) -> dict:
         """The RunConfig dict without model and data; of a GRPO run, its GrpoConfig keys."""
@@ -317,13 +481,15 @@ class SettingsForm(FormBase):
         return {"kind": GRPO.name,
                 "train": {k: x for k, x in v["train"].items() if k not in skip},
                 "val_split": v["data_config"]["val_fraction"],
-                **{k: v[k] for k in ("max_steps", "eval_every", "save_every", "norms_every")}}
+                **{k: v[k] for k in ("max_steps", "eval_every", "save_every", "norms_every",
+                                     "keep_last", "max_bad_steps", "adapter")}}
 
     def _run_values(self) -> dict:
         f = self.fields
         source = f["weights_source"].currentData()
         clip = [self.clip_lo.value(), self.clip_hi.value()] \
             if f["normalize"].currentData() == "clip" else None
+        cache = f["weight_cache_mb"].value()
         train = {
             "mode": self.mode(), "lora_rank": f["rank"].value(),
             "expert_rank": self.expert_rank(), "lora_alpha": f["alpha"].value(),
@@ -332,7 +498,11 @@ class SettingsForm(FormBase):
             "full_targets": self.full_targets() if self.mode() == "hybrid" else [],
             "optimizer": f["optimizer"].currentData(), "lr": self.lr() or 0.0,
             "schedule": f["schedule"].currentData(), "warmup_steps": f["warmup"].value(),
-            "gclip": f["gclip"].value(), "weight_decay": f["weight_decay"].value(),
+            "warmup_fraction": f["warmup_fraction"].value(), "min_lr": self._float("min_lr"),
+            "gclip": f["gclip"].value(), "max_grad_norm": f["max_grad_norm"].value(),
+            "weight_decay": f["weight_decay"].value(), "beta1": f["beta1"].value(),
+            "beta2": f["beta2"].value(), "eps": self._float("eps"),
+            "weight_cache_mb": cache if cache != WEIGHT_CACHE_AUTO else None,
             "grad_accum": f["batch"].value() * f["grad_accum"].value(),
             "checkpoint_interval": f["checkpoint_interval"].value(), "seed": f["seed"].value(),
             "device": f["device"].currentData()}
@@ -346,34 +516,46 @@ class SettingsForm(FormBase):
             "weights_path": (self.weights_path.text().strip() or None)
             if source == "file" else None,
             "normalize": f["normalize"].currentData(), "clip_range": clip,
-            "allow_negative_weights": f["allow_negative"].isChecked()}
+            "allow_negative_weights": f["allow_negative"].isChecked(),
+            "strict": f["strict"].isChecked()}
         return {"train": train, "data_config": data, "epochs": f["epochs"].value(),
                 "max_steps": f["max_steps"].value(), "eval_every": f["eval_every"].value(),
                 "save_every": f["save_every"].value(), "patience": f["patience"].value(),
-                "norms_every": f["norms_every"].value()}
+                "norms_every": f["norms_every"].value(), "keep_last": f["keep_last"].value(),
+                "max_bad_steps": f["max_bad_steps"].value(),
+                "adapter": self.adapter_path.text().strip() or None}
 
     def set_values(self, d: dict) -> None:
-        """Load a RunConfig or GrpoConfig dict (missing keys: the form's defaults for a first
-        run; the run type stays as it is: see `set_kind`)."""
-        t, dc = dict(d.get("train") or {}), dict(d.get("data_config") or {})
-        if d.get("kind") == GRPO.name:
-            dc["val_fraction"] = d.get("val_split", 0.0)
+        """Load a RunConfig or GrpoConfig dict of the form's run type (see `set_kind`); what it
+        lacks is the run type's `default_settings`. A dict without a context lets the context
+        follow the model."""
+        base = default_settings(self.kind, self.card)
+        t = {**base["train"], **(d.get("train") or {})}
+        top = {**base, **d}
+        if self.kind == GRPO.name:          # the supervised-only settings stay hidden
+            sft = default_settings(SFT.name, self.card)
+            top = {**sft, **top}
+            dc = {**sft["data_config"], "val_fraction": top["val_split"]}
+        else:
+            dc = {**base["data_config"], **(d.get("data_config") or {})}
+        self._context_auto = "context" not in (d.get("data_config") or {})
+        if "lr" not in (d.get("train") or {}) and self.kind == SFT.name:
+            t["lr"] = default_lr(t["mode"], float(t["lora_alpha"]))
         f = self.fields
         self._loading = True
         try:
-            for key, (section, name, default) in SIMPLE_FIELDS.items():
-                set_field(f[key], {"train": t, "data_config": dc, "": d}[section].get(name,
-                                                                                     default))
-            f["expert_rank"].setValue(t.get("expert_rank") or 0)
-            targets = set(t.get("lora_targets", ("attention", "experts", "router")))
+            for key, (section, name) in SIMPLE_FIELDS.items():
+                set_field(f[key], {"train": t, "data_config": dc, "": top}[section][name])
+            f["expert_rank"].setValue(t["expert_rank"] or 0)
             for g, box in self.target_boxes.items():
-                box.setChecked(g in targets)
-            full = set(t.get("full_targets", ()))
+                box.setChecked(g in t["lora_targets"])
             for g, box in self.full_boxes.items():
-                box.setChecked(g in full)
-            lr = t.get("lr", default_lr(t.get("mode", _T.mode),
-                                        float(t.get("lora_alpha", FIRST_ALPHA))))
-            f["lr"].setText(f"{float(lr):g}")
+                box.setChecked(g in t["full_targets"])
+            for key in FLOAT_TEXTS:
+                f[key].setText(f"{float(t[key]):g}")
+            cache = t["weight_cache_mb"]
+            f["weight_cache_mb"].setValue(WEIGHT_CACHE_AUTO if cache is None else cache)
+            self.adapter_path.setText(top["adapter"] or "")
             f["batch"].setValue(1)
             set_combo(f["weights_source"], "file" if dc.get("weights_path") else "row")
             f["weight_field"].setText(dc.get("weight_field") or "")
@@ -383,10 +565,16 @@ class SettingsForm(FormBase):
             self.clip_hi.setValue(float(clip[1]))
         finally:
             self._loading = False
+        self._fit_context()
+        self._update_warmup()
         self._update_visibility()
         self._update_counts()
         self.validate()
         self.changed.emit("all")
+
+    def reset(self) -> None:
+        """The run type's default settings (`default_settings`), the context the model's."""
+        self.set_values({})
 
     def preset_values(self, keys) -> dict:
         """The fields `keys` as a preset stores them ("targets": the ticked groups)."""
@@ -412,17 +600,16 @@ class SettingsForm(FormBase):
         self.changed.emit("all")
 
     def set_kind(self, kind: str) -> None:
-        """Show the settings of a supervised ("sft") or a GRPO ("grpo") run. Each keeps its
-        own number of steps (a GRPO run needs one; a supervised run usually counts epochs)."""
-        steps = self.fields["max_steps"]
-        self._kind_steps[self.kind] = steps.value()
-        self.kind = kind
+        """Show the settings of a supervised ("sft") or a GRPO ("grpo") run. Each run type has
+        its own settings: those of the type left are kept (its context only when edited) and
+        the other's shown, its defaults the first time."""
+        if kind != self.kind:
+            kept = self.values()
+            if self._context_auto and "data_config" in kept:
+                del kept["data_config"]["context"]
+            self._per_kind[self.kind] = kept
+            self.kind = kind
         grpo = kind == GRPO.name
-        self._loading = True
-        if grpo:
-            set_combo(self.fields["mode"], "lora")
-        steps.setValue(self._kind_steps.get(kind) or (GRPO_STEPS if grpo else 0))
-        self._loading = False
         for box in self._sft_boxes:
             box.setVisible(not grpo)
         for key, texts in KIND_TEXTS.items():
@@ -430,10 +617,7 @@ class SettingsForm(FormBase):
             self.label(key).setText(label)
             if special:
                 self.fields[key].setSpecialValueText(special)
-        self._update_visibility()
-        self._update_counts()
-        self.validate()
-        self.changed.emit("kind")
+        self.set_values(self._per_kind.pop(kind, {}))
 
     # ---------------------------------------------------------------- validation
     def validate(self) -> dict[str, str]:
@@ -469,6 +653,13 @@ class SettingsForm(FormBase):
         total = f["max_steps"].value()
         if total and f["warmup"].value() >= total:
             errors["warmup"] = "Warmup must be shorter than the run's steps."
+        for key, what in (("min_lr", "0 or e.g. 1e-5"), ("eps", "e.g. 1e-8")):
+            value = self._float(key)
+            if value is None or value < 0 or (key == "eps" and value == 0):
+                errors[key] = f"Enter a number, {what}."
+        adapter = self.adapter_path.text().strip()
+        if adapter and not os.path.isfile(os.path.expanduser(adapter)):
+            errors["adapter"] = f"There is no file {adapter}."
         source = f["weights_source"].currentData()
         if source == "file":
             path = self.weights_path.text().strip()
@@ -484,8 +675,13 @@ class SettingsForm(FormBase):
     def _changed(self, key: str) -> None:
         if self._loading:
             return
+        if key == "context":
+            self._context_auto = False
+            self.context_note.hide()
         if key in ("mode", "weights_source", "normalize"):
             self._update_visibility()
+        if key in ("epochs", "max_steps", "batch", "grad_accum", "warmup_fraction"):
+            self._update_warmup()
         if key in ("rank", "expert_rank", "mode", "targets"):
             self._update_counts()
         super()._changed(key)
@@ -503,6 +699,12 @@ class SettingsForm(FormBase):
         self._show("weight_field", source == "row")
         self._show("weights_path", source == "file")
         self._show("clip", self.fields["normalize"].currentData() == "clip")
+
+    def _browse_adapter(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Starting adapter", self.adapter_path.text(),
+                                              "GGUF LoRA adapter (*.gguf);;All files (*)")
+        if path:
+            self.adapter_path.setText(path)
 
     def _browse_weights(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self, "Reward weights", self.weights_path.text(),

@@ -54,6 +54,7 @@ DATA_KEY, PROMPTS_KEY = "recent/dataset", "recent/prompts"
 TABS = ("model", "dataset", "training")
 RUN_TYPES = tuple((k.name, k.title) for k in KINDS.values())
 DATA_TABS = {SFT.name: "2  Dataset", GRPO.name: "2  Prompts and rewards"}
+MAX_REJECTIONS_ASKED = 10           # rejected lines named in the question before a run
 GRPO_BATCH_TOKENS = GrpoConfig(model="", prompts="").micro_batch_tokens
 _NAME_OK = re.compile(r"^[\w.\-+ ]+$")
 
@@ -113,6 +114,10 @@ class NewRunView(QWidget):
                                      textFormat=Qt.PlainText)
         self.save_button = QPushButton("Save settings\u2026")
         self.load_button = QPushButton("Load settings\u2026")
+        self.reset_button = QPushButton("Reset to defaults")
+        self.reset_button.setToolTip("The run type's default settings (the command line's "
+                                     "defaults; the model's context); the model, the data and "
+                                     "the rewards stay")
         self.queue_button = QPushButton("Queue run")
         self.queue_button.setToolTip("Add the run to the end of the queue")
         self.start_button = QPushButton("Start now", objectName="primaryButton")
@@ -155,7 +160,8 @@ class NewRunView(QWidget):
         row1.addWidget(self.summary_label, 1)
         row2 = QHBoxLayout()
         row2.addWidget(self.problems_label, 1)
-        for b in (self.save_button, self.load_button, self.queue_button, self.start_button):
+        for b in (self.reset_button, self.save_button, self.load_button, self.queue_button,
+                  self.start_button):
             row2.addWidget(b)
         bl.addLayout(row1)
         bl.addLayout(row2)
@@ -171,7 +177,7 @@ class NewRunView(QWidget):
         self.card_view.card_loaded.connect(self._on_card)
         self.card_view.load_failed.connect(self._on_card_failed)
         self.dataset.data_changed.connect(self._on_data_changed)
-        self.dataset.report_ready.connect(lambda _r: self._update_summary())
+        self.dataset.report_ready.connect(self._on_report)
         self.grpo_panel.changed.connect(self._update_summary)
         self.grpo_panel.prompts_changed.connect(self._on_prompts_changed)
         self.grpo_panel.preset_requested.connect(self.apply_settings)
@@ -179,6 +185,7 @@ class NewRunView(QWidget):
         self.kind_box.currentIndexChanged.connect(lambda _i: self.set_run_type(self.kind()))
         self.name_field.textChanged.connect(lambda _t: self._update_summary())
         self.run_on.changed.connect(self._update_summary)
+        self.reset_button.clicked.connect(self.reset_settings)
         self.save_button.clicked.connect(self._save_dialog)
         self.load_button.clicked.connect(self._load_dialog)
         self.queue_button.clicked.connect(lambda: self.create_run(start=False))
@@ -303,6 +310,10 @@ class NewRunView(QWidget):
         if path and os.path.isfile(path):
             self.ctx.settings.setValue(PROMPTS_KEY, path)
 
+    def _on_report(self, report: LintReport | None) -> None:
+        self.form.set_lint_report(report)
+        self._update_summary()
+
     def _relint(self) -> None:
         cfg = None if self.kind() == GRPO.name else self.data_config()
         if cfg is None:
@@ -312,7 +323,8 @@ class NewRunView(QWidget):
     def _on_form_changed(self, key: str) -> None:
         if key in DATA_KEYS or key in ("all", "seed", "clip", "weights_path"):
             self._relint()
-        if key in ("rank", "context", "targets", "mode", "device", "checkpoint_interval", "all"):
+        if key in ("rank", "context", "targets", "mode", "device", "checkpoint_interval",
+                   "weight_cache_mb", "all"):
             self._estimate_timer.start()
         self._update_summary()
 
@@ -399,6 +411,8 @@ class NewRunView(QWidget):
             return None
         if isinstance(config, GrpoConfig) and not self._confirm_reward_code(config):
             return None
+        if isinstance(config, RunConfig) and not self._confirm_rejected_rows():
+            return None
         path = self.run_dir_for(self.name_field.text())
         self._creating = str(path)
         self._update_summary()
@@ -431,6 +445,25 @@ class NewRunView(QWidget):
             return False
         trust_reward_files(config.rewards)
         return True
+
+    def _confirm_rejected_rows(self) -> bool:
+        """Ask before training on a dataset whose rows are mostly rejected (more than half),
+        naming the rejected lines and why (the Dataset tab's report). False when the user
+        says No."""
+        r = self.dataset.report
+        if r is None or r.rejected_count * 2 <= r.rows:
+            return True
+        shown = r.rejected[:MAX_REJECTIONS_ASKED]
+        lines = "\n".join(f"line {x.line}: {x.reason}" for x in shown)
+        more = r.rejected_count - len(shown)
+        if more > 0:
+            lines += f"\n... and {more:,} more (Dataset tab)"
+        answer = QMessageBox.question(
+            self, "Train on the few rows left?",
+            f"{r.rejected_count:,} of the {r.rows:,} rows of {os.path.basename(r.path)} cannot be "
+            f"used; the run would train on {r.accepted:,}.\n\n{lines}\n\nStart anyway?",
+            QMessageBox.Yes | QMessageBox.No, QMessageBox.No)
+        return answer == QMessageBox.Yes
 
     def is_creating(self) -> bool:
         return self._creating is not None
@@ -505,6 +538,16 @@ class NewRunView(QWidget):
             self.dataset.set_data_path(d["data"])
         if d.get("model") and os.path.isfile(d["model"]) and d["model"] != self.model_path():
             self.open_model(d["model"])
+
+    def reset_settings(self) -> None:
+        """The run type's defaults: the form's (`SettingsForm.reset`), a GRPO run's sampling
+        settings; settings loaded from a file and not shown are dropped too."""
+        self._loaded = ("", {})
+        self.form.reset()
+        if self.kind() == GRPO.name:
+            self.grpo_panel.sampling.set_values({})
+        self._update_summary()
+        self.ctx.status("Settings reset to the defaults")
 
     def _save_dialog(self) -> None:
         path, _ = QFileDialog.getSaveFileName(self, "Save settings", "run-settings.json",

@@ -82,7 +82,7 @@ def test_queueing_writes_the_run_directory_the_cli_writes(qtbot, view, ctx, tmp_
                     "-t", "0.8", "--top-p", "0.9", "-n", "6", "--advantage", "no-std",
                     "--kl", "0.01", "--rank", "4", "--alpha", "16", "--lr", "1e-3",
                     "--targets", "attn,experts,router", "--max-steps", "7",
-                    "--val-split", "0.05", "--eval-every", "3", "--save-every", "0",
+                    "--val-split", "0.05", "--eval-every", "3",
                     "-o", str(cli_run), "--queue", str(tmp_path / "cli-queue.sqlite3")]) == 0
     assert RunDir(cli_run).config() == config
 
