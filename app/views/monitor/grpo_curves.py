@@ -28,7 +28,7 @@ from app.views.widgets.plots import (ACCENT, ORANGE, PALETTE, Band, RunRanges, n
 from app.views.widgets.run_tail import PacedRedraw, Series, clock
 
 KEYS = ("reward", "functions", "fractions", "length")
-FUNCTIONS_TITLE = "Reward functions (mean):"
+FUNCTIONS_TITLE = "Functions:"
 
 
 def function_color(i: int) -> str:
@@ -54,7 +54,8 @@ class GrpoCurves(QWidget):
         self.reward_title = "Reward (weighted total per completion)"
         self.reward_plot = small_plot(self.reward_title, "reward", grid=True)
         self.reward_plot.setMinimumHeight(240)
-        self.reward_plot.addLegend(offset=(-10, 10), labelTextColor="#1f2328")
+        self.reward_plot.addLegend(offset=(-10, -10), labelTextColor="#1f2328")  # bottom
+                                                  # right: the reward rises away from it
         self.reward_band = Band(self.reward_plot, ACCENT, alpha=35, name="\u00b1 1 std")
         self.reward_curve = self.reward_plot.plot(pen=pg.mkPen("#9db8ec", width=1), name="mean",
                                                   connect="finite")
@@ -65,7 +66,7 @@ class GrpoCurves(QWidget):
             pen=pg.mkPen(ORANGE, width=2), symbol="o", symbolSize=6, symbolBrush=ORANGE,
             symbolPen=None, name="held-out (greedy)")
 
-        self.functions_plot = small_plot(FUNCTIONS_TITLE, "reward (unweighted)")
+        self.functions_plot = small_plot(FUNCTIONS_TITLE, "mean reward")
         self.function_curves: dict[str, pg.PlotDataItem] = {}
         self.fractions_plot = small_plot("", "share")
         title_with_keys(self.fractions_plot, "Share:", [("zero spread", ACCENT),

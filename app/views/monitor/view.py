@@ -106,9 +106,8 @@ class MonitorView(QWidget):
         self.val_curve = self.loss_plot.plot(pen=pg.mkPen(ORANGE, width=2), symbol="o",
                                              symbolSize=6, symbolBrush=ORANGE,
                                              symbolPen=None, name="validation")
-        plots = [small_plot(*t) for t in (("Learning rate", "learning rate"),
-                                          ("Gradient norm", "norm (before clipping)"),
-                                          ("Clipped fraction", "share of gradients"),
+        plots = [small_plot(*t) for t in (("Learning rate", "lr"), ("Gradient norm", "L2 norm"),
+                                          ("Clipped fraction", "share"),
                                           ("Tokens / s", "tokens/s"))]
         self.lr_plot, self.grad_plot, self.clipped_plot, self.tps_plot = plots
         self.lr_curve, self.grad_curve, self.clipped_curve, self.tps_curve = (

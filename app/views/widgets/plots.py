@@ -77,6 +77,7 @@ def small_plot(title: str, y_label: str, grid: bool = False) -> pg.PlotWidget:
         item.getAxis(axis).setTextPen("#4d545c")
         item.getAxis(axis).setPen("#aab1b8")
         item.setLabel(axis, label, color="#4d545c", **{"font-size": "8pt"})
+        item.getAxis(axis).enableAutoSIPrefix(False)   # "(x0.001)" cut the label off
     return plot
 
 

@@ -1,0 +1,61 @@
+"""Monitor's controls (issue 29): Stop and save, then Resume, as the Runs screen resumes (the
+queue's resume for a paused job, a new job for a stopped or interrupted run with a checkpoint);
+tooltips on every control."""
+
+from __future__ import annotations
+
+import pytest
+from PySide6.QtWidgets import QPushButton
+
+from app.views.monitor.view import MonitorView
+from tests.views.conftest import untipped_inputs
+from tests.views.fake_runs import FakeRun
+
+
+@pytest.fixture
+def monitor(ctx, qtbot):
+    view = MonitorView(ctx)
+    qtbot.addWidget(view)
+    return view
+
+
+def test_stop_and_save_then_resume_from_the_monitor(qtbot, ctx, monitor):
+    fake = FakeRun(ctx.runs_root() / "run")
+    fake.step(3)
+    job_id = ctx.queue.add(fake.path)
+    ctx.queue.claim_next("worker-1")
+    ctx.select_run(fake.path)
+    qtbot.waitUntil(lambda: monitor.stop_save_button.isEnabled())
+    assert not monitor.resume_button.isEnabled()                   # running
+    monitor.stop_save_button.click()
+    assert ctx.queue.get(job_id).requested_action == "pause"
+    assert monitor.resume_button.isEnabled()             # withdraws the pause, as on Runs
+    ctx.queue.finish(job_id, "worker-1", "paused")       # the worker saved and stopped
+    fake.finish("paused")
+    qtbot.waitUntil(lambda: monitor.status.get("state") == "paused")
+    assert monitor.resume_button.isEnabled() and not monitor.stop_save_button.isEnabled()
+    with qtbot.waitSignal(ctx.runs_changed):
+        monitor.resume_button.click()
+    assert ctx.queue.get(job_id).state == "queued" and ctx.worker_starts == [1]
+    assert not monitor.resume_button.isEnabled() and monitor.stop_save_button.isEnabled()
+
+
+@pytest.mark.parametrize("state", ["paused", "interrupted"])
+def test_a_stopped_run_without_a_job_is_resumed_as_a_new_job(qtbot, ctx, monitor, state):
+    fake = FakeRun(ctx.runs_root() / "cli", status_state=state)
+    fake.step(3, status=False)
+    ctx.select_run(fake.path)
+    qtbot.waitUntil(lambda: monitor.status.get("state") == state)
+    assert not monitor.resume_button.isEnabled()               # no checkpoint to resume from
+    (fake.run.checkpoints_dir / "step-3").mkdir(parents=True)
+    fake.run.write_status(state=state, step=3, total_steps=100, fsync=False)
+    qtbot.waitUntil(lambda: monitor.resume_button.isEnabled())
+    monitor.resume_button.click()
+    jobs = ctx.queue.find(fake.path)
+    assert [j.state for j in jobs] == ["queued"] and ctx.worker_starts == [1]
+    assert not monitor.resume_button.isEnabled()
+
+
+def test_every_control_has_a_tooltip(monitor):
+    assert untipped_inputs(monitor) == []
+    assert [b.text() for b in monitor.findChildren(QPushButton) if not b.toolTip()] == []
