@@ -8,24 +8,37 @@ command that loads the result. An export that would replace an existing output a
 one whose output is one of its inputs is refused (the engine's rule, in the error panel).
 Perplexity on a text file (chunked as llama-perplexity) compares the base model, base +
 adapter and the last merged export (`compare_perplexity`), off the GUI thread too.
+
+Honest about what it shows: a result belongs to the inputs that made it, so changing the
+source, checkpoint, format, type or destination (or keeping the existing output at "Replace?")
+clears it (and the form is locked while an export runs); an export that failed verification
+says where it was moved aside; the size the export will write is shown before Export is pressed
+(`expected_export_size`, off the GUI thread) and the size written after; the checks' figures
+are explained in sentences (`explain_checks`); the engine's hints name command-line flags,
+which the window says in its own words (`window_words`); the llama.cpp cross-check is
+disabled, with the reason, when llama-cpp-python cannot be found.
 """
 
 from __future__ import annotations
 
+import copy
+import math
 import os
+import re
 import shlex
 from pathlib import Path
 
-from PySide6.QtCore import Qt, QUrl, Signal
+from PySide6.QtCore import QSignalBlocker, Qt, QTimer, QUrl, Signal
 from PySide6.QtGui import QDesktopServices
 from PySide6.QtWidgets import (QAbstractItemView, QCheckBox, QComboBox, QDoubleSpinBox,
                                QFileDialog, QGridLayout, QHBoxLayout, QHeaderView, QLabel,
                                QLineEdit, QMessageBox, QPlainTextEdit, QProgressBar,
-                               QPushButton, QSpinBox, QTableWidget, QTableWidgetItem, QVBoxLayout,
-                               QWidget)
+                               QPushButton, QScrollArea, QSpinBox, QTableWidget, QTableWidgetItem,
+                               QVBoxLayout, QWidget)
 
-from app.engine.api import (ConfigError, ExportTargetExists, RunDir, compare_perplexity, export,
-                            source_from_adapter, source_from_run)
+from app.engine.api import (ConfigError, EngineError, ExportTargetExists, RunDir,
+                            compare_perplexity, expected_export_size, export, human_bytes,
+                            llamacpp_python, source_from_adapter, source_from_run)
 from app.views.context import AppContext, Background
 from app.views.widgets.error_panel import ErrorPanel
 from app.views.widgets.run_best import FINAL, checkpoint_choices, choice_step
@@ -39,6 +52,107 @@ TYPES = {"gguf-lora": ("f32", "f16", "bf16", "q8_0"), "peft": ("f32", "f16"),
          "ollama": ("f32", "f16", "bf16", "q8_0"), "merged": ("f16", "f32", "bf16", "q8_0")}
 NEWEST = "newest"                  # no choice listed (no checkpoint yet): the newest one
 MARKS = {True: "\u2713 ok", False: "\u2717 FAILED", None: "\u2013 skipped"}
+NO_LLAMACPP = ("Not available: llama-cpp-python is not installed. Install it (pip install "
+               "'gguf-workbench[verify]') or set WORKBENCH_LLAMACPP_PYTHON to a Python that has "
+               "it, then restart the workbench; the export is still verified by the engine.")
+
+# The engine's hints name command-line flags; the window names its own controls instead.
+# Ordered: whole phrases before the flags they contain.
+WINDOW_WORDS = [
+    (r"workbench export \S+ --checkpoint STEP", "choose it in the Checkpoint list"),
+    (r"Pass --overwrite to replace it, or choose another path \(--out\)\.",
+     "Export again and answer Yes when asked to replace it, or choose another Destination."),
+    (r"not even when allowed to replace its output \(--overwrite\)",
+     "not even when you answer Yes to Replace"),
+    (r"not even with --overwrite", "not even when you answer Yes to Replace"),
+    (r"a smaller --ctx", "a smaller ctx (beside Perplexity)"),
+    (r"--to merged", "Format \u201cMerged GGUF model\u201d"),
+    (r"--to ollama", "Format \u201cOllama\u201d"),
+    (r"--type (\w+) \(or (\w+)\)", r"Tensor type \1 (or \2)"),
+    (r"--type (\w+) or (\w+)", r"Tensor type \1 or \2"),
+    (r"--type (\w+)", r"Tensor type \1"),
+    (r"\(--out\)", "(Destination)"),
+]
+
+
+def in_window_words(text: str) -> str:
+    """The engine's `text` (a hint, a check's detail) with WINDOW_WORDS applied."""
+    for pattern, words in WINDOW_WORDS:
+        text = re.sub(pattern, words, text)
+    return text
+
+
+def window_words(error: BaseException) -> BaseException:
+    """`error` as the window says it: an EngineError's message and hint in_window_words (a
+    copy; the engine's error, written to logs and reports, keeps its flags)."""
+    if not isinstance(error, EngineError):
+        return error
+    said = copy.copy(error)
+    said.message, said.hint = in_window_words(error.message), in_window_words(error.hint)
+    said.args = (said.message,)
+    return said
+
+
+def _ppl(nll: float) -> str:
+    return f"{math.exp(nll):,.1f}" if nll < 700 else "over 10^300"
+
+
+def explain_check(check) -> str:
+    """One check's figures in a sentence (empty for the checks whose detail says it all)."""
+    name, d = check.name.rsplit(" ", 1)[-1], check.data
+    if name == "kept" and "live_nll" in d:          # verify.nll_check: "adapter kept"
+        merged, live, base = d["merged_nll"], d["live_nll"], d["base_nll"]
+        said = (f"On a short held-out English passage (fixed, not your data), the merged model's "
+                f"perplexity is {_ppl(merged)} and base + adapter's {_ppl(live)}: "
+                f"{d['relative_diff']:.2%} apart in mean loss, ")
+        said += ("within the 1% allowed, so the merge keeps the adapter's effect." if check.ok
+                 else "more than the 1% allowed: the merge loses part of the adapter's effect.")
+        said += (f" The base alone scores {_ppl(base)}: the adapter makes this general text "
+                 f"{'more' if live < base else 'less'} predictable.")
+        if live > math.log(1000):
+            said += (" A perplexity this high means the model hardly predicts this passage (a "
+                     "tiny test model, or text unlike its training); the check compares the "
+                     "merge with base + adapter, it does not rate the model.")
+        return said
+    if name == "logits" and "max_abs_diff" in d:
+        ref = d.get("reference", "")
+        if check.ok:
+            return (f"Read back, the export predicts the same next-token scores as {ref}: the "
+                    f"largest difference is {d['max_abs_diff']:.2g}, under the "
+                    f"{d['tolerance']:.2g} allowed for rounding noise.")
+        return (f"Read back, the export's next-token scores differ from {ref} by up to "
+                f"{d['max_abs_diff']:.2g} (allowed {d['tolerance']:.2g}): it does not compute "
+                "what was trained.")
+    if name == "drift" and "max_abs_diff" in d:
+        return (f"Storing fewer bits moves the next-token scores by up to "
+                f"{d['max_abs_diff']:.2g} from the trained adapter's (for information: a "
+                "rounding cost, not a fault).")
+    if name == "llamacpp":
+        if d.get("skipped") == "disabled":
+            return "The llama.cpp cross-check was turned off for this export."
+        if check.ok is None:
+            why = check.detail.removeprefix("skipped: ").removeprefix("inconclusive: ")
+            return f"The llama.cpp cross-check did not run: {why}."
+        return (f"llama.cpp {'computes the same' if check.ok else 'computes different'} "
+                f"next-token scores as the engine (difference {d.get('max_abs_diff', 0):.2g}, "
+                f"allowed {d.get('tolerance', 0):.2g}).")
+    return ""
+
+
+def explain_checks(report) -> str:
+    """The report's figures in words, the failed checks first."""
+    ordered = sorted(report.checks, key=lambda c: c.ok is not False)
+    return "\n".join(filter(None, (explain_check(c) for c in ordered)))
+
+
+def written_size(report) -> int:
+    """The bytes of the files the export wrote (those still there)."""
+    return sum(os.path.getsize(f) for f in report.files if os.path.isfile(f))
+
+
+def expected_size(spec: dict) -> int:
+    """The bytes the export of `spec` will write (runs in a worker thread: reads the source)."""
+    return expected_export_size(export_source(spec), spec["format"], spec["type"])
 
 
 def export_source(spec: dict):
@@ -102,6 +216,9 @@ class ExportView(QWidget):
         self.report = None
         self.run_dir = ""
         self._bg = Background(self, max_threads=1)
+        self._sizes = Background(self, max_threads=1)     # not queued behind an export
+        self._size_timer = QTimer(self, singleShot=True, interval=250)   # typing: once
+        self.expected = None          # bytes the export will write (None: unknown yet)
         self._build()
         self._layout()
         self._connect()
@@ -128,12 +245,13 @@ class ExportView(QWidget):
                                     singleStep=0.1)
         self.out_field = QLineEdit()
         self._out_browse = QPushButton("Browse\u2026")
-        self.llamacpp_box = QCheckBox("Also compare with llama.cpp when llama-cpp-python is "
-                                      "installed", checked=True)
+        self.llamacpp_box = QCheckBox("Also compare with llama.cpp (llama-cpp-python)",
+                                      checked=True)
         self.export_button = QPushButton("Export", objectName="primaryButton")
         self.busy = QProgressBar(textVisible=False, maximumWidth=160, maximumHeight=6)
         self.busy.setRange(0, 0)
         self.busy.hide()
+        self.size_label = QLabel(textFormat=Qt.PlainText, wordWrap=True)
 
         self.badge = QLabel(objectName="reportBadge")
         self.badge.hide()
@@ -146,6 +264,9 @@ class ExportView(QWidget):
         self.checks_table.horizontalHeader().setSectionResizeMode(0, QHeaderView.ResizeToContents)
         self.checks_table.horizontalHeader().setSectionResizeMode(1, QHeaderView.ResizeToContents)
         self.checks_table.horizontalHeader().setStretchLastSection(True)
+        self.checks_table.setMinimumHeight(120)
+        self.explain_label = QLabel(textFormat=Qt.PlainText, wordWrap=True)
+        self.explain_label.hide()
         self.report_text = QPlainTextEdit(readOnly=True, objectName="reportText")
         self.report_text.setMaximumHeight(130)
         self.open_folder = QPushButton("Open folder")
@@ -182,20 +303,31 @@ class ExportView(QWidget):
             self._rows[label] = [name, *widgets]
             for w in self._rows[label]:
                 w.setToolTip(EXPORT_TIPS[label])
+        self.llamacpp_missing = llamacpp_python() is None
+        if self.llamacpp_missing:                # the cross-check cannot run: say why
+            self.llamacpp_box.setChecked(False)
+            self.llamacpp_box.setEnabled(False)
+            self.llamacpp_box.setToolTip(NO_LLAMACPP)
         g.setColumnStretch(1, 1)
         actions = QHBoxLayout()
         actions.addWidget(self.export_button)
         actions.addWidget(self.busy)
-        actions.addStretch(1)
+        actions.addWidget(self.size_label, 1)
         head = QHBoxLayout()
         head.addWidget(self.badge)
         head.addWidget(self.report_title, 1)
         head.addWidget(self.open_folder)
 
-        layout = QVBoxLayout(self)
-        layout.setContentsMargins(16, 12, 16, 12)
-        layout.addWidget(self.error_panel)
-        form = QWidget(maximumWidth=860)
+        outer = QVBoxLayout(self)               # the error on top; the rest scrolls if short
+        outer.setContentsMargins(16, 12, 16, 12)
+        outer.addWidget(self.error_panel)
+        self.scroll = QScrollArea(widgetResizable=True, frameShape=QScrollArea.NoFrame)
+        outer.addWidget(self.scroll, 1)
+        page = QWidget()
+        self.scroll.setWidget(page)
+        layout = QVBoxLayout(page)
+        layout.setContentsMargins(0, 0, 4, 0)
+        self.form = form = QWidget(maximumWidth=860)
         form.setLayout(g)
         g.setContentsMargins(0, 0, 0, 0)
         layout.addWidget(form)
@@ -203,6 +335,7 @@ class ExportView(QWidget):
         layout.addSpacing(6)
         layout.addLayout(head)
         layout.addWidget(self.checks_table, 1)
+        layout.addWidget(self.explain_label)
         layout.addWidget(self.report_text)
         evaluate = QHBoxLayout()
         evaluate.addWidget(QLabel("Evaluate on", objectName="formLabel"))
@@ -215,6 +348,12 @@ class ExportView(QWidget):
 
     def _connect(self) -> None:
         self.source_box.currentIndexChanged.connect(self._update_fields)
+        for signal in (self.source_box.currentIndexChanged, self.format_box.currentIndexChanged,
+                       self.type_box.currentIndexChanged, self.checkpoint_box.currentIndexChanged,
+                       self.adapter_field.textChanged, self.model_field.textChanged,
+                       self.scale.valueChanged, self.out_field.textChanged):
+            signal.connect(self._inputs_changed)
+        self._size_timer.timeout.connect(self._estimate_size)
         self._adapter_browse.clicked.connect(
             lambda: self._browse(self.adapter_field, "LoRA adapter"))
         self._model_browse.clicked.connect(lambda: self._browse(self.model_field, "Base model"))
@@ -231,6 +370,8 @@ class ExportView(QWidget):
 
     # ---------------------------------------------------------------- inputs
     def follow_run(self, run_dir: str) -> None:
+        if run_dir != self.run_dir:
+            self._inputs_changed()
         self.run_dir = run_dir
         self.run_label.setText(run_dir or "No run selected: pick one in Runs, or export an "
                                           "adapter file.")
@@ -243,15 +384,18 @@ class ExportView(QWidget):
         self._update_fields()
 
     def _fill_checkpoints(self) -> None:
+        """List the run's checkpoints again, keeping the choice; only a choice that changed
+        (it is gone, or another run) counts as changed inputs."""
         box = self.checkpoint_box
-        current = box.currentData()
-        box.clear()
-        if not self.run_dir:
-            return
-        for data, label in checkpoint_choices(self.run_dir):     # the best first
-            box.addItem(label, data)
-        i = box.findData(current)
-        box.setCurrentIndex(max(i, 0))
+        current, text = box.currentData(), box.currentText()
+        with QSignalBlocker(box):
+            box.clear()
+            if self.run_dir:
+                for data, label in checkpoint_choices(self.run_dir):     # the best first
+                    box.addItem(label, data)
+                box.setCurrentIndex(max(box.findData(current), 0))
+        if (box.currentData(), box.currentText()) != (current, text):
+            self._inputs_changed()
 
     def showEvent(self, event) -> None:          # noqa: N802 -- Qt override
         super().showEvent(event)
@@ -282,6 +426,47 @@ class ExportView(QWidget):
             f"default: {os.path.join(self.run_dir, 'exports', names[fmt])}"
             if from_run and self.run_dir else "where to write the export")
 
+    def _inputs_changed(self, *_) -> None:
+        """What is shown was made from other inputs: clear it, and estimate the size anew."""
+        self.clear_result()
+        self.expected = None
+        self.size_label.setText("")
+        self._sizes.cancel("size")
+        self._size_timer.start()
+
+    def clear_result(self) -> None:
+        """Forget the last export's result (badge, report, checks, written size)."""
+        self.report = None
+        self.badge.hide()
+        self.report_title.setText("")
+        self.checks_table.setRowCount(0)
+        self.explain_label.hide()
+        self.explain_label.setText("")
+        self.report_text.setPlainText("")
+        self.open_folder.setEnabled(False)
+        self.eval_label.setText("")            # measured with the last merged export
+
+    def _estimate_size(self) -> None:
+        spec = self.spec()
+        if (spec["source"] == "run" and not spec["run_dir"]) or (
+                spec["source"] == "file" and not (spec["adapter"] and spec["model"])):
+            return
+        self.size_label.setText("Size: estimating\u2026")
+        self._sizes.run("size", expected_size, spec, on_done=self._on_size,
+                        on_error=self._on_size_error)
+
+    def _on_size(self, size: int) -> None:
+        self.expected = size
+        self.size_label.setText(f"Will write about {human_bytes(size)}")
+
+    def _on_size_error(self, error: BaseException) -> None:
+        """The estimate reads the source as the export does: its ConfigError (no adapter
+        for this format, a missing file) is why the export would fail, said before it does."""
+        said = window_words(error)
+        text = said.message if isinstance(said, EngineError) else f"{type(error).__name__}: {error}"
+        hint = getattr(said, "hint", "")
+        self.size_label.setText(f"Size unknown: {text}" + (f" {hint}" if hint else ""))
+
     def spec(self) -> dict:
         return {"source": self.source_box.currentData(), "run_dir": self.run_dir,
                 "checkpoint": self.checkpoint_box.currentData() or NEWEST,
@@ -290,7 +475,9 @@ class ExportView(QWidget):
                 "format": self.format_box.currentData(),
                 "type": self.type_box.currentData() or "f32", "scale": self.scale.value(),
                 "out": os.path.expanduser(self.out_field.text().strip()),
-                "llamacpp": self.llamacpp_box.isChecked(), "overwrite": False}
+                # missing, it is still asked for: the report then says why it did not run
+                "llamacpp": self.llamacpp_box.isChecked() or self.llamacpp_missing,
+                "overwrite": False}
 
     def set_format(self, fmt: str, adapter_type: str | None = None) -> None:
         self.format_box.setCurrentIndex(self.format_box.findData(fmt))
@@ -314,10 +501,12 @@ class ExportView(QWidget):
         if problem is not None:
             self.error_panel.present("Cannot export yet", problem)
             return
+        self.clear_result()                      # what was shown is not this export's
         self._run_export(spec)
 
     def _run_export(self, spec: dict) -> None:
         self.export_button.setEnabled(False)
+        self.form.setEnabled(False)              # the inputs stay those of the result to come
         self.busy.show()
         self.report_title.setText("Exporting and verifying\u2026")
         self._bg.run("export", do_export, spec, on_done=self._on_report,
@@ -329,12 +518,13 @@ class ExportView(QWidget):
             self._run_export(dict(spec, overwrite=True))
             return
         self.export_button.setEnabled(True)
+        self.form.setEnabled(True)
         self.busy.hide()
-        self.report_title.setText("")
+        self.report_title.setText("")            # the result was cleared at the start
         if kept:
             self.ctx.status(f"Export cancelled: {error.path} kept")
         else:
-            self.error_panel.present("The export failed", error)
+            self.error_panel.present("The export failed", window_words(error))
         self.export_finished.emit(error)
 
     def _confirm_replace(self, path: Path) -> bool:
@@ -346,6 +536,7 @@ class ExportView(QWidget):
 
     def _on_report(self, report) -> None:
         self.export_button.setEnabled(True)
+        self.form.setEnabled(True)
         self.busy.hide()
         self.report = report
         self.badge.setText("VERIFIED" if report.ok else "FAILED VERIFICATION")
@@ -356,12 +547,18 @@ class ExportView(QWidget):
         self.report_title.setText(
             f"{report.format}: {report.path}" + (f"  \u00b7  max |logit diff| {diff:.2e}"
                                                  if diff is not None else ""))
+        explained = explain_checks(report)
+        self.explain_label.setText(explained)
+        self.explain_label.setVisible(bool(explained))
+        size = written_size(report)
+        self.size_label.setText(f"Wrote {human_bytes(size)}" + (
+            f" (expected about {human_bytes(self.expected)})" if self.expected else ""))
         t = self.checks_table
         t.setRowCount(len(report.checks))
         for i, c in enumerate(report.checks):
             info = c.ok is None and c.data.get("informational")
             mark = "\u2139 info" if info else MARKS[c.ok]
-            for col, text in enumerate((mark, c.name, c.detail)):
+            for col, text in enumerate((mark, c.name, in_window_words(c.detail))):
                 item = QTableWidgetItem(text)
                 item.setToolTip(text)
                 if c.ok is False:
@@ -371,8 +568,12 @@ class ExportView(QWidget):
         lines = []
         if not report.ok:
             lines.append("This export FAILED verification: do not use it. See the checks above.")
+        if report.moved_from:
+            lines.append(f"It was not written to {report.moved_from} (anything there is as "
+                         f"it was): it was moved aside to {report.path}.")
         lines += [f"warning: {w}" for w in report.warnings]
-        lines.append("Use it: " + usage_command(report, model))
+        if report.ok:                            # a failed one is not to be used
+            lines.append("Use it: " + usage_command(report, model))
         lines += [f"file: {f}" for f in report.files]
         lines += [f"report: {p}" for p in report.report_paths]
         self.report_text.setPlainText("\n".join(lines))
@@ -408,7 +609,7 @@ class ExportView(QWidget):
     def _on_perplexity_error(self, error: BaseException) -> None:
         self.eval_button.setEnabled(True)
         self.eval_label.setText("")
-        self.error_panel.present("Perplexity failed", error)
+        self.error_panel.present("Perplexity failed", window_words(error))
 
     def failed_checks(self) -> list[str]:
         return [c.name for c in self.report.failed] if self.report is not None else []
