@@ -60,6 +60,7 @@ class Registry:
     entries: list[dict] = field(default_factory=list)
     forgotten: set[str] = field(default_factory=set)
     unreadable: list[int] = field(default_factory=list)
+    path: str = ""                                       # the file read
 
 
 def read_registry() -> Registry:
@@ -72,7 +73,7 @@ def read_registry() -> Registry:
         return Registry()
     except OSError as e:
         raise storage_error(e, path, "read") from None
-    found = Registry()
+    found = Registry(path=str(path))
     entries: dict[str, dict] = {}
     for number, line in enumerate(lines, 1):
         if not line.strip():

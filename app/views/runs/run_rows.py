@@ -1,38 +1,35 @@
 """What the Runs screen lists: one `RunRow` per run directory, gathered off the GUI thread.
 
-`collect_runs(queue, runs_root, registered)` reads the queue's jobs, the runs folder, the
-registered runs (`registered_run_paths`: made by the window, the CLI or Python, wherever their folder
-is; `Registered` re-reads that list every REGISTRY_S seconds) and each run's
-status.json (a GRPO run's latest mean reward included) and its new events (the best evaluation,
-when it started); config.json is re-read only when it changed. A listed folder that is gone
-shows as "missing".
+`RunLister()(queue, runs_root)` runs in the reader thread and returns a `Listing`: rows for the
+queue's jobs, the runs folder's runs and the registered runs (`read_registry`: made by the
+window, the CLI or Python, wherever their folder is), each from its status.json (a GRPO run's
+latest mean reward included), its new events (the best evaluation, when it started) and
+config.json (re-read only when it changed). A listed folder that is gone shows as "missing".
+
+At scale (10,000 runs) two rules keep it cheap: the registry and the runs folder are listed
+again only every REGISTRY_S seconds (or after `invalidate`, when the window changed a run), and
+a run is read again only when its files changed (the size, time and inode of config.json,
+status.json, metrics.jsonl and checkpoints/, and its job): an unchanged run keeps its `RunRow`
+object, so the GUI thread updates only the rows that are new objects. A "running" status is
+read every time (a writer that died makes it "interrupted" without a file changing).
+
+A registry that cannot be read, or lines of it that name no run, are `Listing.problem`: the
+screen says so instead of showing fewer runs without a word.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from app.engine.api import GRPO, SFT, EngineError, Job, RunDir, list_runs, registered_run_paths
+from app.engine.api import GRPO, SFT, EngineError, Job, RunDir, list_runs, read_registry
 from app.views.widgets.run_best import Best, BestTracker
 
 REQUESTED = {"pause": "pausing\u2026", "cancel": "cancelling\u2026"}
 STALE_S = 300            # a terminal run whose status has not changed for this long: stalled?
 REGISTRY_S = 10.0        # how often the list of registered runs is read again
-
-
-class Registered:
-    """The paths of the registered runs, read again when older than REGISTRY_S."""
-
-    def __init__(self):
-        self._read_at, self._paths = float("-inf"), []
-
-    def __call__(self) -> list[str]:
-        if time.monotonic() - self._read_at > REGISTRY_S:
-            self._paths = registered_run_paths()          # paths only: rows read them
-            self._read_at = time.monotonic()
-        return self._paths
 
 
 @dataclass
@@ -58,15 +55,21 @@ class RunRow:
     updated_at: float = 0.0
     stalled: bool = False    # no process advances it: interrupted, or no update for STALE_S
     status: dict = field(default_factory=dict)
+    renamed: bool = False    # `name` is a display name given in the window (not the folder's)
+
+    @property
+    def folder(self) -> str:
+        return os.path.basename(self.path)
 
     @property
     def label(self) -> str:
-        """The state as shown: 'running (pausing...)', 'running?' for a stalled terminal run."""
+        """The state as shown: 'running (pausing...)', 'running?' for a stalled run of the command
+        line."""
         if self.job is not None and self.job.requested_action in REQUESTED:
             return f"{self.state} ({REQUESTED[self.job.requested_action]})"
         if self.stalled and self.state == "running":
             return f"{self.state}? (no update for {(time.time() - self.updated_at) / 60:.0f} min)"
-        return self.state + ("" if self.job else " (terminal)" if self.state == "running" else "")
+        return self.state           # outside the queue: the Where column's tooltip says so
 
 
 _configs: dict[str, tuple] = {}      # path -> (mtime, model name, epochs, kind, dataset name)
@@ -93,15 +96,17 @@ def _config_summary(run: RunDir) -> tuple[str, int, str, str, float | None]:
     return (*cached[1:], mtime)
 
 
-def _read_row(path: str, job: Job | None) -> RunRow:
+def _read_row(path: str, job: Job | None, name: str | None = None) -> RunRow:
     run = RunDir(path)
+    shown = name or run.name
     try:
         status = run.status()
     except EngineError:
         status = {}
     model, epochs, kind, dataset, config_time = _config_summary(run)
     if config_time is None and not run.path.exists():
-        return RunRow(path=str(run.path), name=run.name, state="missing", job=job)
+        return RunRow(path=str(run.path), name=shown, state="missing", job=job,
+                      renamed=bool(name))
     best, started = _tracker.best(run, kind)
     state = job.state if job is not None else str(status.get("state") or "new")
     error = job.error if job is not None and job.error else status.get("error")
@@ -112,41 +117,109 @@ def _read_row(path: str, job: Job | None) -> RunRow:
     updated = float(status.get("updated_at") or 0.0)
     total = int(status.get("total_steps") or 0)
     return RunRow(
-        path=str(run.path), name=run.name, state=state, job=job,
+        path=str(run.path), name=shown, state=state, job=job,
         step=int(status.get("step") or 0), total=total,
         eta_s=status.get("eta_s") if state == "running" else None, loss=status.get("loss"),
         reward=status.get(GRPO.metric) if kind == GRPO.name else None, kind=kind,
         model=model, dataset=dataset, created=started or config_time,
         duration_s=status.get("elapsed_s"), best=best, epochs=epochs,
         has_checkpoint=has_ckpt, error=error if isinstance(error, dict) else None,
-        updated_at=updated, status=status,
+        updated_at=updated, status=status, renamed=bool(name),
         stalled=job is None and (state == "interrupted" or (
             state == "running" and updated > 0 and time.time() - updated > STALE_S)))
 
 
-def collect_runs(queue, runs_root, registered: list[str]) -> list[RunRow]:
-    """Rows for the queue's jobs (the newest job of each run directory; running and pending
-    ones first, in queue order), then the runs under `runs_root` and the `registered` run
-    directories that are not in the queue (most recently updated first, with the finished
-    jobs; missing folders last)."""
-    try:
-        jobs = queue.list()
-    except EngineError:
-        jobs = []
-    newest: dict[str, Job] = {}
-    for job in jobs:
-        key = str(RunDir(job.run_dir).path)
-        if key not in newest or job.id > newest[key].id:
-            newest[key] = job
-    rows = [_read_row(path, job) for path, job in newest.items()]
-    known = set(newest)
-    paths = [str(r.path) for r in list_runs(runs_root)] + registered
-    rows += [_read_row(path, None) for path in dict.fromkeys(paths) if path not in known]
-    order = {job.id: i for i, job in enumerate(jobs)}
-    active = [r for r in rows if r.job is not None and r.job.state in ("running", "queued",
-                                                                       "paused")]
-    active.sort(key=lambda r: order[r.job.id])
-    rest = [r for r in rows if r.job is None or r.job.state not in ("running", "queued",
-                                                                    "paused")]
-    rest.sort(key=lambda r: -(r.updated_at or (r.job.finished_at if r.job else 0) or 0))
-    return active + rest
+def _signature(path: str) -> tuple:
+    """What says a run changed: each file's (mtime, size, inode), None where it is absent."""
+    out = []
+    for name in ("config.json", "status.json", "metrics.jsonl", "checkpoints"):
+        try:
+            st = os.stat(os.path.join(path, name))
+        except (OSError, ValueError):
+            out.append(None)
+        else:
+            out.append((st.st_mtime_ns, st.st_size, st.st_ino))
+    return tuple(out)
+
+
+@dataclass
+class Listing:
+    rows: list[RunRow]
+    problem: str = ""        # the registry (or lines of it) could not be read: say so
+
+
+class RunLister:
+    """The Runs screen's reader: call it in the reader thread; see the module docstring."""
+
+    def __init__(self):
+        self._listed_at = float("-inf")
+        self._paths: list[str] = []                   # the runs folder's, then the registry's
+        self._names: dict[str, str] = {}              # display names given in the window
+        self._forgotten: set[str] = set()             # deleted in the window: not listed
+        self._problem = ""
+        self._rows: dict[str, tuple[tuple, RunRow]] = {}
+
+    def invalidate(self) -> None:
+        """List the registry and the runs folder again at the next call (a run was made,
+        renamed or deleted)."""
+        self._listed_at = float("-inf")
+
+    def _list(self, runs_root) -> None:
+        self._listed_at = time.monotonic()
+        try:
+            found = read_registry()
+        except EngineError as e:                     # keep what was listed before
+            self._problem = f"The list of runs could not be read: {e.message}"
+        else:
+            entries = sorted(found.entries, key=lambda e: -(e["created"] or 0))
+            self._names = {e["path"]: e["name"] for e in entries if e.get("name")}
+            self._forgotten = found.forgotten
+            registered = [e["path"] for e in entries]
+            self._paths = [str(r.path) for r in list_runs(runs_root)] + registered
+            self._problem = "" if not found.unreadable else (
+                f"{len(found.unreadable)} line(s) of the list of runs could not be read and "
+                f"were skipped (line {', '.join(map(str, found.unreadable[:5]))}"
+                f"{', ...' if len(found.unreadable) > 5 else ''} of "
+                f"{found.path}): a run registered there is not shown.")
+
+    def _row(self, path: str, job: Job | None) -> RunRow:
+        name = self._names.get(path)
+        signature = (_signature(path), job, name)
+        cached = self._rows.get(path)
+        if cached is not None and cached[0] == signature and cached[1].status.get(
+                "state") != "running":
+            return cached[1]
+        row = _read_row(path, job, name)
+        self._rows[path] = (signature, row)
+        return row
+
+    def __call__(self, queue, runs_root) -> Listing:
+        """Rows for the queue's jobs (the newest job of each run directory; running and
+        pending ones first, in queue order), then the runs folder's and the registered runs
+        that are not in the queue (most recently updated first, with the finished jobs;
+        missing folders last)."""
+        if time.monotonic() - self._listed_at > REGISTRY_S:
+            self._list(runs_root)
+        try:
+            jobs = queue.list()
+        except EngineError:
+            jobs = []
+        newest: dict[str, Job] = {}
+        for job in jobs:
+            key = str(RunDir(job.run_dir).path)
+            if key not in newest or job.id > newest[key].id:
+                newest[key] = job
+        rows = [self._row(path, job) for path, job in newest.items()
+                if path not in self._forgotten or job.state in ("running", "queued", "paused")]
+        rows += [self._row(path, None) for path in dict.fromkeys(self._paths)
+                 if path not in newest and path not in self._forgotten]
+        listed = {r.path for r in rows}
+        self._rows = {p: v for p, v in self._rows.items() if p in listed}
+        order = {job.id: i for i, job in enumerate(jobs)}
+        active = [r for r in rows if r.job is not None and r.job.state in ("running", "queued",
+                                                                           "paused")]
+        active.sort(key=lambda r: order[r.job.id])
+        rest = [r for r in rows if r.job is None or r.job.state not in ("running", "queued",
+                                                                        "paused")]
+        rest.sort(key=lambda r: -(r.updated_at or (r.job.finished_at if r.job else 0) or 0))
+        return Listing(active + rest, self._problem)

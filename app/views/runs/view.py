@@ -4,84 +4,43 @@ were created, how long they ran, their steps, their best evaluation (validation 
 run's held-out reward, and its step), where they run (this computer or a cluster, and the
 attempt from the second on) and their status, and the actions on them.
 
-The rows are gathered in the reader thread (`run_rows.collect_runs`: the queue's jobs,
-`list_runs`, each run's status.json) every second and applied on the GUI thread; actions call the job
-queue and refresh at once. A failed run's stored error (kind, message, hint, detail) shows in
-the error panel. Test-visible state: `rows` (list of `RunRow`), `table`, `error_panel`,
-`selected_row()`, and the action methods (`move_up`, `cancel`, `pause_or_resume`, `retry`,
-`resume_from_checkpoint`, `extend`, `open_folder`).
+The rows are gathered in the reader thread every second (`run_rows.RunLister`: only the runs
+whose files changed are read again) and shown by a model (`table.RunsModel`), so 10,000 runs
+keep the window responsive; a list of runs that cannot be read (or lines of it) is said above
+the table. Headers sort, the filter box matches name, model, dataset, type and state. A details
+pane (collapsible) shows the selected run's paths, best checkpoint, settings, exports and
+evaluations. Actions call the job queue and refresh at once; "Continue" is the one way to go on
+with a run from its last checkpoint (a paused job, a failed or cancelled one, a run stopped
+outside the queue). Rename gives a display name (the folder keeps its name: the queue and other
+runs name it by path); Delete moves the folder to the trash after asking, and refuses a run
+that is queued or running. A failed run's stored error (kind, message, hint, detail) shows in
+the error panel. Test-visible state: `rows` (list of `RunRow`, all of them), `model` (what the
+table shows), `text(i, column)`, `error_panel`, `problem_label`, `details`, `selected_row()`,
+and the action methods.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from datetime import datetime
 
-from PySide6.QtCore import Qt, QUrl
-from PySide6.QtGui import QColor, QDesktopServices
-from PySide6.QtWidgets import (QAbstractItemView, QHBoxLayout, QHeaderView, QLabel, QProgressBar,
-                               QPushButton, QSpinBox, QTableWidget, QTableWidgetItem, QVBoxLayout,
-                               QWidget)
+from PySide6.QtCore import QFile, Qt, QUrl
+from PySide6.QtGui import QDesktopServices
+from PySide6.QtWidgets import (QAbstractItemView, QHBoxLayout, QHeaderView, QInputDialog, QLabel,
+                               QLineEdit, QMessageBox, QPushButton, QSpinBox, QSplitter,
+                               QTableView, QVBoxLayout, QWidget)
 
-from app.engine.api import KINDS, LOCAL, ConfigError, EngineError, JobStateError, RunDir
-from app.views.runs.run_rows import Registered, RunRow, collect_runs
+from app.engine.api import (ConfigError, EngineError, JobStateError, RunDir, forget_run,
+                            rename_run)
+from app.views.runs.details import DetailsPane
+from app.views.runs.run_rows import Listing, RunLister, RunRow
+from app.views.runs.table import (COL, COLUMNS, PADDING, PATH_ROLE, SAMPLES, ProgressDelegate,
+                                  RunsModel)
 from app.views.widgets.error_panel import BUG_HINT, ErrorPanel
-from app.views.widgets.run_tail import BackgroundPoll, clock
+from app.views.widgets.run_tail import BackgroundPoll
 
-COLUMNS = ("Run", "Type", "Model", "Dataset", "Created", "Duration", "Steps", "Best", "Where",
-           "Status")
-COL = {name: i for i, name in enumerate(COLUMNS)}
-STATE_COLORS = {"running": "#2f6fde", "done": "#2e7d4f", "failed": "#c0392b",
-                "cancelled": "#6a737d", "paused": "#a15c07", "queued": "#4d545c",
-                "missing": "#a0a7ae"}
-
-
-def best_text(row: RunRow) -> str:
-    """The best evaluation ("validation 1.37 at step 120"), else the latest loss or reward."""
-    if row.best is not None:
-        return f"{row.best.metric} {row.best.value:.3f} at step {row.best.step}"
-    latest = row.reward if row.reward is not None else row.loss
-    name = "reward" if row.reward is not None else "loss"
-    return f"{name} {latest:.3f} (latest)" if isinstance(latest, (int, float)) else ""
-
-
-def status_text(row: RunRow) -> str:
-    """The state, the ETA of a running run, the job's number."""
-    text = row.label
-    if row.eta_s is not None:
-        text += f" \u00b7 ETA {clock(row.eta_s)}"
-    if row.job is not None:
-        text += f" \u00b7 job {row.job.id}"
-    return text
-
-
-def attempt_of(row: RunRow) -> int:
-    """The job's attempt: a cluster job's submissions (Job.attempt), a local job's worker
-    deaths + 1 once it has started; 0 before."""
-    job = row.job
-    if job is None:
-        return 0
-    if job.executor != LOCAL:
-        return job.attempt
-    return job.attempts + 1 if job.started_at or job.attempts else 0
-
-
-def where_text(row: RunRow) -> tuple[str, str]:
-    """(text, tooltip) of the Where column: "this computer" or the cluster's name, and the
-    attempt from the second on ("lab \u00b7 attempt 2")."""
-    job = row.job
-    place = "this computer" if job is None or job.executor == LOCAL else job.executor
-    n = attempt_of(row)
-    text = place + (f" \u00b7 attempt {n}" if n > 1 else "")
-    if job is None:
-        return text, "Run here, outside the queue (the command line)"
-    tip = (f"Job {job.id} runs on this computer" if job.executor == LOCAL
-           else f"Job {job.id} runs on cluster {job.executor}")
-    if n:
-        tip += f", attempt {n}"
-    sid = (job.handle or {}).get("submission_id")
-    return text, tip + (f" (Ray submission {sid})" if sid else "")
+__all__ = ["COL", "COLUMNS", "RunsView", "error_from_dict"]
+ACTIVE = ("running", "queued", "paused")
 
 
 def error_from_dict(error: dict) -> EngineError:
@@ -93,15 +52,6 @@ def error_from_dict(error: dict) -> EngineError:
     return exc
 
 
-def _progress_cell() -> QWidget:
-    cell = QWidget()
-    box = QHBoxLayout(cell)
-    box.setContentsMargins(6, 0, 6, 0)
-    cell.bar = QProgressBar(textVisible=True, maximumHeight=16, alignment=Qt.AlignCenter)
-    box.addWidget(cell.bar)
-    return cell
-
-
 class RunsView(QWidget):
     """Every queued job and every run folder; see the module docstring."""
 
@@ -110,135 +60,185 @@ class RunsView(QWidget):
         self.ctx = ctx
         self.rows: list[RunRow] = []
         self.open_url = QDesktopServices.openUrl            # replaced in tests
+        self.confirm = self._confirm                        # replaced in tests
+        self.ask_name = self._ask_name                      # replaced in tests
+        self.trash = QFile.moveToTrash                      # replaced in tests
         self._selected: str | None = None
 
         title = QLabel("Queue and runs", objectName="pageTitle")
         self.summary = QLabel(objectName="pageSubtitle")
-        self.table = QTableWidget(0, len(COLUMNS))
-        self.table.setHorizontalHeaderLabels(COLUMNS)
-        self.table.setSelectionBehavior(QAbstractItemView.SelectRows)
-        self.table.setSelectionMode(QAbstractItemView.SingleSelection)
-        self.table.setEditTriggers(QAbstractItemView.NoEditTriggers)
-        self.table.verticalHeader().setVisible(False)
-        self.table.setAlternatingRowColors(True)
-        header = self.table.horizontalHeader()
-        header.setSectionResizeMode(QHeaderView.ResizeToContents)
-        for name in ("Run", "Model", "Dataset", "Best", "Status"):   # share the width: the
-            header.setSectionResizeMode(COL[name], QHeaderView.Stretch)  # table fits, no scroll
-        self.table.setTextElideMode(Qt.ElideMiddle)
-        header.setSectionResizeMode(COL["Steps"], QHeaderView.Fixed)
-        self.table.setColumnWidth(COL["Steps"], 100)
-        self.table.itemSelectionChanged.connect(self._on_selection)
-        self.table.cellDoubleClicked.connect(lambda *_: self.ctx.show_screen("monitor"))
+        self.problem_label = QLabel(objectName="runsProblem", wordWrap=True)
+        self.problem_label.setStyleSheet("color: #a15c07;")
+        self.problem_label.hide()
+        self.filter_box = QLineEdit(placeholderText="Filter: name, model, dataset, type, state",
+                                    clearButtonEnabled=True, toolTip=(
+                                        "Show only the runs whose name, model, dataset, type "
+                                        "or state contain every word typed here"))
+        self.filter_box.textChanged.connect(self._on_filter)
+
+        self.model = RunsModel(self)
+        t = self.table = QTableView()
+        t.setModel(self.model)
+        t.setSelectionBehavior(QAbstractItemView.SelectRows)
+        t.setSelectionMode(QAbstractItemView.SingleSelection)
+        t.setEditTriggers(QAbstractItemView.NoEditTriggers)
+        t.setAlternatingRowColors(True)
+        t.setTextElideMode(Qt.ElideMiddle)                  # a long name keeps both ends
+        t.setWordWrap(False)
+        t.setItemDelegateForColumn(COL["Steps"], ProgressDelegate(t))
+        vertical = t.verticalHeader()
+        vertical.setVisible(False)
+        vertical.setSectionResizeMode(QHeaderView.Fixed)
+        vertical.setDefaultSectionSize(26)
+        header = t.horizontalHeader()
+        header.setSectionResizeMode(QHeaderView.Interactive)
+        header.setMinimumSectionSize(40)
+        for name, sample in SAMPLES.items():
+            t.setColumnWidth(COL[name], t.fontMetrics().horizontalAdvance(sample) + PADDING)
+        header.setSectionResizeMode(COL["Run"], QHeaderView.Stretch)
+        header.setSortIndicator(-1, Qt.AscendingOrder)      # the queue's order until a click
+        t.setSortingEnabled(True)
+        t.selectionModel().selectionChanged.connect(lambda *_: self._on_selection())
+        t.doubleClicked.connect(lambda *_: self.ctx.show_screen("monitor"))
 
         b = self.buttons = {}
         for key, text, slot, tip in (
                 ("up", "\u25b2 Up", self.move_up, "Move the job earlier in the queue"),
                 ("down", "\u25bc Down", self.move_down, "Move the job later in the queue"),
-                ("pause", "Pause", self.pause_or_resume,
-                 "Pause (a running job checkpoints after its current step) or resume"),
+                ("pause", "Pause", self.pause,
+                 "Pause the job: a running job saves a checkpoint after its current step; "
+                 "Continue goes on from there"),
                 ("cancel", "Cancel", self.cancel, "Cancel the job"),
-                ("retry", "Retry", self.retry,
-                 "Queue a failed or cancelled run again; it continues from its last checkpoint"),
-                ("resume", "Resume from checkpoint", self.resume_from_checkpoint,
-                 "Queue a paused or interrupted run; it continues from its last checkpoint"),
+                ("continue", "Continue", self.continue_run,
+                 "Go on with a paused, failed, cancelled or interrupted run from its last "
+                 "checkpoint (from the start if it has none): it joins the queue"),
                 ("extend", "Extend by", self.extend,
                  "Train a finished run for more epochs (continues from its final checkpoint)"),
+                ("rename", "Rename\u2026", self.rename,
+                 "Give the run a display name; its folder keeps its name"),
+                ("delete", "Delete\u2026", self.delete,
+                 "Move the run's folder to the trash (asks first); a queued or running run "
+                 "cannot be deleted"),
                 ("folder", "Open folder", self.open_folder, "Open the run directory")):
             b[key] = QPushButton(text, clicked=lambda _=False, s=slot: s(), toolTip=tip)
-        self.extend_epochs = QSpinBox(minimum=1, maximum=1000, value=1, suffix=" epoch(s)")
+        self.extend_epochs = QSpinBox(minimum=1, maximum=1000, value=1, suffix=" epoch(s)",
+                                      toolTip="How many epochs Extend adds")
+        b["details"] = QPushButton("Details", checkable=True, checked=True,
+                                   toolTip="Show or hide the selected run's details")
         bar = QWidget(objectName="runActions")
         bar.setStyleSheet("QPushButton:disabled, QSpinBox:disabled { color: #a7adb4; }")
         actions = QHBoxLayout(bar)
         actions.setContentsMargins(0, 0, 0, 0)
-        for key in ("up", "down", "pause", "cancel", "retry", "resume"):
+        for key in ("up", "down", "pause", "cancel", "continue"):
             actions.addWidget(b[key])
-        actions.addSpacing(12)
+        actions.addSpacing(8)
         actions.addWidget(b["extend"])
         actions.addWidget(self.extend_epochs)
         actions.addStretch(1)
-        actions.addWidget(b["folder"])
+        for key in ("rename", "delete", "folder"):
+            actions.addWidget(b[key])
         self.error_panel = ErrorPanel()
         self.error_panel.hide()
 
+        self.details = DetailsPane()
+        b["details"].toggled.connect(self.details.setVisible)
+        split = self.splitter = QSplitter(Qt.Vertical, childrenCollapsible=False)
+        split.addWidget(t)
+        split.addWidget(self.details)
+        split.setStretchFactor(0, 1)
+        split.setSizes([400, 170])                          # the details' seven lines
+
+        top = QHBoxLayout()
+        top.addWidget(self.summary, 1)
+        top.addWidget(self.filter_box, 1)
+        top.addWidget(b["details"])
         layout = QVBoxLayout(self)
         layout.setContentsMargins(20, 16, 20, 16)
         layout.addWidget(title)
-        layout.addWidget(self.summary)
+        layout.addLayout(top)
+        layout.addWidget(self.problem_label)
         layout.addWidget(bar)
-        layout.addWidget(self.table, 1)
+        layout.addWidget(split, 1)
         layout.addWidget(self.error_panel)
 
         self._refreshed_at = 0.0
-        self._registered = Registered()
+        self.lister = RunLister()
         self.poll = BackgroundPoll(self._collect, 1000, self)
         self.poll.result.connect(self._on_polled)
-        # A new or changed run: read again now, on the reader thread. Reading every run (the
-        # registered ones too, a list that grows with the user's history) took 230 ms of the
-        # GUI thread when the window started a run, with a few hundred runs registered.
-        ctx.runs_changed.connect(self.poll.tick)
+        self.poll.failed.connect(self._on_poll_failed)
+        # A new or changed run: list and read again now, on the reader thread.
+        ctx.runs_changed.connect(self._runs_changed)
         ctx.run_selected.connect(self._follow_selection)
         self._update_buttons()
         self.poll.start()
 
     # ---------------------------------------------------------------- rows
     def refresh(self) -> None:
-        """Re-read the queue and the runs folder now (on this thread)."""
+        """List the runs again now, on this thread (the user's own action, and tests)."""
         self._refreshed_at = time.monotonic()
-        self._apply(collect_runs(self.ctx.queue, self.ctx.runs_root(), self._registered()))
+        self.lister.invalidate()
+        self._apply(self.lister(self.ctx.queue, self.ctx.runs_root()))
 
-    def _collect(self) -> tuple[float, list]:                 # in the reader thread
-        return time.monotonic(), collect_runs(self.ctx.queue, self.ctx.runs_root(),
-                                              self._registered())
+    def _runs_changed(self) -> None:
+        self.lister.invalidate()
+        self.poll.tick()
+
+    def _collect(self) -> tuple[float, Listing]:              # in the reader thread
+        return time.monotonic(), self.lister(self.ctx.queue, self.ctx.runs_root())
 
     def _on_polled(self, result: tuple) -> None:
-        started, rows = result
+        started, listing = result
         if started >= self._refreshed_at:                    # else older than a refresh
-            self._apply(rows)
+            self._apply(listing)
 
-    def _apply(self, rows: list) -> None:
-        self.rows = rows
-        t = self.table
-        t.blockSignals(True)
-        if [r.path for r in rows] != [t.item(i, 0).data(Qt.UserRole) if t.item(i, 0) else None
-                                      for i in range(t.rowCount())]:
-            t.setRowCount(len(rows))
-            for i, row in enumerate(rows):
-                for c in range(len(COLUMNS)):
-                    t.setItem(i, c, QTableWidgetItem())
-                t.item(i, 0).setData(Qt.UserRole, row.path)
-                t.setCellWidget(i, COL["Steps"], _progress_cell())
-            t.clearSelection()
-            if self._selected in [r.path for r in rows]:
-                t.selectRow([r.path for r in rows].index(self._selected))
-        for i, row in enumerate(rows):
-            kind = KINDS[row.kind].label if row.kind in KINDS else row.kind
-            created = (datetime.fromtimestamp(row.created).strftime("%Y-%m-%d %H:%M")
-                       if row.created else "")
-            where, where_tip = where_text(row)
-            texts = (row.name, kind, row.model, row.dataset, created,
-                     clock(row.duration_s) if row.duration_s else "", "", best_text(row),
-                     where, status_text(row))
-            for c, text in enumerate(texts):
-                t.item(i, c).setText(text)
-            t.item(i, 0).setToolTip(row.path)
-            t.item(i, COL["Where"]).setToolTip(where_tip)
-            t.item(i, COL["Best"]).setToolTip(texts[COL["Best"]])   # elided in a narrow window
-            t.item(i, COL["Status"]).setForeground(QColor(STATE_COLORS.get(row.state,
-                                                                           "#1f2328")))
-            bar = t.cellWidget(i, COL["Steps"]).bar
-            total = max(row.total, 1)
-            bar.setRange(0, total)
-            bar.setValue(total if row.state == "done" and row.total else min(row.step, total))
-            bar.setFormat(f"{row.step}/{row.total}" if row.total else "\u2014")
-        t.blockSignals(False)
-        counts = {}
-        for r in rows:
+    def _on_poll_failed(self, error: BaseException) -> None:
+        """A read that failed is said, not swallowed (the next poll tries again)."""
+        text = (error.message if isinstance(error, EngineError)
+                else f"{type(error).__name__}: {error}")
+        self._show_problem(f"The runs could not be read: {text}")
+
+    def _show_problem(self, text: str) -> None:
+        self.problem_label.setText(text)
+        self.problem_label.setToolTip(text)
+        self.problem_label.setVisible(bool(text))
+
+    def _apply(self, listing: Listing) -> None:
+        self.rows = listing.rows
+        self._show_problem(listing.problem)
+        self.model.set_rows(listing.rows)
+        self._restore_selection()
+        counts: dict[str, int] = {}
+        for r in self.rows:
             counts[r.state] = counts.get(r.state, 0) + 1
-        self.summary.setText(", ".join(f"{n} {s}" for s, n in counts.items()) or
-                             f"No runs yet in {self.ctx.runs_root()}.")
+        text = ", ".join(f"{n} {s}" for s, n in counts.items())
+        if self.model.shown is not self.rows and len(self.model.shown) != len(self.rows):
+            text += f" \u00b7 {len(self.model.shown)} shown"
+        self.summary.setText(text or f"No runs yet in {self.ctx.runs_root()}.")
         self._update_buttons()
         self._show_row_error()
+        self._show_details()
+
+    def text(self, i: int, column: str) -> str:
+        """The text of row `i`'s cell in `column` as the table shows it (tests)."""
+        return self.model.index(i, COL[column]).data() or ""
+
+    def _restore_selection(self) -> None:
+        """Keep the selected run selected (by path) across resets, without a signal."""
+        i = self.model.row_of(self._selected)
+        sel = self.table.selectionModel()
+        current = sel.selectedRows()
+        if (current[0].row() if current else -1) == i:
+            return
+        sel.blockSignals(True)
+        sel.clearSelection()
+        if i >= 0:
+            self.table.selectRow(i)
+        sel.blockSignals(False)
+        self.table.viewport().update()
+
+    def _on_filter(self, text: str) -> None:
+        self.model.set_filter(text)
+        self._apply(Listing(self.rows, self.problem_label.text()))
 
     def selected_row(self) -> RunRow | None:
         return next((r for r in self.rows if r.path == self._selected), None)
@@ -248,10 +248,10 @@ class RunsView(QWidget):
         listed yet is selected when it appears."""
         path = str(RunDir(path).path)
         self._selected = path
-        for i, row in enumerate(self.rows):
-            if row.path == path:
-                self.table.clearSelection()
-                self.table.selectRow(i)
+        i = self.model.row_of(path)
+        if i >= 0:
+            self.table.clearSelection()
+            self.table.selectRow(i)
 
     def _follow_selection(self, path: str) -> None:
         """Another screen selected a run: show it selected here too (no signal back)."""
@@ -259,25 +259,29 @@ class RunsView(QWidget):
         if path == self._selected:
             return
         self._selected = path
-        self.table.blockSignals(True)
-        self.table.clearSelection()
-        for i, row in enumerate(self.rows):
-            if row.path == path:
-                self.table.selectRow(i)
-        self.table.blockSignals(False)
+        self._restore_selection()
         self.error_panel.hide()
         self._update_buttons()
         self._show_row_error()
+        self._show_details()
 
     def _on_selection(self) -> None:
-        items = self.table.selectedItems()
-        path = self.table.item(items[0].row(), 0).data(Qt.UserRole) if items else None
+        rows = self.table.selectionModel().selectedRows()
+        path = rows[0].data(PATH_ROLE) if rows else None
         self._selected = path
         self._update_buttons()
         self.error_panel.hide()
         self._show_row_error()
+        self._show_details()
         if path:
+            self.table.scrollTo(rows[0])
             self.ctx.select_run(path)
+
+    def _show_details(self) -> None:
+        row = self.selected_row()
+        if row is not self.details.property("row_object") or row is None:
+            self.details.show_row(row)
+            self.details.setProperty("row_object", row)
 
     def _show_row_error(self) -> None:
         row = self.selected_row()
@@ -302,19 +306,33 @@ class RunsView(QWidget):
         pending = job is not None and state in ("queued", "paused")
         b["up"].setEnabled(pending)
         b["down"].setEnabled(pending)
-        pausing = job is not None and job.requested_action == "pause"
-        b["pause"].setText("Resume" if state == "paused" or pausing else "Pause")
-        b["pause"].setEnabled(job is not None and (state in ("queued", "paused") or (
-            state == "running" and job.requested_action in ("none", "pause"))))
-        b["cancel"].setEnabled(job is not None and state in ("queued", "paused", "running")
+        b["pause"].setEnabled(job is not None and job.requested_action == "none" and
+                              state in ("queued", "running"))
+        b["cancel"].setEnabled(job is not None and state in ACTIVE
                                and job.requested_action != "cancel")
-        b["retry"].setEnabled(row is not None and state in ("failed", "cancelled"))
-        b["resume"].setEnabled(row is not None and row.has_checkpoint and (
-            (job is not None and state == "paused") or
-            (job is None and (state in ("paused", "failed", "cancelled") or row.stalled))))
+        b["continue"].setEnabled(self._continuable(row))
         b["extend"].setEnabled(row is not None and state == "done" and row.epochs > 0)
         self.extend_epochs.setEnabled(b["extend"].isEnabled())
+        b["rename"].setEnabled(row is not None and state != "missing")
+        b["delete"].setEnabled(row is not None and not self._busy(row))
         b["folder"].setEnabled(row is not None)
+
+    @staticmethod
+    def _continuable(row: RunRow | None) -> bool:
+        if row is None:
+            return False
+        job = row.job
+        if job is not None:
+            return (row.state == "paused" or job.requested_action == "pause"
+                    or row.state in ("failed", "cancelled"))
+        return (row.state in ("failed", "cancelled") or
+                (row.has_checkpoint and (row.state == "paused" or row.stalled)))
+
+    @staticmethod
+    def _busy(row: RunRow) -> bool:
+        """Queued, paused in the queue, or running (a run of the command line too)."""
+        return ((row.job is not None and row.state in ACTIVE) or
+                (row.job is None and row.state == "running" and not row.stalled))
 
     # ---------------------------------------------------------------- actions
     def _act(self, what: str, action) -> None:
@@ -352,38 +370,32 @@ class RunsView(QWidget):
     def move_down(self) -> None:
         self._act("move", lambda r: self.ctx.queue.move_down(r.job.id) and None)
 
-    def pause_or_resume(self) -> None:
+    def pause(self) -> None:
         def act(row):
-            if row.state == "paused" or row.job.requested_action == "pause":
-                self.ctx.queue.resume(row.job.id)
-                self._start_worker()
-                return f"Resumed job {row.job.id}"
             self.ctx.queue.pause(row.job.id)
             return f"Pausing job {row.job.id}" + (" after its current step"
                                                   if row.state == "running" else "")
-        self._act("pause or resume", act)
+        self._act("pause", act)
 
     def cancel(self) -> None:
         self._act("cancel", lambda r: self.ctx.queue.cancel(r.job.id) and
                   f"Cancelled job {r.job.id}")
 
-    def retry(self) -> None:
+    def continue_run(self) -> None:
+        """Go on from the last checkpoint: resume a paused job (or take back a pause request),
+        queue a failed or cancelled job again, or queue a run stopped outside the queue."""
         def act(row):
-            if row.job is None:
-                return self._queue_up(row)
-            self.ctx.queue.retry(row.job.id)
-            self._start_worker()
-            return f"Job {row.job.id} queued again"
-        self._act("retry", act)
-
-    def resume_from_checkpoint(self) -> None:
-        def act(row):
-            if row.job is not None and row.state == "paused":
-                self.ctx.queue.resume(row.job.id)
+            job = row.job
+            if job is not None and (row.state == "paused" or job.requested_action == "pause"):
+                self.ctx.queue.resume(job.id)
                 self._start_worker()
-                return f"Resumed job {row.job.id}"
+                return f"Resumed job {job.id}"
+            if job is not None and row.state in ("failed", "cancelled"):
+                self.ctx.queue.retry(job.id)
+                self._start_worker()
+                return f"Job {job.id} queued again"
             return self._queue_up(row)
-        self._act("resume", act)
+        self._act("continue", act)
 
     def extend(self, epochs: int | None = None) -> None:
         """Add `epochs` (default: the spin box) to a finished run's config and queue it; like
@@ -391,7 +403,7 @@ class RunsView(QWidget):
         n = int(epochs if epochs is not None else self.extend_epochs.value())
 
         def act(row):
-            if row.job is not None and row.state in ("running", "queued", "paused"):
+            if row.job is not None and row.state in ACTIVE:
                 raise JobStateError(f"{row.name} is {row.state}; only a finished run can be "
                                     "extended.", "Wait until it is done.")
             run = RunDir(row.path)
@@ -404,6 +416,53 @@ class RunsView(QWidget):
             run.write_config(cfg)
             return self._queue_up(row) + f" for {cfg['epochs']} epochs in all"
         self._act("extend", act)
+
+    def rename(self, name: str | None = None) -> None:
+        """Give the selected run a display name (`name`, else asked); empty: its folder's."""
+        row = self.selected_row()
+        if row is None:
+            return
+        if name is None:
+            name = self.ask_name(row)
+            if name is None:
+                return
+        self._act("rename", lambda r: f"Renamed {r.name} to {rename_run(r.path, name)}")
+
+    def delete(self) -> None:
+        """Move the selected run's folder to the trash (after asking) and drop it from the
+        list. A queued, paused or running run is refused (cancel it first); where the system
+        has no trash the folder is kept and the refusal says how to delete it by hand: the
+        window never deletes a run for good."""
+        row = self.selected_row()
+        if row is None:
+            return
+
+        def act(r):
+            if self._busy(r):
+                raise JobStateError(f"{r.name} is {r.state}: it cannot be deleted.",
+                                    "Cancel it first (or wait until it ends).")
+            if os.path.lexists(r.path) and not self.trash(r.path):
+                raise ConfigError(f"{r.path} could not be moved to the trash (this system "
+                                  "or this disk has none).",
+                                  "Nothing was deleted. Delete the folder yourself (Open "
+                                  "folder) if you want it gone.")
+            forget_run(r.path)
+            self.lister.invalidate()
+            return f"Moved {r.name} to the trash"
+
+        if self._busy(row) or self.confirm(
+                "Delete run", f"Move {row.name} to the trash?\n\n{row.path}\n\nIts "
+                "checkpoints and exports go with it; the trash can restore the folder."):
+            self._act("delete", act)
+
+    def _confirm(self, title: str, text: str) -> bool:
+        return QMessageBox.question(self, title, text) == QMessageBox.Yes
+
+    def _ask_name(self, row: RunRow) -> str | None:
+        name, ok = QInputDialog.getText(
+            self, "Rename run", f"Display name (the folder {row.folder} keeps its name; "
+            "empty: the folder's name):", text=row.name)
+        return name if ok else None
 
     def closeEvent(self, event) -> None:
         self.poll.stop()

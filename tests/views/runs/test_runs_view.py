@@ -6,7 +6,9 @@ import json
 import shutil
 
 import pytest
+from PySide6.QtCore import Qt
 
+from app.views.runs.table import PROGRESS_ROLE
 from app.views.runs.view import COL, RunsView, error_from_dict
 from tests.views.fake_runs import FakeGrpoRun, FakeRun, fake_config
 
@@ -75,15 +77,18 @@ def test_every_job_and_terminal_run_is_listed(qtbot, ctx, runs):
     assert row(view, "terminal").job is None                   # started from the CLI
     i = names.index("running")
     job = row(view, "running").job.id
-    assert view.table.item(i, COL["Status"]).text() == f"running \u00b7 ETA 0:00:06 \u00b7 job {job}"
-    bar = view.table.cellWidget(i, COL["Steps"]).bar
-    assert (bar.value(), bar.maximum(), bar.text()) == (42, 100, "42/100")
-    assert view.table.item(i, COL["Best"]).text() == f"loss {FakeRun.loss_at(42):.3f} (latest)"
-    assert view.table.item(i, COL["Model"]).text() == "tiny-moe.gguf"
-    assert view.table.item(i, COL["Created"]).text()[:2] == "20"                  # a date
-    assert view.table.item(names.index("terminal"), COL["Status"]).text().startswith(
-        "running (terminal)")
-    assert view.table.cellWidget(names.index("done"), COL["Steps"]).bar.value() == 100
+    assert view.text(i, "Status") == "running \u00b7 ETA 0:00:06"
+    assert view.model.index(i, COL["Status"]).data(Qt.ToolTipRole) == \
+        f"running \u00b7 ETA 0:00:06 (job {job} in the queue)"
+    assert view.text(i, "Steps") == "42/100"
+    assert view.model.index(i, COL["Steps"]).data(PROGRESS_ROLE) == (42, 100, False)
+    assert view.text(i, "Best") == f"{FakeRun.loss_at(42):.3f} latest"
+    assert view.text(i, "Model") == "tiny-moe.gguf"
+    assert view.text(i, "Created")[:2] == "20"                  # a date
+    assert view.text(names.index("terminal"), "Status").startswith("running")
+    assert "outside the queue" in view.model.index(names.index("terminal"),
+                                                   COL["Status"]).data(Qt.ToolTipRole)
+    assert view.model.index(names.index("done"), COL["Steps"]).data(PROGRESS_ROLE)[2]
 
 
 def test_a_grpo_run_shows_its_type_and_latest_reward(qtbot, ctx, runs):
@@ -94,15 +99,15 @@ def test_a_grpo_run_shows_its_type_and_latest_reward(qtbot, ctx, runs):
     view = refreshed(qtbot, RunsView(ctx))
     names = [r.name for r in view.rows]
     i = names.index("grpo")
-    assert view.table.item(i, COL["Type"]).text() == "GRPO"
-    assert view.table.item(i, COL["Best"]).text() == "held-out reward 0.900 at step 6"
+    assert view.text(i, "Type") == "GRPO"
+    assert view.text(i, "Best") == "0.900 @ 6"
     j = names.index("done")
-    assert view.table.item(j, COL["Type"]).text() == "SFT"
+    assert view.text(j, "Type") == "SFT"
     grpo.step(1)
     grpo.eval(0.95)
     view.refresh()
     i = [r.name for r in view.rows].index("grpo")
-    assert view.table.item(i, COL["Best"]).text() == "held-out reward 0.950 at step 7"
+    assert view.text(i, "Best") == "0.950 @ 7"
 
 
 def test_progress_follows_a_run_being_written(qtbot, ctx):
@@ -113,7 +118,7 @@ def test_progress_follows_a_run_being_written(qtbot, ctx):
     writer = fake.play_in_thread(60, delay_s=0.002)
     qtbot.waitUntil(lambda: view.rows[0].step == 65, timeout=10000)
     writer.join()
-    assert view.table.cellWidget(0, COL["Steps"]).bar.value() == 65
+    assert view.text(0, "Steps") == "65/100"
 
 
 def test_selecting_a_failed_run_selects_it_and_shows_its_error(qtbot, ctx, runs):
@@ -137,8 +142,9 @@ def test_a_run_selected_elsewhere_is_selected_here(qtbot, ctx, runs):
     view = refreshed(qtbot, RunsView(ctx))
     ctx.select_run(runs["paused"].path)          # e.g. from the New run screen
     assert view.selected_row().name == "paused"
-    assert view.table.selectedItems()[0].row() == [r.name for r in view.rows].index("paused")
-    assert view.buttons["pause"].text() == "Resume"
+    assert view.table.selectionModel().selectedRows()[0].row() == \
+        [r.name for r in view.rows].index("paused")
+    assert view.buttons["continue"].isEnabled() and not view.buttons["pause"].isEnabled()
     late = make(ctx, "late")
     ctx.select_run(late.path)                    # not listed yet: selected when it appears
     view.refresh()
@@ -159,7 +165,7 @@ def test_reorder_cancel_pause_resume(qtbot, ctx, runs):
     view = refreshed(qtbot, RunsView(ctx))
     assert pending_order(ctx) == ["queued1", "queued2", "paused"]
     view.select(runs["queued2"].path)
-    assert view.buttons["up"].isEnabled() and not view.buttons["retry"].isEnabled()
+    assert view.buttons["up"].isEnabled() and not view.buttons["continue"].isEnabled()
     view.move_up()
     assert pending_order(ctx) == ["queued2", "queued1", "paused"]
     assert [r.name for r in view.rows][:4] == ["running", "queued2", "queued1", "paused"]
@@ -172,21 +178,21 @@ def test_reorder_cancel_pause_resume(qtbot, ctx, runs):
     assert row(view, "queued1").state == "cancelled"
 
     view.select(runs["paused"].path)
-    assert view.buttons["pause"].text() == "Resume"
-    view.pause_or_resume()
+    assert view.buttons["continue"].isEnabled() and not view.buttons["pause"].isEnabled()
+    view.continue_run()
     assert row(view, "paused").state == "queued"
     assert ctx.worker_starts
-    assert view.buttons["pause"].text() == "Pause"
-    view.pause_or_resume()
+    assert view.buttons["pause"].isEnabled() and not view.buttons["continue"].isEnabled()
+    view.pause()
     assert row(view, "paused").state == "paused"
 
     view.select(runs["running"].path)
-    view.pause_or_resume()                       # running: the worker pauses after its step
+    view.pause()                                 # running: the worker pauses after its step
     assert row(view, "running").job.requested_action == "pause"
-    assert view.table.item(0, COL["Status"]).text().startswith("running (pausing\u2026)")
-    assert view.buttons["pause"].text() == "Resume"
+    assert view.text(0, "Status").startswith("running (pausing\u2026)")
+    assert view.buttons["continue"].isEnabled()  # takes the pause request back
     view.cancel()                                # cancelling overrides the pause request
-    assert view.table.item(0, COL["Status"]).text().startswith("running (cancelling…)")
+    assert view.text(0, "Status").startswith("running (cancelling…)")
     assert not view.buttons["cancel"].isEnabled() and not view.buttons["up"].isEnabled()
     view.move_up()                               # forced anyway: refused, shown, not raised
     assert not view.error_panel.isHidden()
@@ -197,9 +203,9 @@ def test_reorder_cancel_pause_resume(qtbot, ctx, runs):
 def test_retry_a_failed_job(qtbot, ctx, runs):
     view = refreshed(qtbot, RunsView(ctx))
     view.select(runs["failed"].path)
-    assert view.buttons["retry"].isEnabled()
+    assert view.buttons["continue"].isEnabled()
     with qtbot.waitSignal(ctx.runs_changed):
-        view.retry()
+        view.continue_run()
     assert row(view, "failed").state == "queued"
     assert row(view, "failed").job.error is None
     assert ctx.worker_starts == [1]
@@ -238,8 +244,8 @@ def test_resume_a_terminal_run_from_its_checkpoint(qtbot, ctx):
     (fake.run.checkpoints_dir / "step-30").mkdir()
     view = refreshed(qtbot, RunsView(ctx))
     view.select(fake.path)
-    assert view.buttons["resume"].isEnabled()
-    view.resume_from_checkpoint()
+    assert view.buttons["continue"].isEnabled()
+    view.continue_run()
     jobs = ctx.queue.find(fake.path)
     assert [j.state for j in jobs] == ["queued"]
     assert row(view, "interrupted").job.id == jobs[0].id
@@ -272,8 +278,8 @@ def test_registered_runs_are_listed_wherever_their_folder_is(qtbot, ctx, tmp_pat
     states = {r.name: r.state for r in view.rows}
     assert states == {"cli-run": "new", "deleted": "missing"}
     i = [r.name for r in view.rows].index("deleted")
-    assert view.table.item(i, COL["Status"]).text() == "missing"
-    assert view.table.item(i, COL["Model"]).text() == ""
+    assert view.text(i, "Status") == "missing"
+    assert view.text(i, "Model") == ""
 
 
 def test_the_best_evaluation_and_its_step(qtbot, ctx):
@@ -282,8 +288,10 @@ def test_the_best_evaluation_and_its_step(qtbot, ctx):
     fake.step(10)
     view = refreshed(qtbot, RunsView(ctx))
     loss = FakeRun.loss_at(30) + 0.1
-    assert view.table.item(0, COL["Best"]).text() == f"validation {loss:.3f} at step 30"
-    assert view.table.item(0, COL["Dataset"]).text()
+    assert view.text(0, "Best") == f"{loss:.3f} @ 30"
+    assert view.model.index(0, COL["Best"]).data(Qt.ToolTipRole) == \
+        f"Best validation {loss:.4f} at step 30"
+    assert view.text(0, "Dataset")
 
 
 def test_where_each_run_runs_and_its_attempt(qtbot, ctx):
@@ -300,10 +308,9 @@ def test_where_each_run_runs_and_its_attempt(qtbot, ctx):
 
     def where(name):
         i = [r.name for r in view.rows].index(name)
-        item = view.table.item(i, COL["Where"])
-        return item.text(), item.toolTip()
+        return view.text(i, "Where"), view.model.index(i, COL["Where"]).data(Qt.ToolTipRole)
 
-    assert view.table.horizontalHeaderItem(COL["Where"]).text() == "Where"
+    assert view.model.headerData(COL["Where"], Qt.Horizontal) == "Where"
     assert where("local")[0] == "this computer"
     assert where("sent") == ("lab", f"Job {job} runs on cluster lab")
     assert where("terminal") == ("this computer",
