@@ -21,7 +21,6 @@ disabled, with the reason, when llama-cpp-python cannot be found.
 
 from __future__ import annotations
 
-import copy
 import math
 import os
 import re
@@ -60,6 +59,7 @@ NO_LLAMACPP = ("Not available: llama-cpp-python is not installed. Install it (pi
 # Ordered: whole phrases before the flags they contain.
 WINDOW_WORDS = [
     (r"workbench export \S+ --checkpoint STEP", "choose it in the Checkpoint list"),
+    (r"--checkpoint (\w+)", r"checkpoint \1 in the Checkpoint list"),
     (r"Pass --overwrite to replace it, or choose another path \(--out\)\.",
      "Export again and answer Yes when asked to replace it, or choose another Destination."),
     (r"not even when allowed to replace its output \(--overwrite\)",
@@ -87,9 +87,9 @@ def window_words(error: BaseException) -> BaseException:
     copy; the engine's error, written to logs and reports, keeps its flags)."""
     if not isinstance(error, EngineError):
         return error
-    said = copy.copy(error)
+    said = type(error).__new__(type(error), error.message)    # not __init__: its own args
+    said.__dict__.update(vars(error))
     said.message, said.hint = in_window_words(error.message), in_window_words(error.hint)
-    said.args = (said.message,)
     return said
 
 

@@ -19,6 +19,7 @@ from app.engine.export import verify
 from app.engine.export.verify import Check, ExportReport, nll_check
 from app.engine.model.card import human_bytes
 from app.engine.runs.rundir import RunDir
+from app.engine.training.checkpoints import DamagedCheckpoint
 from app.views.export import view as export_view
 from app.views.export.view import ExportView, explain_check, window_words
 from tests.views.export.test_export_view import (ADAPTER, MODEL, answer_questions,
@@ -192,6 +193,11 @@ def test_errors_in_window_words(qtbot, view, tmp_path, best_run_dir, monkeypatch
     assert window_words(errors[4]).hint.startswith("Export another checkpoint: choose it in the "
                                                    "Checkpoint list (the newest intact one is "
                                                    "step 10; see ")
+    damaged = DamagedCheckpoint(tmp_path / "step-3", "meta.json is missing")   # own __init__
+    damaged.hint = "Export --checkpoint 2 instead."
+    said = window_words(damaged)
+    assert type(said) is DamagedCheckpoint and said.reason == "meta.json is missing"
+    assert said.hint == "Export checkpoint 2 in the Checkpoint list instead."
     text = tmp_path / "short.txt"                 # the "a smaller --ctx"
     text.write_text("A short text.")
     export_file(view, "gguf-lora", tmp_path / "out.gguf")
