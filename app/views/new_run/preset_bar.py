@@ -20,9 +20,13 @@ from app.views.widgets.tooltips import NEW_RUN_TIPS
 
 # Every preset trains as the engine's defaults do (docs/USER_GUIDE.md, "Why these defaults"):
 # its schedule, warmup over a fraction of the steps, global-norm clipping, and the learning rate
-# default_lr gives for the preset's alpha. Presets differ in size, length and targets.
+# default_lr gives for the preset's alpha. Presets differ in size, length and targets. A preset
+# sets the fields of the run type shown (supervised: the bar is hidden for GRPO), so it lands in
+# that run type's settings only.
 _T = TrainConfig()
-SAFE = {"schedule": _T.schedule, "warmup": _T.warmup_steps, "gclip": _T.gclip, "max_steps": 0}
+SAFE = {"schedule": _T.schedule, "warmup": _T.warmup_steps,
+        "warmup_fraction": _T.warmup_fraction, "gclip": _T.gclip,
+        "max_grad_norm": _T.max_grad_norm, "max_steps": 0}
 ALL_TARGETS = ["attention", "ffn", "experts", "router"]        # the groups a model lacks stay off
 
 
@@ -40,7 +44,8 @@ PRESETS = {
     "Attention only": _preset(8, 16.0, epochs=3, eval_every=20, targets=["attention"]),
 }
 MOE_ONLY = ("Experts only", "Attention only")
-SAVED_KEYS = ("rank", "alpha", "dropout", "lr", "schedule", "warmup", "gclip", "weight_decay",
+SAVED_KEYS = ("rank", "alpha", "dropout", "lr", "schedule", "warmup", "warmup_fraction",
+              "gclip", "max_grad_norm", "weight_decay",
               "epochs", "max_steps", "context", "eval_every", "save_every", "patience",
               "targets")
 SETTINGS_KEY = "presets/custom"
@@ -50,12 +55,14 @@ CHOOSE = "Choose a preset\u2026"
 def describe(values: dict) -> str:
     """What a preset sets, in words."""
     names = {"rank": "rank", "alpha": "alpha", "dropout": "dropout", "lr": "learning rate",
-             "schedule": "schedule", "warmup": "warmup steps", "gclip": "gradient clip",
+             "schedule": "schedule", "warmup": "warmup steps",
+             "warmup_fraction": "warmup fraction", "gclip": "per-value clip",
+             "max_grad_norm": "gradient-norm clip",
              "weight_decay": "weight decay", "epochs": "epochs", "max_steps": "max steps",
              "context": "context", "eval_every": "evaluate every", "save_every": "save every",
              "patience": "patience", "targets": "targets"}
-    zero = {"warmup": f"warmup over {_T.warmup_fraction:.0%} of the steps",
-            "gclip": f"gradient-norm clip {_T.max_grad_norm:g}", "max_steps": "no step cap"}
+    zero = {"warmup": "automatic warmup", "gclip": "no per-value clip",
+            "max_grad_norm": "no gradient-norm clip", "max_steps": "no step cap"}
     parts = []
     for key, value in values.items():
         if key in zero and not value:
