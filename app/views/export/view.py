@@ -522,6 +522,7 @@ class ExportView(QWidget):
         self.busy.hide()
         self.report_title.setText("")            # the result was cleared at the start
         if kept:
+            self.report_title.setText(f"Not exported: {error.path} was kept as it was.")
             self.ctx.status(f"Export cancelled: {error.path} kept")
         else:
             self.error_panel.present("The export failed", window_words(error))

@@ -52,6 +52,7 @@ def test_no_to_replace_after_another_export_clears_its_result(qtbot, view, tmp_p
     answer_questions(monkeypatch, QMessageBox.No)
     assert isinstance(export_and_wait(qtbot, view), ExportTargetExists)
     assert not shown_result(view) and existing.read_bytes() == b"the user's file"
+    assert view.report_title.text() == f"Not exported: {existing} was kept as it was."
 
 
 def test_no_to_replace_clears_the_result_of_the_same_inputs(qtbot, view, tmp_path, monkeypatch):
@@ -68,7 +69,8 @@ def fake_report(spec):
     return report
 
 
-@pytest.mark.parametrize("change", ["format", "type", "checkpoint", "out", "run", "source"])
+@pytest.mark.parametrize("change", ["format", "type", "checkpoint", "out", "run", "source",
+                                    "scale"])
 def test_a_result_is_cleared_when_its_inputs_change(qtbot, view, ctx, best_run_dir,
                                                     golden_run_dir, monkeypatch, change):
     monkeypatch.setattr(export_view, "do_export", fake_report)
@@ -86,7 +88,8 @@ def test_a_result_is_cleared_when_its_inputs_change(qtbot, view, ctx, best_run_d
      "checkpoint": lambda: view.checkpoint_box.setCurrentIndex(2),
      "out": lambda: view.out_field.setText("/tmp/elsewhere.gguf"),
      "run": lambda: ctx.select_run(golden_run_dir),
-     "source": lambda: view.source_box.setCurrentIndex(view.source_box.findData("file"))}[change]()
+     "source": lambda: view.source_box.setCurrentIndex(view.source_box.findData("file")),
+     "scale": lambda: view.scale.setValue(0.5)}[change]()
     assert not shown_result(view)
 
 
