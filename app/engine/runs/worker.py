@@ -53,8 +53,8 @@ from app.engine.errors import Cancelled, EngineError
 from app.engine.runs.clusters import ClusterError
 from app.engine.runs.executors import AlreadySubmitted, RayExecutor, Unreachable, executor_for
 from app.engine.runs.executors.local import worker_log_path
-from app.engine.runs.executors.ray import (DEFAULT_STOP_GRACE_S, environment_error,
-                                           environment_problem)
+from app.engine.runs.executors.ray import (DEFAULT_STOP_GRACE_S, HTTP_TIMEOUT_S,
+                                           environment_error, environment_problem)
 from app.engine.runs.queue import (DEFAULT_MAX_ATTEMPTS, DEFAULT_STALE_S, Job, JobLostError,
                                    JobQueue, QueueError)
 from app.engine.runtime.paths import default_queue_path
@@ -75,6 +75,7 @@ STOPPED = {"cancel": "cancelled", "pause": "paused"}  # a request -> the job's s
 DEFAULT_PENDING_TIMEOUT_S = 60.0  # a cluster job pending longer: is it asking absent GPUs?
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 1.0, 60.0  # waits for a cluster that does not answer
 DEFAULT_UNREACHABLE_TIMEOUT_S = 600.0  # a cluster silent longer fails the job that finds it so
+SUBMITTING = "submitting"  # status.json's state of a cluster job the cluster has not accepted yet
 
 
 class WorkerAlreadyRunning(EngineError):
@@ -407,8 +408,9 @@ class _ClusterJob:
 
     def __init__(self, queue: JobQueue, job: Job, executor: RayExecutor, worker_id: str, *,
                  poll_s: float, pending_timeout_s: float, max_attempts: int,
-                 stop_event: threading.Event):
+                 stop_event: threading.Event, reporter: RunReporter):
         self.queue, self.job, self.executor, self.worker_id = queue, job, executor, worker_id
+        self.reporter = reporter
         self.poll_s = poll_s
         self.pending_timeout_s = pending_timeout_s
         self.max_attempts = max_attempts
@@ -445,10 +447,11 @@ class _ClusterJob:
     def _call(self, call, *args, interruptible: bool = True):
         """`call(*args)`, a request to the cluster, in a thread of its own: a worker asked to
         stop (`stop_event`) gives up waiting on it (`_Stopping`) instead of waiting out the
-        request's timeout (up to SUBMIT_TIMEOUT_S on a head that does not answer). A request
-        given up was recorded first (the attempt's handle), so the next worker finds out
-        whether it arrived. Not `interruptible`: waited for (a stop already sent, whose end
-        the worker records)."""
+        request's timeout. A request given up was recorded first (the attempt's handle), so
+        the next worker finds out whether it arrived. Not `interruptible`: waited for (a stop
+        already sent, whose end the worker records). Never longer than the request's own
+        timeout (HTTP_TIMEOUT_S) and a second: a head that answers a byte at a time is
+        Unreachable like one that never answers, and the worker runs the other jobs."""
         outcome: dict = {}
         done = threading.Event()
 
@@ -461,9 +464,15 @@ class _ClusterJob:
                 done.set()
 
         threading.Thread(target=target, daemon=True, name=f"cluster-job-{self.job.id}").start()
+        deadline = time.monotonic() + HTTP_TIMEOUT_S + 1.0
         while not done.wait(0.1):
             if interruptible and self.stop_event.is_set():
                 raise _Stopping
+            if time.monotonic() > deadline:
+                cluster = self.executor.cluster
+                raise Unreachable(f"Cluster {cluster.name!r} ({cluster.url}) did not answer "
+                                  f"within {HTTP_TIMEOUT_S + 1.0:g} s.",
+                                  "Check that the Ray dashboard on the head runs and answers.")
         if "error" in outcome:
             raise outcome["error"]
         return outcome["value"]
@@ -480,6 +489,9 @@ class _ClusterJob:
     def _follow(self) -> tuple[str, dict | EngineError | None]:
         if self.job.handle is None:
             self._submit_next()
+            # "running" once the cluster has the job ("submitting" until then: run_cluster_job)
+            self.reporter.started(job_id=self.job.id, worker_id=self.worker_id,
+                                  executor=self.job.executor)
         else:
             self.run.log(f"job {self.job.id}: reattached to {self.job.handle['submission_id']}")
         stopping: str | None = None     # the request sent to the cluster as a stop
@@ -582,9 +594,10 @@ def run_cluster_job(queue: JobQueue, job: Job, worker_id: str, *, poll_s: float 
         executor = executor_for(job, queue, stop_grace_s=stop_grace_s)
         cluster = _ClusterJob(queue, job, executor, worker_id, poll_s=poll_s,
                               pending_timeout_s=pending_timeout_s, max_attempts=max_attempts,
-                              stop_event=stop_event)
-        if job.handle is None:
-            reporter.started(job_id=job.id, worker_id=worker_id, executor=job.executor)
+                              stop_event=stop_event, reporter=reporter)
+        if job.handle is None:  # `queue list` says so instead of "running" (_ClusterJob._follow)
+            run.write_status(state=SUBMITTING, job_id=job.id, worker_id=worker_id,
+                             executor=job.executor, error=None)
         state, error = cluster.run_to_end()
         backoff.reached(job.executor)
     except JobLostError as e:
@@ -712,9 +725,12 @@ def _loop(queue, runner, once, poll_s, stop_event, worker_id, heartbeat_s, grace
             run_job_once(queue, job, runner, worker_id, heartbeat_s=heartbeat_s,
                          grace_s=grace_s, stop_event=stop_event)
         else:
-            run_cluster_job(queue, job, worker_id, poll_s=poll_s,
-                            pending_timeout_s=pending_timeout_s, stop_grace_s=stop_grace_s,
-                            max_attempts=max_attempts, stop_event=stop_event, backoff=backoff)
+            state = run_cluster_job(queue, job, worker_id, poll_s=poll_s,
+                                    pending_timeout_s=pending_timeout_s,
+                                    stop_grace_s=stop_grace_s, max_attempts=max_attempts,
+                                    stop_event=stop_event, backoff=backoff)
+            if state == "queued" and job.executor in backoff.waiting():
+                continue  # put back until its cluster answers: not a job run (the count below)
         n += 1
     log.info("worker %s: stopped after %d job(s)", worker_id, n)
     return n

@@ -141,3 +141,36 @@ def test_sigterm_stops_a_worker_whose_cluster_is_unreachable(tmp_path, closed_po
             worker.wait()
     assert q.get(far).state == "queued"
     assert log.read_text().count("cannot be reached") <= 3
+
+
+def test_a_head_that_never_answers_does_not_hold_the_local_job_behind_it(tmp_path, silent_head,
+                                                                         capsys):
+    """Probe finding 5: the local job behind a job on a head that accepts connections and never
+    answers started after 60 s (the submission's timeout), the cluster job shown "running"
+    meanwhile; a later retry held the worker 10 s; the worker's count took retries for jobs."""
+    from app.cli.main import run_cli
+
+    q, far, here = queue_with(tmp_path, silent_head)
+    count = []
+    stop = threading.Event()
+    worker = threading.Thread(target=lambda: count.append(run_worker(
+        q, runner=lambda run, control: "done", poll_s=0.05, stop_event=stop, exclusive=False)),
+        daemon=True)
+    started = time.monotonic()
+    worker.start()
+    try:
+        wait_for(lambda: q.get(far).handle is not None, "the submission")
+        assert run_cli(["queue", "list", "--queue", str(q.path)]) == 0
+        row = next(line for line in capsys.readouterr().out.splitlines()
+                   if line.split()[0] == str(far))
+        assert row.split()[1] == "submitting"
+        wait_for(lambda: q.get(here).state == "done", "the local job", timeout=15.0)
+        assert time.monotonic() - started < 15.0
+    finally:
+        stop.set()
+        worker.join(TIMEOUT)
+    assert not worker.is_alive() and count == [1]
+    job = q.get(far)
+    assert (job.state, job.handle) == ("queued", None)
+    assert "did not answer" in RunDir(job.run_dir).log_path.read_text() \
+        or "timed out" in RunDir(job.run_dir).log_path.read_text()

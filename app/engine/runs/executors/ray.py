@@ -27,8 +27,13 @@ from app.engine.runs.executors.base import Poll
 
 SUBMISSION_ENV = "WORKBENCH_SUBMISSION_ID"  # tells run-remote which attempt it is
 DEFAULT_STOP_GRACE_S = 30.0   # how long a stopped run may take to checkpoint and exit
-HTTP_TIMEOUT_S = 10.0
-SUBMIT_TIMEOUT_S = 60.0       # a head's first job starts its job agent: slow on a busy node
+# Every request the worker makes (submit, poll, stop, logs) is given up after HTTP_TIMEOUT_S:
+# a head that accepts connections and never answers must not hold the worker, which runs the
+# other jobs meanwhile (a job whose head did not answer waits, see worker.ClusterBackoff). A
+# submission given up may still have arrived: it is sent again under the same id, which Ray
+# refuses (AlreadySubmitted) and the worker then polls, so a slow head costs a retry, not a job.
+HTTP_TIMEOUT_S = 5.0
+SUBMIT_TIMEOUT_S = 60.0       # `cluster test`'s probe: a head's first job starts its job agent
 PROBE_TIMEOUT_S = 120.0       # `cluster test`'s job: started, run and ended within this
 _STATES = {"PENDING": "pending", "RUNNING": "running", "SUCCEEDED": "succeeded",
            "FAILED": "failed", "STOPPED": "stopped"}
@@ -334,7 +339,7 @@ class RayExecutor:
                 "RAY_JOB_STOP_WAIT_TIME_S": str(math.ceil(self.stop_grace_s)),
                 SUBMISSION_ENV: handle["submission_id"]}},
             "metadata": {"workbench_job": str(job.id), "attempt": str(job.attempt)},
-        }, timeout_s=SUBMIT_TIMEOUT_S)
+        })  # HTTP_TIMEOUT_S: see there
         return handle
 
     def handle_for(self, job_id: int, attempt: int) -> dict:
