@@ -34,7 +34,7 @@ from app.engine.api import (GRPO, SFT, TARGET_GROUPS, DataConfig, GrpoConfig, Li
                             gpu_available, human_bytes, human_count, lora_param_count)
 from app.views.widgets.form_fields import (FormBase, combo, dspin, field_value, set_combo,
                                            set_field, spin)
-from app.views.widgets.tooltips import CONFIG, SETTINGS_TIPS, tip
+from app.views.widgets.tooltips import SETTINGS_TIPS
 
 # A trained LoRA parameter's memory: float32 value, gradient and AdamW's two moments (the
 # estimate's adapter bytes, app.engine.model.card).
@@ -102,32 +102,6 @@ SIMPLE_FIELDS = {
     "strict": ("data_config", "strict")}
 FLOAT_TEXTS = ("lr", "min_lr", "eps")      # typed as text: 1e-4 reads better than 0.000100
 WEIGHT_CACHE_AUTO = -1                     # the spin box's value for weight_cache_mb None
-ADVANCED_TIPS = {
-    "gclip": tip("Clips each gradient value to +-this before the update (0: off). The engine "
-                 "clips the global gradient norm instead (the field below).", "off", "--gclip"),
-    "max_grad_norm": tip("Scales the whole gradient down when its norm passes this (0: off): "
-                         "the engine's guard against a bad batch.", "1.0", "--max-grad-norm"),
-    "warmup": tip("Steps over which the learning rate rises from 0, so the first updates are "
-                  "small; auto: the warmup fraction of the run's steps.", "auto", "--warmup"),
-    "warmup_fraction": tip("The part of the steps the automatic warmup takes.", "0.05",
-                           "--warmup-fraction"),
-    "min_lr": tip("The lowest learning rate the linear or cosine schedule decays to.", "0",
-                  f"train.min_lr, {CONFIG}"),
-    "beta1": tip("AdamW's first-moment decay.", "0.9", f"train.beta1, {CONFIG}"),
-    "beta2": tip("AdamW's second-moment decay.", "0.999", f"train.beta2, {CONFIG}"),
-    "eps": tip("AdamW's epsilon, added to the second moment's root.", "1e-8",
-               f"train.eps, {CONFIG}"),
-    "weight_cache_mb": tip("Dequantized weights kept in memory (auto: 40% of RAM, less where "
-                           "the run would pass two thirds of it; 0: dequantize at every use, "
-                           "least memory).", "auto", "--weight-cache-mb"),
-    "adapter": tip("Continue training this GGUF LoRA adapter instead of new adapters.",
-                   "none", "--adapter"),
-    "keep_last": tip("Checkpoints kept besides the best one.", "2", f"keep_last, {CONFIG}"),
-    "max_bad_steps": tip("Consecutive NaN/Inf steps after which the run stops.", "5",
-                         f"max_bad_steps, {CONFIG}"),
-    "strict": tip("Refuse to start when any row is bad (default: skip and report them).", "off",
-                  "--strict"),
-}
 WEIGHT_SOURCES = (("row", "From each row's field"), ("file", "From a weights file"))
 SFT_ONLY = ("mode", "epochs", "context", "batch", "grad_accum", "patience", "strict")
 # field -> ((label, special value text) of a supervised run, (the same) of a GRPO run)
@@ -167,7 +141,6 @@ class SettingsForm(FormBase):
         self.train_windows: int | None = None      # the dataset's, estimated (warmup's note)
         self._layout(self._build())
         self.set_tooltips(SETTINGS_TIPS)
-        self.set_tooltips(ADVANCED_TIPS)
         self._connect()
         self.set_values({})
         self._update_visibility()

@@ -40,9 +40,12 @@ SETTINGS_TIPS = {
     "schedule": tip("How the learning rate changes over the run after warmup.",
                     "cosine (decays to 0 at the end)", "--schedule"),
     "warmup": tip("Steps over which the learning rate rises from 0, so the first updates "
-                  "are small.", "5-10% of the steps", "--warmup"),
-    "gclip": tip("Clips each gradient value to +-this before the update (0: off).",
-                 "0 or 1.0", "--gclip"),
+                  "are small (auto: the warmup fraction of the run's steps).", "auto",
+                  "--warmup"),
+    "max_grad_norm": tip("Scales the whole gradient down when its norm passes this (0: off): "
+                         "the guard against a bad batch.", "1.0", "--max-grad-norm"),
+    "gclip": tip("Clips each gradient value to +-this before the update (0: off); the "
+                 "gradient-norm clip is the usual guard.", "off", "--gclip"),
     "weight_decay": tip("Pulls the trained weights towards 0 a little each step.", "0-0.1",
                         "--weight-decay"),
     "seed": tip("Fixes the data order, the validation split and dropout: the same seed gives "
@@ -91,6 +94,24 @@ SETTINGS_TIPS = {
                 CONFIG + " (data_config.clip_range)"),
     "allow_negative": tip("Negative weights push the model away from a row (unlikelihood).",
                           "off", "--allow-negative"),
+    "warmup_fraction": tip("The part of the steps the automatic warmup takes.", "0.05",
+                           "--warmup-fraction"),
+    "min_lr": tip("The lowest learning rate the linear or cosine schedule decays to.", "0",
+                  CONFIG + " (train.min_lr)"),
+    "beta1": tip("AdamW's first-moment decay.", "0.9", CONFIG + " (train.beta1)"),
+    "beta2": tip("AdamW's second-moment decay.", "0.999", CONFIG + " (train.beta2)"),
+    "eps": tip("AdamW's epsilon, added to the second moment's root.", "1e-8",
+               CONFIG + " (train.eps)"),
+    "weight_cache_mb": tip("Dequantized weights kept in memory (auto: 40% of RAM, less where "
+                           "the run would pass two thirds of it; 0: dequantize at every use, "
+                           "least memory).", "auto", "--weight-cache-mb"),
+    "adapter": tip("Continue training this GGUF LoRA adapter instead of new adapters.",
+                   "none", "--adapter"),
+    "keep_last": tip("Checkpoints kept besides the best one.", "2", CONFIG + " (keep_last)"),
+    "max_bad_steps": tip("Consecutive NaN/Inf steps after which the run stops.", "5",
+                         CONFIG + " (max_bad_steps)"),
+    "strict": tip("Refuse to start when any row is bad (default: skip and report them).", "off",
+                  "--strict"),
 }
 
 # The rest of New run

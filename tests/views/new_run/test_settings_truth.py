@@ -191,5 +191,5 @@ def test_every_setting_of_the_engine_has_a_field(new_run):
     for key, flag in (("max_grad_norm", "--max-grad-norm"), ("warmup_fraction",
                                                               "--warmup-fraction"),
                       ("weight_cache_mb", "--weight-cache-mb"), ("adapter", "--adapter"),
-                      ("beta1", "train.beta1"), ("min_lr", "train.min_lr")):
+                      ("beta1", "(train.beta1)"), ("min_lr", "(train.min_lr)")):
         assert flag in form[key].toolTip(), key
