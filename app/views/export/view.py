@@ -105,10 +105,12 @@ def explain_check(check) -> str:
         said = (f"On a short held-out English passage (fixed, not your data), the merged model's "
                 f"perplexity is {_ppl(merged)} and base + adapter's {_ppl(live)}: "
                 f"{d['relative_diff']:.2%} apart in mean loss, ")
-        said += ("within the 1% allowed, so the merge keeps the adapter's effect." if check.ok
-                 else "more than the 1% allowed: the merge loses part of the adapter's effect.")
-        said += (f" The base alone scores {_ppl(base)}: the adapter makes this general text "
-                 f"{'more' if live < base else 'less'} predictable.")
+        bound = f"{d.get('bound', 0.01):.0%}"
+        said += (f"within the {bound} allowed, so the merge keeps the adapter's effect."
+                 if check.ok else
+                 f"more than the {bound} allowed: the merge loses part of the adapter's effect.")
+        said += (f" The base model alone has perplexity {_ppl(base)}: the adapter makes this "
+                 f"general text {'more' if live < base else 'less'} predictable.")
         if live > math.log(1000):
             said += (" A perplexity this high means the model hardly predicts this passage (a "
                      "tiny test model, or text unlike its training); the check compares the "
@@ -133,9 +135,12 @@ def explain_check(check) -> str:
         if check.ok is None:
             why = check.detail.removeprefix("skipped: ").removeprefix("inconclusive: ")
             return f"The llama.cpp cross-check did not run: {why}."
-        return (f"llama.cpp {'computes the same' if check.ok else 'computes different'} "
-                f"next-token scores as the engine (difference {d.get('max_abs_diff', 0):.2g}, "
-                f"allowed {d.get('tolerance', 0):.2g}).")
+        median = d.get("statistic") == "median"      # rounded weights: a typical position
+        diff = d.get("median_position_max_diff" if median else "max_abs_diff", 0.0)
+        return (f"llama.cpp loads the file and computes "
+                f"{'the same' if check.ok else 'different'} next-token scores as the engine "
+                f"({'typical' if median else 'largest'} difference {diff:.2g}, allowed "
+                f"{d.get('tolerance', 0):.2g}).")
     return ""
 
 
@@ -219,6 +224,7 @@ class ExportView(QWidget):
         self._sizes = Background(self, max_threads=1)     # not queued behind an export
         self._size_timer = QTimer(self, singleShot=True, interval=250)   # typing: once
         self.expected = None          # bytes the export will write (None: unknown yet)
+        self._size_said = ""          # what the size label says before an export
         self._build()
         self._layout()
         self._connect()
@@ -350,9 +356,10 @@ class ExportView(QWidget):
         self.source_box.currentIndexChanged.connect(self._update_fields)
         for signal in (self.source_box.currentIndexChanged, self.format_box.currentIndexChanged,
                        self.type_box.currentIndexChanged, self.checkpoint_box.currentIndexChanged,
-                       self.adapter_field.textChanged, self.model_field.textChanged,
-                       self.scale.valueChanged, self.out_field.textChanged):
+                       self.adapter_field.textChanged, self.model_field.textChanged):
             signal.connect(self._inputs_changed)
+        for signal in (self.scale.valueChanged, self.out_field.textChanged):   # same size
+            signal.connect(self.clear_result)
         self._size_timer.timeout.connect(self._estimate_size)
         self._adapter_browse.clicked.connect(
             lambda: self._browse(self.adapter_field, "LoRA adapter"))
@@ -428,14 +435,15 @@ class ExportView(QWidget):
 
     def _inputs_changed(self, *_) -> None:
         """What is shown was made from other inputs: clear it, and estimate the size anew."""
-        self.clear_result()
         self.expected = None
-        self.size_label.setText("")
+        self._size_said = ""
+        self.clear_result()
         self._sizes.cancel("size")
         self._size_timer.start()
 
-    def clear_result(self) -> None:
+    def clear_result(self, *_) -> None:
         """Forget the last export's result (badge, report, checks, written size)."""
+        self.size_label.setText(self._size_said)
         self.report = None
         self.badge.hide()
         self.report_title.setText("")
@@ -451,13 +459,13 @@ class ExportView(QWidget):
         if (spec["source"] == "run" and not spec["run_dir"]) or (
                 spec["source"] == "file" and not (spec["adapter"] and spec["model"])):
             return
-        self.size_label.setText("Size: estimating\u2026")
+        self._say_size("Size: estimating\u2026")
         self._sizes.run("size", expected_size, spec, on_done=self._on_size,
                         on_error=self._on_size_error)
 
     def _on_size(self, size: int) -> None:
         self.expected = size
-        self.size_label.setText(f"Will write about {human_bytes(size)}")
+        self._say_size(f"Will write about {human_bytes(size)}")
 
     def _on_size_error(self, error: BaseException) -> None:
         """The estimate reads the source as the export does: its ConfigError (no adapter
@@ -465,7 +473,12 @@ class ExportView(QWidget):
         said = window_words(error)
         text = said.message if isinstance(said, EngineError) else f"{type(error).__name__}: {error}"
         hint = getattr(said, "hint", "")
-        self.size_label.setText(f"Size unknown: {text}" + (f" {hint}" if hint else ""))
+        self._say_size(f"Size unknown: {text}" + (f" {hint}" if hint else ""))
+
+    def _say_size(self, text: str) -> None:
+        self._size_said = text
+        if self.report is None:                  # not over the size an export wrote
+            self.size_label.setText(text)
 
     def spec(self) -> dict:
         return {"source": self.source_box.currentData(), "run_dir": self.run_dir,

@@ -112,6 +112,8 @@ def test_the_size_is_shown_before_writing_and_after(qtbot, view, tmp_path, fmt, 
     written = sum(os.path.getsize(f) for f in report.files)
     assert view.size_label.text() == (f"Wrote {human_bytes(written)} (expected about "
                                       f"{human_bytes(expected)})")
+    view.out_field.setText(str(tmp_path / "elsewhere"))     # the same size, elsewhere
+    assert view.size_label.text() == f"Will write about {human_bytes(expected)}"
     view.set_format("gguf-lora", "f32")          # another target: its own estimate
     assert wait_size(qtbot, view).startswith("Will write about")
 
@@ -131,7 +133,7 @@ def test_the_figures_are_explained_in_words(qtbot, view, tmp_path):
     ppl = [f"{2.718281828 ** kept[k]:,.1f}" for k in ("merged_nll", "live_nll", "base_nll")]
     assert (f"the merged model's perplexity is {ppl[0]} and base + adapter's {ppl[1]}" in text
             and "within the 1% allowed, so the merge keeps the adapter's effect" in text
-            and f"The base alone scores {ppl[2]}" in text)
+            and f"The base model alone has perplexity {ppl[2]}" in text)
     assert "the export predicts the same next-token scores" in text
     assert re.search(r"The llama.cpp cross-check (was turned off|did not run: llama-cpp-python "
                      r"is not installed)", text)
@@ -145,6 +147,10 @@ def test_a_bad_figure_is_explained_as_bad():
     assert "perplexity is 54,176.4 and base + adapter's 36,315.5" in said
     assert "more than the 1% allowed: the merge loses part of the adapter's effect" in said
     assert "less predictable" in said and "hardly predicts this passage" in said
+    cross = Check("llamacpp", True, "", {"statistic": "median", "max_abs_diff": 2.5,
+                                         "median_position_max_diff": 0.04, "tolerance": 0.1})
+    assert explain_check(cross) == ("llama.cpp loads the file and computes the same next-token "
+                                    "scores as the engine (typical difference 0.04, allowed 0.1).")
 
 
 def test_a_failed_verification_says_where_the_file_went(qtbot, view, ctx, golden_run_dir,
