@@ -402,6 +402,8 @@ def cmd_queue(args) -> int:
         print(f"queued job {job_id}: {job.run_dir}{where}")
         return 0
     if action == "list":
+        from app.engine.runs.worker import SUBMITTING
+
         jobs = queue.list(args.state)
         if args.json:
             print(json.dumps([{**j.to_dict(), "status": _run_status(j.run_dir)} for j in jobs],
@@ -412,9 +414,11 @@ def cmd_queue(args) -> int:
             return 0
         print(f"{'ID':>4}  {'STATE':<22}  {'ON':<12}  {'TRY':>3}  {'RUN':<30}  PROGRESS")
         for j in jobs:
-            state = j.state + (f" ({j.requested_action} requested)"
-                               if j.requested_action != "none" else "")
             status = _run_status(j.run_dir)
+            # a cluster job the cluster has not accepted yet is "submitting", not "running"
+            state = (SUBMITTING if j.state == "running" and status.get("state") == SUBMITTING
+                     else j.state) + (f" ({j.requested_action} requested)"
+                                      if j.requested_action != "none" else "")
             info = (f"{j.error_kind}: {j.error_message}" if j.state == "failed"
                     else status.get("problem") or _fmt_progress(status))
             name = j.run_dir if len(j.run_dir) <= 30 else "..." + j.run_dir[-27:]
@@ -508,7 +512,16 @@ def _run_row(r) -> list[str]:
             r.executor + (f" #{r.attempt}" if r.attempt else ""), r.state]
 
 
+def _as_printed(text: str) -> str:
+    """`text` as stdout shows it: what it cannot encode (a run folder's byte that is not UTF-8)
+    escaped, as `_escape_unencodable_output` makes the stream do."""
+    encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
+    return text.encode(encoding, "backslashreplace").decode(encoding)
+
+
 def _print_table(header: list[str], rows: list[list[str]]) -> None:
+    """Columns padded by the width each cell has as printed (an escaped name is wider)."""
+    header, rows = [_as_printed(c) for c in header], [[_as_printed(c) for c in r] for r in rows]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
