@@ -1,12 +1,13 @@
 """The Monitor's Rewards page for GRPO runs: how the reward grows, live.
 
-Four plots, fed with the run's step and eval events ("kind": "grpo", see app.engine.training.grpo) from
-the same RunTail as the loss curves and drawn through the Monitor's PacedRedraw and RunRanges:
+Four plots, fed with the run's step and eval events ("kind": "grpo", see
+app.engine.training.grpo) from the same RunTail as the loss curves and drawn through the
+Monitor's PacedRedraw and RunRanges:
 
 * Reward: the weighted total reward per step, mean (raw and smoothed) with a +-1 std band,
   and the held-out reward (greedy completions of the held-out prompts) at every evaluation;
   compared runs are overlaid here (`overlay`);
-* Reward functions: each function's mean (raw values, before weighting);
+* Functions: each reward function's mean (raw values, before weighting);
 * Share: of the prompt groups whose completions all scored the same ("zero spread": they
   teach nothing) and of the completions cut off at max_new_tokens ("clipped");
 * Completion length in tokens: the mean within the min..max band.
@@ -23,8 +24,8 @@ from collections.abc import Callable
 import pyqtgraph as pg
 from PySide6.QtWidgets import QGridLayout, QVBoxLayout, QWidget
 
-from app.views.widgets.plots import (ACCENT, ORANGE, PALETTE, Band, RunRanges, num,
-                                     small_plot, title_with_keys)
+from app.views.widgets.plots import (ACCENT, LEGEND, ORANGE, PALETTE, Band, RunRanges,
+                                     num, small_plot, title_with_keys)
 from app.views.widgets.run_tail import PacedRedraw, Series, clock
 
 KEYS = ("reward", "functions", "fractions", "length")
@@ -54,8 +55,8 @@ class GrpoCurves(QWidget):
         self.reward_title = "Reward (weighted total per completion)"
         self.reward_plot = small_plot(self.reward_title, "reward", grid=True)
         self.reward_plot.setMinimumHeight(240)
-        self.reward_plot.addLegend(offset=(-10, -10), labelTextColor="#1f2328")  # bottom
-                                                  # right: the reward rises away from it
+        self.reward_plot.addLegend(offset=(-10, -10), **LEGEND)   # bottom right: the
+                                                                  # reward rises away from it
         self.reward_band = Band(self.reward_plot, ACCENT, alpha=35, name="\u00b1 1 std")
         self.reward_curve = self.reward_plot.plot(pen=pg.mkPen("#9db8ec", width=1), name="mean",
                                                   connect="finite")

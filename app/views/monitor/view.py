@@ -32,8 +32,8 @@ from app.views.monitor.completions import CompletionsView
 from app.views.monitor.grpo_curves import KEYS as GRPO_KEYS
 from app.views.monitor.grpo_curves import GrpoCurves
 from app.views.monitor.run_compare import ComparePanel
-from app.views.widgets.plots import (ACCENT, ORANGE, BestMark, PacedReveal, RunRanges, box,
-                                     filled_curve, num, small_plot)
+from app.views.widgets.plots import (ACCENT, LEGEND, ORANGE, BestMark, PacedReveal, RunRanges,
+                                     box, filled_curve, num, small_plot)
 from app.views.widgets.run_best import better
 from app.views.widgets.run_tail import PacedRedraw, RunTail, Series, clock
 
@@ -98,7 +98,7 @@ class MonitorView(QWidget):
         self.compare = ComparePanel(self.ctx)
         self.loss_plot = small_plot("Loss", "loss (nats/token)", grid=True)
         self.loss_plot.setMinimumHeight(240)
-        self.loss_plot.addLegend(offset=(-10, 10), labelTextColor="#1f2328")
+        self.loss_plot.addLegend(offset=(-10, 10), **LEGEND)   # top right: the loss falls
         self.loss_curve = self.loss_plot.plot(pen=pg.mkPen("#9db8ec", width=1), name="train",
                                               connect="finite")
         self.smooth_curve = self.loss_plot.plot(pen=pg.mkPen(ACCENT, width=2),
@@ -178,6 +178,7 @@ class MonitorView(QWidget):
         self.smoothing.valueChanged.connect(self._on_smoothing)
         self.reset_zoom_button.clicked.connect(self.reset_zoom)
         self.ctx.run_selected.connect(self.set_run)
+        self.ctx.runs_changed.connect(self._update_buttons)    # paused or resumed on Runs
 
     # ---------------------------------------------------------------- following a run
     def set_run(self, path: str) -> None:

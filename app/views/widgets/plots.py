@@ -1,10 +1,13 @@
 """Plot helpers shared by the Monitor's panels: layouts, small plots, bands, and the view ranges
 that follow a run.
 
+`small_plot` plots a metric over steps: axis titles with the unit, whole-number step ticks
+(`StepAxis`). `BestMark` marks the best evaluation's step, its text in the plot's title.
+
 `RunRanges` keeps every plot of a run showing the whole run (step 0 to its total) until the
 user zooms or pans one of them; values are refit only when they outgrow the view (or fill less
-than half of it). A range that changed on every update would make pyqtgraph re-lay out the axes
-and paint each plot twice (5-20 ms).
+than half of it), and never reach below 0 when the values do not. A range that changed on
+every update would make pyqtgraph re-lay out the axes and paint each plot twice (5-20 ms).
 
 `PacedReveal` shows a screen's plots one at a time when the screen appears (Qt would lay out and
 paint them all in one pass).
@@ -22,6 +25,8 @@ from PySide6.QtWidgets import QWidget
 ACCENT = "#2f6fde"
 ORANGE = "#e08a1e"
 GREEN = "#1a7f37"
+# a plot's legend: on a white card, so a band or curve under it does not hide its text
+LEGEND = {"labelTextColor": "#1f2328", "brush": (255, 255, 255, 215)}
 PALETTE = ("#d1453b", "#2e9d5b", "#8e44ad", "#e08a1e", "#16a2b8", "#7f8c8d", "#c2185b")
 
 

@@ -38,6 +38,9 @@ def test_stop_and_save_then_resume_from_the_monitor(qtbot, ctx, monitor):
         monitor.resume_button.click()
     assert ctx.queue.get(job_id).state == "queued" and ctx.worker_starts == [1]
     assert not monitor.resume_button.isEnabled() and monitor.stop_save_button.isEnabled()
+    ctx.queue.pause(job_id)                              # paused on the Runs screen
+    ctx.runs_changed.emit()
+    assert monitor.resume_button.isEnabled()
 
 
 @pytest.mark.parametrize("state", ["paused", "interrupted"])
