@@ -403,7 +403,9 @@ class RewardProcess:
         self._stderr = tempfile.TemporaryFile()
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-u", "-c", _BOOTSTRAP, self.path, self.function],
+                # -B: no __pycache__/*.pyc beside the reward file or the modules it imports
+                # (files the user did not name)
+                [sys.executable, "-u", "-B", "-c", _BOOTSTRAP, self.path, self.function],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
                 cwd=os.path.dirname(self.path), start_new_session=(os.name == "posix"),
                 env={**os.environ, "PYTHONIOENCODING": "utf-8"})

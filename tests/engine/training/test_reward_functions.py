@@ -324,3 +324,19 @@ def test_resume_asks_again_when_a_module_of_a_trusted_reward_changed(tmp_path, m
     err = capsys.readouterr().err
     assert f"{tmp_path / 'helper.py'} (imported by main_rew.py)" in err
     assert "--trust-reward-code" in err and not run.metrics()
+
+
+def test_loading_a_reward_writes_no_bytecode_beside_it(tmp_path, monkeypatch):
+    """Probe finding 10: `-r myrew.py` left __pycache__/myrew.cpython-311.pyc (and one for each
+    module it imports) beside the file, a file the user did not name."""
+    monkeypatch.delenv("PYTHONDONTWRITEBYTECODE", raising=False)
+    path = write(tmp_path, """
+        import helper
+        def reward(prompt, completion, **row):
+            return helper.BONUS
+    """)
+    (tmp_path / "helper.py").write_text("BONUS = 0.5\n")
+    before = sorted(os.listdir(tmp_path))
+    with RewardScorer([RewardSpec("file", 1.0, arg=path)]) as s:
+        assert s.score([item("85")])[:, 0].tolist() == [0.5]
+    assert sorted(os.listdir(tmp_path)) == before
