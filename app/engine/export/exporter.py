@@ -884,7 +884,8 @@ def check_export_destination(source: ExportSource, to: str, out: Path, *,
     out = check_destination(out, overwrite=overwrite, inputs=inputs, what=f"a {to} export",
                             folder_files=FOLDER_FILES.get(to))
     for path in report_paths(source, out):
-        check_destination(path, overwrite=True, inputs=inputs, what="its verification report")
+        check_destination(path, overwrite=True, inputs=inputs, what="its verification report",
+                          named_after_destination=True)
     return out
 
 

@@ -131,14 +131,18 @@ def _kind(mode: int) -> str:
 
 def check_destination(path: str | os.PathLike, *, overwrite: bool = False, inputs: Inputs = (),
                       what: str = "the output",
-                      folder_files: Iterable[str] | None = None) -> Path:
+                      folder_files: Iterable[str] | None = None,
+                      named_after_destination: bool = False) -> Path:
     """Refuse `path` as the destination of `what` (see the module's rules); returns it
     absolute. `inputs`: (label, path) pairs the command reads (None paths are skipped);
     `folder_files`: the names a folder destination holds (None: the destination is a file).
+    `named_after_destination`: `path` is a file a writer names after the destination the user
+    gave (an export's NAME.verify.json), whose length that destination's check covered
+    (NAME_RESERVE): the limit is said of the name the user typed, never of this one.
     Raises ConfigError (DestinationExists when only --overwrite is missing)."""
     out = Path(path).expanduser().absolute()
     size = len(os.fsencode(out.name))
-    if size > MAX_NAME:
+    if size > MAX_NAME and not named_after_destination:
         raise ConfigError(f"The name {out.name[:40]}... is {size} bytes long; {what} may have "
                           f"at most {MAX_NAME} (the file system allows {NAME_MAX}, and files "
                           "named after it are written beside it).", "Choose a shorter name.")

@@ -333,3 +333,12 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(run, ba
     assert (f"hint: Export another checkpoint: workbench export {run.path} --checkpoint STEP "
             f"(the newest intact one is step 1; see {run.checkpoints_dir})." in err)
     assert "resume" not in err
+
+
+def test_a_name_at_the_limit_is_exported_with_its_report(run, base, tmp_path, capsys):
+    """Probe finding 11: a name of exactly MAX_NAME bytes was refused, the message quoting its
+    report's length ("is 227 bytes long; its verification report may have at most 215")."""
+    out = tmp_path / ("b" * (MAX_NAME - 5) + ".gguf")
+    assert export_cli(*adapter_args(run, base), "--to", "gguf-lora", "--out", out) == 0, \
+        capsys.readouterr().err
+    assert out.is_file() and out.with_name(out.name + ".verify.json").is_file()
