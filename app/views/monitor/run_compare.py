@@ -4,11 +4,11 @@ smoothed reward and the held-out reward), and list the settings in which the run
 their names in the window ("LoRA rank", the config key in the tooltip).
 
 `ComparePanel(ctx)` holds the list of runs (filled from the runs folder and the queue in the
-reader thread every 5 s) and the table of differing settings. The Monitor tells it which run it
-follows (`set_run`) and which plot and metric to overlay (`set_target`: a new target drops the
-compared runs, whose curves are of the other metric, and builds curves on the new plot; a
-curve moved between two plots' scenes is left half-added by pyqtgraph), and redraws when
-`changed` fires (`draw(weight)`). Test-visible state: `compare_list`, `diff_table`,
+reader thread every 5 s; it offers the runs of the followed run's kind) and the table of
+differing settings. The Monitor tells it which run it follows (`set_run`) and its kind and
+headline plot (`set_target`: a new target drops the compared runs, which are of the other
+kind; curves are built on the new plot, since a curve moved between two plots' scenes is left
+half-added by pyqtgraph), and redraws when `changed` fires (`draw(weight)`). Test-visible state: `compare_list`, `diff_table`,
 `compare_curves`, `compare_eval_curves`, `settings_diff()`.
 """
 
@@ -25,7 +25,7 @@ from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (QHeaderView, QLabel, QListWidget, QListWidgetItem, QTableWidget,
                                QTableWidgetItem, QVBoxLayout, QWidget)
 
-from app.engine.api import EngineError, RunDir, list_runs
+from app.engine.api import SFT, EngineError, RunDir, RunKind, kind_of, list_runs
 from app.views.widgets.plots import PALETTE, num
 from app.views.widgets.run_tail import BackgroundPoll, RunTail, Series
 
@@ -48,6 +48,9 @@ LABELS = {"kind": "Run kind", "model": "Model", "data": "Dataset", "prompts": "P
           "data_config.val_fraction": "Validation fraction", "group_size": "Group size",
           "prompts_per_step": "Prompts per step", "max_new_tokens": "Max new tokens",
           "kl": "KL weight", "val_split": "Held-out fraction"}
+
+
+KIND_ROLE = Qt.UserRole + 1          # a list item's run kind (its path: Qt.UserRole)
 
 
 def label(key: str) -> str:
@@ -89,7 +92,8 @@ class ComparePanel(QWidget):
         self.ctx = ctx
         self.run_path: str | None = None
         self._plot: pg.PlotWidget | None = None
-        self._metric = "loss"
+        self._kind: RunKind = SFT
+        self._kinds: dict[str, tuple[float, str]] = {}     # path -> (config.json's time, kind)
         self._compare: dict[str, Compared] = {}
         self._configs: dict[str, dict] = {}
 
@@ -98,7 +102,7 @@ class ComparePanel(QWidget):
         self.compare_list.setToolTip("Tick a run to overlay its smoothed curve (dashed) and its "
                                      "evaluations (triangles) on this run's plot, and to list "
                                      "the settings in which the runs differ.")
-        self.compare_hint = QLabel("No other runs yet.", objectName="pageSubtitle")
+        self.compare_hint = QLabel("No other runs of this kind yet.", objectName="pageSubtitle")
         self.diff_table = QTableWidget(0, 0)
         self.diff_table.verticalHeader().setVisible(False)
         self.diff_table.setToolTip("The settings in which the shown runs differ; hover a cell "
@@ -130,14 +134,14 @@ class ComparePanel(QWidget):
         self._update_diff()
         self.runs_poll.tick()                     # a new run may have appeared
 
-    def set_target(self, plot: pg.PlotWidget, metric: str) -> None:
-        """Overlay the compared runs' `metric` (a step and eval event's key) on `plot`. A new
-        target drops the compared runs (their curves show the other kind's metric)."""
-        if plot is self._plot and metric == self._metric:
+    def set_target(self, plot: pg.PlotWidget, kind: RunKind) -> None:
+        """Offer the runs of `kind` and overlay their headline metric (a step and eval event's
+        key) on `plot`. A new target drops the compared runs (of the other kind)."""
+        if plot is self._plot and kind is self._kind:
             return
         for path in list(self._compare):
             self._drop(path)
-        self._plot, self._metric = plot, metric
+        self._plot, self._kind = plot, kind
         self.changed.emit()
         self._sync_list()
         self._update_diff()
@@ -155,7 +159,7 @@ class ComparePanel(QWidget):
                                            name=name, connect="finite"),
                            self._plot.plot(pen=pg.mkPen(color, width=1, style=Qt.DotLine),
                                            symbol="t", symbolSize=7, symbolBrush=color,
-                                           symbolPen=None, name=f"{name} ({self._evals_name})"))
+                                           symbolPen=None))   # the legend: one row a run
             self._compare[path] = run
             run.tail.steps.connect(lambda evs, s=run.steps: self._on_events(s, evs))
             run.tail.evals.connect(lambda evs, s=run.evals: self._on_events(s, evs))
@@ -175,10 +179,6 @@ class ComparePanel(QWidget):
             self._plot.removeItem(curve)
 
     @property
-    def _evals_name(self) -> str:
-        return "validation" if self._metric == "loss" else "held-out"
-
-    @property
     def compare_curves(self) -> dict[str, pg.PlotDataItem]:
         """{run directory: its overlaid (smoothed) curve}."""
         return {path: run.curve for path, run in self._compare.items()}
@@ -189,7 +189,7 @@ class ComparePanel(QWidget):
         return {path: run.eval_curve for path, run in self._compare.items()}
 
     def _on_events(self, series: Series, events: list) -> None:
-        series.extend([(e.get("step", 0), num(e, self._metric)) for e in events])
+        series.extend([(e.get("step", 0), num(e, self._kind.metric)) for e in events])
         self.changed.emit()
 
     def draw(self, plot: pg.PlotWidget, weight: float) -> list[np.ndarray]:
@@ -215,38 +215,59 @@ class ComparePanel(QWidget):
         self.runs_poll.start()
 
     # ---------------------------------------------------------------- the list
-    def _list_runs(self) -> list[str]:
-        """Run directories to offer for comparison (runs folder and queue); reader thread."""
+    def _list_runs(self) -> list[tuple[str, str]]:
+        """(run directory, kind name) of the runs to offer for comparison (runs folder and
+        queue); reader thread."""
         paths = [str(r.path) for r in list_runs(self.ctx.runs_root())]
         try:
             paths += [str(RunDir(j.run_dir).path) for j in self.ctx.queue.list()]
         except EngineError:
             pass
-        return list(dict.fromkeys(p for p in paths if os.path.isdir(p)))
+        return [(p, self._kind_name(p)) for p in dict.fromkeys(paths) if os.path.isdir(p)]
 
-    def _fill_list(self, paths: list) -> None:
-        have = {self.compare_list.item(i).data(Qt.UserRole)
-                for i in range(self.compare_list.count())}
+    def _kind_name(self, path: str) -> str:
+        """The run's kind, from its config.json (read again only when it changed; missing,
+        unreadable or unknown: supervised); reader thread."""
+        run = RunDir(path)
+        try:
+            mtime = run.config_path.stat().st_mtime
+        except OSError:
+            return SFT.name
+        if self._kinds.get(path, (None,))[0] != mtime:
+            try:
+                kind = kind_of(run.config()).name
+            except EngineError:
+                kind = SFT.name
+            self._kinds[path] = (mtime, kind)
+        return self._kinds[path][1]
+
+    def _fill_list(self, runs: list) -> None:
+        items = {self.compare_list.item(i).data(Qt.UserRole): self.compare_list.item(i)
+                 for i in range(self.compare_list.count())}
         self.compare_list.blockSignals(True)
-        for path in paths:
-            if path not in have:
+        for path, kind in runs:
+            item = items.get(path)
+            if item is None:
                 item = QListWidgetItem(Path(path).name)
                 item.setData(Qt.UserRole, path)
                 item.setToolTip(path)
                 item.setFlags(item.flags() | Qt.ItemIsUserCheckable)
                 self.compare_list.addItem(item)
+            item.setData(KIND_ROLE, kind)
         self._sync_list()
         self.compare_list.blockSignals(False)
 
     def _sync_list(self) -> None:
-        """Check the compared runs; hide the followed one (it is always shown)."""
+        """Check the compared runs; offer the runs of the followed run's kind, but not the
+        followed one (it is always shown)."""
         blocked = self.compare_list.blockSignals(True)
         shown = 0
         for i in range(self.compare_list.count()):
             item = self.compare_list.item(i)
             path = item.data(Qt.UserRole)
-            item.setHidden(path == self.run_path)
-            shown += path != self.run_path
+            offered = path != self.run_path and item.data(KIND_ROLE) == self._kind.name
+            item.setHidden(not offered)
+            shown += offered
             item.setCheckState(Qt.Checked if path in self._compare else Qt.Unchecked)
         self.compare_list.blockSignals(blocked)
         self.compare_list.setVisible(shown > 0)

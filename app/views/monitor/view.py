@@ -202,7 +202,7 @@ class MonitorView(QWidget):
             self.pages.setTabVisible(i, grpo)
         self.pages.tabBar().setVisible(grpo)
         self.pages.setCurrentIndex(0 if grpo else 2)
-        self.compare.set_target(self.grpo.reward_plot if grpo else self.loss_plot, kind.metric)
+        self.compare.set_target(self.grpo.reward_plot if grpo else self.loss_plot, kind)
 
     @property
     def best_mark(self) -> BestMark:

@@ -32,6 +32,12 @@ def stray_curves(monitor) -> list:
             if isinstance(item, pg.PlotDataItem) and not isinstance(item.getViewBox(), pg.ViewBox)]
 
 
+def offered(monitor) -> list[str]:
+    """The runs "Compare with" offers."""
+    runs = monitor.compare.compare_list
+    return [runs.item(i).text() for i in range(runs.count()) if not runs.item(i).isHidden()]
+
+
 @pytest.fixture
 def runs(ctx):
     a = FakeRun(ctx.runs_root() / "sft-a", total_steps=30)
@@ -66,6 +72,7 @@ def test_cycling_sft_compare_grpo_and_back_leaves_nothing_behind(qtbot, ctx, run
     assert exceptions == []
     assert "best: step 30" in loss_title.text and monitor.best_mark.line.isVisible()
     assert "only in run a" in monitor.log_view.toPlainText()
+    assert offered(monitor) == ["sft-b"]                  # not the GRPO run
 
     # compare: tick run b
     item = next(monitor.compare.compare_list.item(i)
@@ -94,6 +101,7 @@ def test_cycling_sft_compare_grpo_and_back_leaves_nothing_behind(qtbot, ctx, run
     assert exceptions == []
     assert monitor.compare.compare_curves == {} and monitor.compare.settings_diff() == {}
     assert item.checkState() == Qt.Unchecked and monitor.compare.diff_table.isHidden()
+    assert offered(monitor) == [] and monitor.compare.compare_hint.isVisibleTo(monitor)
     functions = monitor.grpo.functions_plot                  # the run's reward functions
     assert set(monitor.grpo.function_curves) == {"exact", "format"}
     assert plot_items(monitor) == {**own, functions: set(monitor.grpo.function_curves.values())}
@@ -127,4 +135,5 @@ def test_cycling_sft_compare_grpo_and_back_leaves_nothing_behind(qtbot, ctx, run
     assert "only in run a" in log and "prompts x" not in log
     assert "reward" not in monitor.stats_label.text()
     assert monitor.progress.maximum() == 30 and item.checkState() == Qt.Unchecked
+    assert offered(monitor) == ["sft-b"]                  # runs of the followed run's kind
 
