@@ -9,13 +9,17 @@ import os
 import pytest
 
 from app.engine.errors import ConfigError
-from app.engine.export.exporter import ExportSource, expected_export_size, export
+from app.engine.export.exporter import (ExportSource, expected_export_size, export,
+                                        source_from_adapter)
 from tests.conftest import GOLDEN
-from tests.engine.export.test_exporter import _source
 
 CASES = [("gguf-lora", t) for t in ("f32", "f16", "bf16", "q8_0")] + \
         [("merged", t) for t in ("f16", "f32", "q8_0")] + \
         [("peft", "f32"), ("peft", "f16"), ("ollama", "f32"), ("ollama", "f16")]
+
+
+def _source(name):
+    return source_from_adapter(GOLDEN / f"{name}-lora.gguf", GOLDEN / f"{name}-f32.gguf")
 
 
 @pytest.mark.parametrize("name", ["mixtral", "gemma3"])       # gemma3: Ollama merges
