@@ -8,8 +8,9 @@ reader thread every 5 s; it offers the runs of the followed run's kind) and the 
 differing settings. The Monitor tells it which run it follows (`set_run`) and its kind and
 headline plot (`set_target`: a new target drops the compared runs, which are of the other
 kind; curves are built on the new plot, since a curve moved between two plots' scenes is left
-half-added by pyqtgraph), and redraws when `changed` fires (`draw(weight)`). Test-visible state: `compare_list`, `diff_table`,
-`compare_curves`, `compare_eval_curves`, `settings_diff()`.
+half-added by pyqtgraph), and redraws when `changed` fires (`draw(weight)`). Test-visible
+state: `compare_list`, `compare_hint`, `diff_table`, `compare_curves`, `compare_eval_curves`,
+`settings_diff()`.
 """
 
 from __future__ import annotations
