@@ -24,12 +24,12 @@ from app.views.export import view as export_view
 from app.views.export.view import ExportView, explain_check, window_words
 from tests.views.export.test_export_view import (ADAPTER, MODEL, answer_questions,
                                                  export_and_wait, export_file)
+from tests.views.conftest import shown
 from tests.views.test_main_window import make_window
 
 
 @pytest.fixture
 def view(qtbot, ctx):
-    from tests.views.conftest import shown
     return shown(qtbot, ExportView(ctx))
 
 
@@ -219,7 +219,6 @@ def test_errors_in_window_words(qtbot, view, tmp_path, best_run_dir, monkeypatch
 
 
 def test_the_llamacpp_check_is_disabled_with_the_reason(qtbot, ctx, monkeypatch, tmp_path):
-    from tests.views.conftest import shown
     monkeypatch.setattr(export_view, "llamacpp_python", lambda: None)
     monkeypatch.setattr(verify, "llamacpp_python", lambda: None)
     view = shown(qtbot, ExportView(ctx))
