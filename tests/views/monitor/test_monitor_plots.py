@@ -118,8 +118,11 @@ def test_a_grpo_run_fits_1280x720(qtbot, ctx):
     hint = monitor.minimumSizeHint()
     assert hint.width() <= monitor.width() and hint.height() <= monitor.height(), hint
     for plot in plots:
-        assert inside(plot, win), plot.getPlotItem().titleLabel.text
+        title = plot.getPlotItem().titleLabel
+        assert inside(plot, win), title.text
         assert plot.height() >= 120
+        # the title, which is the legend of the small plots, is not cut off
+        assert title.item.boundingRect().width() <= plot.width(), title.text
     assert g.reward_plot.height() >= 200
     legend = g.reward_plot.getPlotItem().legend
     view = g.reward_plot.getPlotItem().getViewBox().sceneBoundingRect()
