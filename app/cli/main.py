@@ -110,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("lint", help="check a JSONL dataset against a model's tokenizer",
                        description="Check a JSONL dataset against a model's tokenizer. Exit "
                                    "status: 0 when rows are accepted (rejected ones are listed; "
-                                   "training skips them), 1 when no row is, 2 on an error.")
+                                   "training skips them), 1 when nothing would train (no row "
+                                   "accepted, or all dropped or weighted 0), 2 on an error.")
     p.add_argument("data", help="JSONL dataset")
     p.add_argument("--model", "-m", required=True, help="GGUF model (or vocab) file")
     p.add_argument("--ctx", type=int, default=None,
@@ -352,7 +353,7 @@ def cmd_lint(args) -> int:
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="replace")   # dataset text on a console that lacks its characters
     print(json.dumps(report.to_dict(), ensure_ascii=False) if args.json else report.to_text())
-    return 0 if report.accepted else 1  # like a linter that found problems: nothing to train on
+    return 0 if report.trains else 1  # like a linter that found problems: nothing to train on
 
 
 def _fmt_seconds(s) -> str:

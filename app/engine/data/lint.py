@@ -64,6 +64,14 @@ class LintReport:
         return sum(self.rejected_by_kind.values())
 
     @property
+    def trains(self) -> bool:
+        """Whether training would learn from this file: a trained token in a row that fits (or
+        is cut to fit) the context with a weight other than 0. False is what training refuses
+        as "Nothing to train on" (rows dropped by the overflow rule train nothing): `lint`
+        exits 1 then."""
+        return self.trained_tokens > 0
+
+    @property
     def trained_token_fraction(self) -> float:
         return self.trained_tokens / self.positions if self.positions else 0.0
 
@@ -78,6 +86,7 @@ class LintReport:
             "dropped": self.dropped, "tokens": self.tokens, "positions": self.positions,
             "trained_tokens": self.trained_tokens,
             "trained_token_fraction": round(self.trained_token_fraction, 6),
+            "trains": self.trains,
             "weights": self.weights, "example": self.example, "notes": self.notes,
         }
 
@@ -292,7 +301,10 @@ def _text_lines(r: LintReport) -> list[str]:
     how = "detected" if r.format_detected else "as chosen"
     out = [f"{name}: {r.format} format ({how}), context {r.context} positions "
            f"(rows of up to {r.context + 1} tokens fit), overflow: {r.overflow}",
-           f"rows: {r.accepted} accepted, {r.rejected_count} rejected (of {r.rows})"]
+           # a row the overflow rule drops is not accepted: it trains nothing
+           f"rows: {r.accepted - r.dropped} accepted, "
+           + (f"{r.dropped} dropped as longer than the context, " if r.dropped else "")
+           + f"{r.rejected_count} rejected (of {r.rows})"]
     if r.rejected:
         out.append("rejected rows:")
         shown = r.rejected[:TEXT_LISTED]
@@ -318,6 +330,9 @@ def _text_lines(r: LintReport) -> list[str]:
                f"({100 * r.trained_token_fraction:.1f}%)")
     out += _weights_text(r.weights)
     out += [f"note: {n}" for n in r.notes]
+    if not r.trains:
+        out.append("nothing would train: no row keeps a trained token in the context with a "
+                   "weight other than 0 (training stops with 'Nothing to train on')")
     if r.example:
         ex = r.example
         out.append(f"example (line {ex['line']}, {ex['tokens']} tokens, {ex['trained_tokens']} "

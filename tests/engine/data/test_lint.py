@@ -206,3 +206,22 @@ def test_special_token_text_in_plain_rows_is_noted(tmp_path):
     r = lint_dataset(p, qwen2(), DataConfig())
     assert any("1 row(s) contain special-token text" in n for n in r.notes)
     assert not any("special-token" in n for n in lint_dataset(p, qwen2(), DataConfig(parse_special=True)).notes)
+
+
+def test_rows_the_overflow_rule_drops_are_not_accepted_and_nothing_to_train_exits_1(tmp_path,
+                                                                                    capsys):
+    """Probe finding 9: one row longer than the context with --overflow drop: lint said "1
+    accepted ... 1 dropped, trained tokens 0" and exited 0; training refuses it ("Nothing to
+    train on"). Another row that fits makes it train again (exit 0)."""
+    long = write(tmp_path / "long.jsonl", [{"text": "x" * 5000}])
+    argv = ["lint", str(long), "-m", str(QWEN2), "--overflow", "drop", "--ctx", "16"]
+    assert run_cli(argv) == 1
+    out = capsys.readouterr().out
+    assert "rows: 0 accepted, 1 dropped as longer than the context, 0 rejected (of 1)" in out
+    assert "nothing would train" in out
+    with pytest.raises(data.DatasetError, match="Nothing to train on"):
+        load_dataset(long, qwen2(), DataConfig(overflow="drop", context=16))
+    write(long, [{"text": "x" * 5000}, {"text": "short"}])
+    assert run_cli(argv) == 0
+    out = capsys.readouterr().out
+    assert "rows: 1 accepted, 1 dropped" in out and "nothing would train" not in out
