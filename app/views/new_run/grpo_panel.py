@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtWidgets import (QFileDialog, QFrame, QHBoxLayout, QLabel, QLineEdit, QPushButton,
+from PySide6.QtWidgets import (QCheckBox, QFileDialog, QFrame, QHBoxLayout, QLabel, QLineEdit, QPushButton,
                                QScrollArea, QSplitter, QVBoxLayout, QWidget)
 
 from app.engine.api import GrpoConfig, RewardSpec, TrainConfig
@@ -31,7 +31,8 @@ from app.views.widgets.tooltips import GRPO_TIPS
 ADVANTAGES = (("group-std", "group mean and std (GRPO)"), ("no-std", "group mean only (Dr. GRPO)"),
               ("batch-std", "group mean, batch std"))
 SAMPLING_KEYS = ("group_size", "prompts_per_step", "temperature", "top_p", "max_new_tokens",
-                 "advantage", "kl", "answer_field", "samples_every")
+                 "advantage", "kl", "answer_field", "samples_every", "samples_prompts",
+                 "eval_samples", "reward_timeout", "micro_batch_tokens", "parse_special")
 
 
 def addition_demo() -> dict | None:
@@ -74,10 +75,19 @@ class SamplingForm(FormBase):
                 ("kl", "KL penalty (beta)", dspin(0, 10, g.kl, 3, 0.01)),
                 ("answer_field", "Answer field", QLineEdit(g.answer_field)),
                 ("samples_every", "Show completions every", spin(0, 10**6, g.samples_every,
-                                                                 "never"))):
+                                                                 "never")),
+                ("samples_prompts", "Prompts shown", spin(0, 1024, g.samples_prompts)),
+                ("eval_samples", "Held-out samples", spin(0, 1024, g.eval_samples,
+                                                          "greedy only")),
+                ("reward_timeout", "Reward timeout", dspin(0.1, 3600, g.reward_timeout, 1, 1)),
+                ("micro_batch_tokens", "Micro-batch", spin(1, 1 << 24, g.micro_batch_tokens)),
+                ("parse_special", "", QCheckBox("Special-token texts in prompts become "
+                                                "tokens"))):
             self._row(grid, key, label, widget)
         self.set_tooltips({k: v for k, v in GRPO_TIPS.items() if k in self.fields})
         self.fields["samples_every"].setSuffix(" steps")
+        self.fields["reward_timeout"].setSuffix(" s")
+        self.fields["micro_batch_tokens"].setSuffix(" tokens")
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addWidget(grid.parentWidget())
@@ -147,11 +157,11 @@ class GrpoPanel(QWidget):
                             self.rewards))
         rl.addWidget(self.sampling)
         rl.addStretch(1)
-        scroll = QScrollArea(widgetResizable=True, frameShape=QFrame.NoFrame)
-        scroll.setWidget(right)
+        self._scroll = QScrollArea(widgetResizable=True, frameShape=QFrame.NoFrame)
+        self._scroll.setWidget(right)
         body = QSplitter(Qt.Horizontal)
         body.addWidget(titled("First rows", self.preview_table))
-        body.addWidget(scroll)
+        body.addWidget(self._scroll)
         body.setSizes([560, 500])
         layout = QVBoxLayout(self)
         layout.setContentsMargins(16, 12, 16, 12)
@@ -207,7 +217,15 @@ class GrpoPanel(QWidget):
         self.sampling.needs_answer = any(r.kind() in ("exact", "numeric")
                                          for r in self.rewards.rows)
         self.sampling.validate()
+        self._fit_scroll()
         self._on_edit()
+
+    def _fit_scroll(self) -> None:
+        """The rewards and sampling pane is never narrower than its widest row plus a vertical
+        scroll bar: a long row (a Python file's Browse button) never puts its weight and remove
+        button under the bar."""
+        bar = self._scroll.verticalScrollBar().sizeHint().width()
+        self._scroll.setMinimumWidth(self._scroll.widget().minimumSizeHint().width() + bar)
 
     def _on_edit(self) -> None:
         self._update_summary()

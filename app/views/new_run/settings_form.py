@@ -47,7 +47,8 @@ FULL_TARGETS = ("norms", "router", "embeddings", "output")
 FORMATS = ("auto", "text", "completion", "chat", "alpaca", "sharegpt")
 DATA_KEYS = ("context", "format", "overflow", "packing", "chat_loss", "weights_source",
              "weight_field", "weights_path", "normalize", "clip_lo", "clip_hi",
-             "allow_negative", "val_split")     # changes that change the linter's report
+             "allow_negative", "val_split", "add_eos", "parse_special",
+             "completion_as_chat")              # changes that change the linter's report
 # A first run in the window is the README's first CLI run: rank 8, alpha 16 (half TrainConfig's:
 # the sweep in docs/USER_GUIDE.md finds ranks 4-64 alike at one alpha, and the smaller adapter is
 # quicker) on attention, experts and router; a supervised one 3 epochs, 10% held out and an
@@ -99,11 +100,15 @@ SIMPLE_FIELDS = {
     "packing": ("data_config", "packing"), "chat_loss": ("data_config", "chat_loss"),
     "val_split": ("data_config", "val_fraction"), "normalize": ("data_config", "normalize"),
     "allow_negative": ("data_config", "allow_negative_weights"),
-    "strict": ("data_config", "strict")}
+    "strict": ("data_config", "strict"), "shuffle": ("data_config", "shuffle"),
+    "add_eos": ("data_config", "add_eos"), "parse_special": ("data_config", "parse_special"),
+    "completion_as_chat": ("data_config", "completion_as_chat"),
+    "vocab_chunk": ("train", "vocab_chunk")}
 FLOAT_TEXTS = ("lr", "min_lr", "eps")      # typed as text: 1e-4 reads better than 0.000100
 WEIGHT_CACHE_AUTO = -1                     # the spin box's value for weight_cache_mb None
 WEIGHT_SOURCES = (("row", "From each row's field"), ("file", "From a weights file"))
-SFT_ONLY = ("mode", "epochs", "context", "batch", "grad_accum", "patience", "strict")
+SFT_ONLY = ("mode", "epochs", "context", "batch", "grad_accum", "patience", "strict",
+            "val_path")
 # field -> ((label, special value text) of a supervised run, (the same) of a GRPO run)
 KIND_TEXTS = {"val_split": (("Validation split", ""), ("Held-out prompts", "")),
               "max_steps": (("Max steps", "no cap"), ("Steps", "not set")),
@@ -225,6 +230,12 @@ class SettingsForm(FormBase):
         self._row(data, "packing", "Packing", combo(["pack", "pad", "none"]))
         self._row(data, "chat_loss", "Chat turns trained",
                   combo([("assistant", "every assistant turn"), ("last", "last turn only")]))
+        self._row(data, "completion_as_chat", "", QCheckBox("Prompt/completion rows as a chat"))
+        self._row(data, "add_eos", "", QCheckBox("End text rows with end-of-text"))
+        self._row(data, "parse_special", "", QCheckBox("Special-token texts become tokens"))
+        self._row(data, "shuffle", "", QCheckBox("Shuffle the windows every epoch"))
+        self._row(data, "val_path", "Validation file",
+                  QLineEdit(placeholderText="none: the validation split"))
 
         rw = self._group("Reward weights")
         self._row(rw, "weights_source", "Weights", combo(WEIGHT_SOURCES))
@@ -270,6 +281,8 @@ class SettingsForm(FormBase):
         self._row(adv, "adapter", "Starting adapter", apath)
         self._row(adv, "keep_last", "Checkpoints kept", spin(1, 10**4, 2))
         self._row(adv, "max_bad_steps", "Stop after bad steps", spin(1, 10**4, 5))
+        self._row(adv, "vocab_chunk", "Vocabulary chunk", spin(1, 1 << 24, t.vocab_chunk))
+        self.fields["vocab_chunk"].setSuffix(" tokens")
         self._row(adv, "strict", "", QCheckBox("Refuse a dataset with any bad row"))
 
         self._sft_boxes = (data.parentWidget(), rw.parentWidget())
@@ -478,6 +491,7 @@ class SettingsForm(FormBase):
             "weight_cache_mb": cache if cache != WEIGHT_CACHE_AUTO else None,
             "grad_accum": f["batch"].value() * f["grad_accum"].value(),
             "checkpoint_interval": f["checkpoint_interval"].value(), "seed": f["seed"].value(),
+            "vocab_chunk": f["vocab_chunk"].value(),
             "device": f["device"].currentData()}
         data = {
             "format": f["format"].currentData(), "context": f["context"].value(),
@@ -490,7 +504,9 @@ class SettingsForm(FormBase):
             if source == "file" else None,
             "normalize": f["normalize"].currentData(), "clip_range": clip,
             "allow_negative_weights": f["allow_negative"].isChecked(),
-            "strict": f["strict"].isChecked()}
+            "val_path": field_value(f["val_path"]) or None,
+            **{k: f[k].isChecked() for k in ("strict", "shuffle", "add_eos", "parse_special",
+                                             "completion_as_chat")}}
         return {"train": train, "data_config": data, "epochs": f["epochs"].value(),
                 "max_steps": f["max_steps"].value(), "eval_every": f["eval_every"].value(),
                 "save_every": f["save_every"].value(), "patience": f["patience"].value(),
@@ -529,6 +545,7 @@ class SettingsForm(FormBase):
             cache = t["weight_cache_mb"]
             f["weight_cache_mb"].setValue(WEIGHT_CACHE_AUTO if cache is None else cache)
             self.adapter_path.setText(top["adapter"] or "")
+            f["val_path"].setText(dc["val_path"] or "")
             f["batch"].setValue(1)
             set_combo(f["weights_source"], "file" if dc.get("weights_path") else "row")
             f["weight_field"].setText(dc.get("weight_field") or "")
@@ -630,9 +647,10 @@ class SettingsForm(FormBase):
             value = self._float(key)
             if value is None or value < 0 or (key == "eps" and value == 0):
                 errors[key] = f"Enter a number, {what}."
-        adapter = self.adapter_path.text().strip()
-        if adapter and not os.path.isfile(os.path.expanduser(adapter)):
-            errors["adapter"] = f"There is no file {adapter}."
+        for key, path in (("adapter", self.adapter_path.text().strip()),
+                          ("val_path", field_value(f["val_path"]))):
+            if path and not os.path.isfile(os.path.expanduser(path)):
+                errors[key] = f"There is no file {path}."
         source = f["weights_source"].currentData()
         if source == "file":
             path = self.weights_path.text().strip()

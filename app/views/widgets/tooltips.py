@@ -112,6 +112,18 @@ SETTINGS_TIPS = {
                          CONFIG + " (max_bad_steps)"),
     "strict": tip("Refuse to start when any row is bad (default: skip and report them).", "off",
                   "--strict"),
+    "vocab_chunk": tip("Vocabulary rows of the output layer computed at once (less memory, "
+                       "the same result).", "the default", CONFIG + " (train.vocab_chunk)"),
+    "completion_as_chat": tip("Render prompt/completion rows with the chat template as a user "
+                              "and an assistant turn.", "off", "--completion-as-chat"),
+    "add_eos": tip("Append end-of-text after text and completion rows and open-ended chats.",
+                   "on", CONFIG + " (data_config.add_eos)"),
+    "parse_special": tip("In text and completion rows, texts such as <|im_end|> become their "
+                         "special tokens (chat rows always do).", "off", "--parse-special"),
+    "shuffle": tip("Shuffle the packing and the order of the windows every epoch.", "on",
+                   CONFIG + " (data_config.shuffle)"),
+    "val_path": tip("A separate validation file instead of a split of the dataset.", "none",
+                    "--val-data"),
 }
 
 # The rest of New run
@@ -200,6 +212,16 @@ GRPO_TIPS = {
                         "answer", "--answer-field"),
     "samples_every": tip("Steps between the sampled completions shown in Monitor.", "5-20",
                          "--samples-every"),
+    "samples_prompts": tip("Prompt groups shown in each set of sampled completions.", "2",
+                           CONFIG + " (samples_prompts)"),
+    "eval_samples": tip("At each evaluation, also sample this many completions per held-out "
+                        "prompt (0: greedy answers only).", "0", "--eval-samples"),
+    "reward_timeout": tip("Seconds a custom reward function may take per call.", "10",
+                          "--reward-timeout"),
+    "micro_batch_tokens": tip("Tokens per micro-batch of the update: less memory, the same "
+                              "gradient.", "2048", CONFIG + " (micro_batch_tokens)"),
+    "parse_special": tip("In plain prompts, texts such as <|im_end|> become their special "
+                         "tokens.", "off", "--parse-special"),
 }
 
 # Settings > Clusters (app.views.settings.clusters_panel), by field

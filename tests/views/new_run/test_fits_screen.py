@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from PySide6.QtCore import QPoint, QRect
 from PySide6.QtWidgets import (QAbstractButton, QAbstractScrollArea, QAbstractSpinBox,
-                               QComboBox, QLineEdit, QWidget)
+                               QComboBox, QLineEdit, QSplitter, QWidget)
 
 from app.views.main_window import MainWindow
 from app.views.new_run.view import NewRunView
@@ -67,3 +67,7 @@ def test_new_run_fits_1280x720_on_every_tab(qtbot, ctx):
             if kind == "grpo" and i == 1:      # the rows were among the inputs checked
                 row = view.grpo_panel.rewards.rows[-1]
                 assert row.weight_box.isVisibleTo(win) and row.remove_button.isVisibleTo(win)
+                splitter = view.grpo_panel.findChild(QSplitter)
+                splitter.setSizes([10**4, 1])  # the first rows widened as far as they go
+                qtbot.wait(50)
+                assert clipped(view) == []

@@ -13,7 +13,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QMessageBox
 
 from app.cli.main import run_cli
-from app.engine.api import RunDir, TrainConfig, default_lr
+from app.engine.api import GrpoConfig, RunConfig, RunDir, TrainConfig, default_lr
 from app.views.new_run.settings_form import FIRST_SFT, FIRST_VAL_SPLIT, default_settings
 from tests.conftest import SAMPLE_DATA
 from tests.views.conftest import SAMPLE_MODEL
@@ -180,9 +180,25 @@ def test_reset_to_defaults_and_presets_set_the_current_kind(qtbot, new_run):
     assert form["rank"].value() == 32
 
 
+def flat_keys(d: dict, prefix: str = "") -> set[str]:
+    return {k for key, value in d.items()
+            for k in (flat_keys(value, f"{prefix}{key}.") if isinstance(value, dict)
+                      else {f"{prefix}{key}"})}
+
+
 def test_every_setting_of_the_engine_has_a_field(new_run):
-    """Item 12: the CLI-only settings have fields, each with a tooltip naming its flag."""
-    form = new_run.form
+    """Item 12: every setting of a run's config has a field but data-parallel workers (a
+    cluster's), a chat template text (kept from a loaded file) and train.max_steps (the run
+    derives it); the CLI-only settings' tooltips name their flag or config.json key."""
+    view, form = new_run, new_run.form
+    engine = RunConfig(model="", data="").to_dict()
+    assert flat_keys(engine) - flat_keys(view.config_dict()) == {
+        "workers", "data_config.chat_template", "train.max_steps"}
+    view.set_run_type("grpo")
+    engine = GrpoConfig(model="", prompts="").to_dict()
+    assert flat_keys(engine) - flat_keys(view.config_dict()) == {   # LoRA only, no accumulation
+        "train.max_steps", "train.mode", "train.full_targets", "train.grad_accum"}
+    view.set_run_type("sft")
     sft = form.values()
     for key in ("max_grad_norm", "beta1", "beta2", "eps", "warmup_fraction", "min_lr",
                 "weight_cache_mb"):
