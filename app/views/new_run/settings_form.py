@@ -456,7 +456,7 @@ class SettingsForm(FormBase):
                 self._loading = loading
                 self.changed.emit("context")
         self.context_note.setText(note)
-        self.context_note.setVisible(bool(note))
+        self._update_visibility()
 
     def values(self) -> dict:
         """The RunConfig dict without model and data; of a GRPO run, its GrpoConfig keys."""
@@ -668,6 +668,7 @@ class SettingsForm(FormBase):
             return
         if key == "context":
             self._context_auto = False
+            self.context_note.setText("")
             self.context_note.hide()
         if key in ("mode", "weights_source", "normalize"):
             self._update_visibility()
@@ -686,6 +687,7 @@ class SettingsForm(FormBase):
         self._show("full_targets", mode == "hybrid")
         for key in SFT_ONLY:
             self._show(key, self.kind != GRPO.name)
+        self.context_note.setVisible(self.kind != GRPO.name and bool(self.context_note.text()))
         source = self.fields["weights_source"].currentData()
         self._show("weight_field", source == "row")
         self._show("weights_path", source == "file")

@@ -3,7 +3,7 @@
 Three tabs (Model, Dataset, Training) above an action bar that is always visible: the run's
 name and folder, "Run on" (`run_on.RunOnBox`: this computer or a cluster of Settings >
 Clusters, whose path map must cover the run folder), a summary with the estimated memory,
-save/load settings, "Queue run" and "Start now". Starting creates the run directory
+"Reset to defaults", save/load settings, "Queue run" and "Start now". Starting creates the run directory
 (`RunDir.create`), adds it to the job queue on the chosen executor, makes sure the engine
 worker runs (`ctx.ensure_worker()`), selects the run and shows Monitor.
 It opens with the bundled sample model and `sample_data/chat.jsonl`, so a first-time user can
@@ -16,6 +16,10 @@ with "kind": "grpo", which the worker dispatches on. Custom reward files run as 
 user's rights: before a GRPO run with a file not yet trusted as it is now (typed in, loaded with
 settings, or changed since) is queued, a question names the files, and only Yes trusts them
 (app.engine.training.reward_functions) and queues the run.
+
+Each run type keeps its own settings (`SettingsForm.set_kind`): a GRPO preset such as the
+addition demo never reaches a supervised run. A supervised run on a dataset whose rows are
+mostly rejected (more than half) starts only after a question naming the rejected lines.
 """
 
 from __future__ import annotations

@@ -97,7 +97,11 @@ def test_the_context_follows_the_model(qtbot, new_run, tiny_model):
                     and view.dataset.report.context == 32 and not view.dataset.is_busy(),
                     timeout=15_000)
     assert form["context"].value() == 32 and view.start_button.isEnabled()
-    assert "default" in form.context_note.text()
+    assert "default" in form.context_note.text() and form.context_note.isVisibleTo(form)
+    view.set_run_type("grpo")                       # no context field, no note
+    assert not form.context_note.isVisibleTo(form)
+    view.set_run_type("sft")
+    assert form["context"].value() == 32 and form.context_note.isVisibleTo(form)
     view.open_model(str(SAMPLE_MODEL))
     qtbot.waitUntil(lambda: view.card is not None and form["context"].value() == 256,
                     timeout=15_000)
