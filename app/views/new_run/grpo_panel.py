@@ -18,8 +18,8 @@ from __future__ import annotations
 import os
 
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtWidgets import (QCheckBox, QFileDialog, QFrame, QHBoxLayout, QLabel, QLineEdit, QPushButton,
-                               QScrollArea, QSplitter, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QCheckBox, QFileDialog, QFrame, QHBoxLayout, QLabel, QLineEdit,
+                               QPushButton, QScrollArea, QSplitter, QVBoxLayout, QWidget)
 
 from app.engine.api import GrpoConfig, RewardSpec, TrainConfig
 from app.views.context import Background, sample_dataset_path, sample_model_path

@@ -3,9 +3,9 @@
 Three tabs (Model, Dataset, Training) above an action bar that is always visible: the run's
 name and folder, "Run on" (`run_on.RunOnBox`: this computer or a cluster of Settings >
 Clusters, whose path map must cover the run folder), a summary with the estimated memory,
-"Reset to defaults", save/load settings, "Queue run" and "Start now". Starting creates the run directory
-(`RunDir.create`), adds it to the job queue on the chosen executor, makes sure the engine
-worker runs (`ctx.ensure_worker()`), selects the run and shows Monitor.
+"Reset to defaults", save/load settings, "Queue run" and "Start now". Starting creates the
+run directory (`RunDir.create`), adds it to the job queue on the chosen executor, makes sure
+the engine worker runs (`ctx.ensure_worker()`), selects the run and shows Monitor.
 It opens with the bundled sample model and `sample_data/chat.jsonl`, so a first-time user can
 press Start.
 
@@ -59,7 +59,6 @@ TABS = ("model", "dataset", "training")
 RUN_TYPES = tuple((k.name, k.title) for k in KINDS.values())
 DATA_TABS = {SFT.name: "2  Dataset", GRPO.name: "2  Prompts and rewards"}
 MAX_REJECTIONS_ASKED = 10           # rejected lines named in the question before a run
-GRPO_BATCH_TOKENS = GrpoConfig(model="", prompts="").micro_batch_tokens
 _NAME_OK = re.compile(r"^[\w.\-+ ]+$")
 
 
@@ -183,6 +182,7 @@ class NewRunView(QWidget):
         self.dataset.data_changed.connect(self._on_data_changed)
         self.dataset.report_ready.connect(self._on_report)
         self.grpo_panel.changed.connect(self._update_summary)
+        self.grpo_panel.sampling.changed.connect(self._on_sampling_changed)
         self.grpo_panel.prompts_changed.connect(self._on_prompts_changed)
         self.grpo_panel.preset_requested.connect(self.apply_settings)
         self.form.changed.connect(self._on_form_changed)
@@ -268,7 +268,8 @@ class NewRunView(QWidget):
         if self.card is None:
             return
         rank = self.form["rank"].value()
-        ctx = GRPO_BATCH_TOKENS if self.kind() == GRPO.name else self.form["context"].value()
+        ctx = (self.grpo_panel.sampling["micro_batch_tokens"].value() if self.kind() == GRPO.name
+               else self.form["context"].value())
         self._bg.run("estimate", describe_model, self.card.path, rank, ctx,
                      on_done=self._show_estimate, on_error=lambda e: self._show_estimate(None))
 
@@ -309,6 +310,10 @@ class NewRunView(QWidget):
         if path and os.path.isfile(path):
             self.ctx.settings.setValue(DATA_KEY, path)
         self._relint()
+
+    def _on_sampling_changed(self, key: str) -> None:
+        if key == "micro_batch_tokens":                 # a GRPO update's activations
+            self._estimate_timer.start()
 
     def _on_prompts_changed(self, path: str) -> None:
         if path and os.path.isfile(path):
