@@ -592,13 +592,14 @@ class SettingsForm(FormBase):
     def set_kind(self, kind: str) -> None:
         """Show the settings of a supervised ("sft") or a GRPO ("grpo") run. Each run type has
         its own settings: those of the type left are kept (its context only when edited) and
-        the other's shown, its defaults the first time."""
-        if kind != self.kind:
-            kept = self.values()
-            if self._context_auto and "data_config" in kept:
-                del kept["data_config"]["context"]
-            self._per_kind[self.kind] = kept
-            self.kind = kind
+        the other's shown, its defaults the first time; the type shown already stays as it is."""
+        if kind == self.kind:
+            return
+        kept = self.values()
+        if self._context_auto and "data_config" in kept:
+            del kept["data_config"]["context"]
+        self._per_kind[self.kind] = kept
+        self.kind = kind
         grpo = kind == GRPO.name
         for box in self._sft_boxes:
             box.setVisible(not grpo)
