@@ -6,11 +6,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 import threading
 import time
 from pathlib import Path
 
+from app.engine.errors import ConfigError, EngineError
 from app.engine.training import events
 
 TARGET_ALIASES = {"attn": "attention"}
@@ -214,12 +216,14 @@ def run_in_foreground(run_dir, runner, printer) -> int:
 def start_run(args, config: dict, name: str, execute) -> int:
     """Create the run directory (--out, or a dated folder under the runs dir) and either add it
     to the job queue (--queue) or run it here with `execute(run_dir, as_json)`, holding the
-    run's lock (app.engine.runs.runlock) from just after its creation to the end."""
+    run's lock (app.engine.runs.runlock) from just after its creation to the end. A run here
+    that fails (an EngineError) before its first step is taken back (`_take_back_failed_run`)."""
     from app.engine.runs.rundir import RunDir, check_path_length, default_run_name, default_runs_dir
     from app.engine.runs.runlock import RunLock
 
     out = Path(args.out) if args.out else Path(default_runs_dir()) / default_run_name(name)
     check_path_length(out)
+    _check_holds_no_run(out)
     existed = out.exists()
     run_dir = RunDir.create(out, config)
     if args.queue is not None:
@@ -234,5 +238,75 @@ def start_run(args, config: dict, name: str, execute) -> int:
         print(f"queued job {job_id}: {run_dir.path}" + (f" on {args.on}" if args.on else ""))
         return 0
     print(f"run directory: {run_dir.path}", file=sys.stderr)
-    with RunLock(run_dir, f"workbench {args.command}"):
-        return execute(run_dir, args.json)
+    try:
+        with RunLock(run_dir, f"workbench {args.command}"):
+            return execute(run_dir, args.json)
+    except EngineError:
+        if not _trained_anything(run_dir):
+            _take_back_failed_run(run_dir, existed)
+        raise
+
+
+RUN_SEARCH_DEPTH = 3          # folders below an output folder searched for a run in it
+RUN_SEARCH_ENTRIES = 10_000   # ... and entries read at most (a big folder is not a run's)
+
+
+def _check_holds_no_run(out: Path) -> None:
+    """ConfigError when the existing folder `out` holds a run below it (`train -o outer` with
+    `outer/inner` a run): deleting the outer run (the Runs screen) would take the inner one
+    with it, and the inner one lies inside another run (rundir's check_not_nested refuses
+    the other way round). Searched RUN_SEARCH_DEPTH levels deep,
+    never through links, reading at most RUN_SEARCH_ENTRIES entries."""
+    from app.engine.runs.rundir import CHECKPOINTS, CONFIG
+
+    folders, read = [(out, 0)], 0
+    while folders:
+        folder, depth = folders.pop()
+        try:
+            with os.scandir(folder) as entries:
+                subfolders = [e for e in entries if e.is_dir(follow_symlinks=False)]
+        except OSError:
+            continue  # not a folder (a new run's), or unreadable: nothing found there
+        read += len(subfolders)
+        for entry in subfolders:
+            path = Path(entry.path)
+            if (path / CONFIG).is_file() and (path / CHECKPOINTS).is_dir():
+                raise ConfigError(f"{out} holds the run {path}.",
+                                  "Choose an output folder that holds no run.")
+            if depth + 1 < RUN_SEARCH_DEPTH and read < RUN_SEARCH_ENTRIES:
+                folders.append((path, depth + 1))
+
+
+def _trained_anything(run_dir) -> bool:
+    """Whether a failed run holds something of value: a step done or a checkpoint. When it does
+    not (a model, adapter or dataset refused while the run prepared), the folder is taken back
+    (`_take_back_failed_run`)."""
+    from app.engine.training.events import STEP, event_type
+
+    try:
+        return (any(run_dir.checkpoints_dir.iterdir())
+                or any(event_type(e) == STEP for e in run_dir.metrics()))
+    except (OSError, EngineError):
+        return True  # cannot tell: keep it
+
+
+def _take_back_failed_run(run_dir, existed: bool) -> None:
+    """A run that failed before its first step made nothing worth keeping: remove what this
+    command made (the folder, or in a folder that was there before, the run's files in it) and
+    its line in the list of runs, so that the same command, its input fixed, works next time
+    (issue 28: "A command that fails before training starts removes the run folder it
+    made"). The error itself is printed by the caller. Best effort: never raises."""
+    from contextlib import suppress
+
+    from app.engine.runs.registry import forget_run
+
+    if existed:  # what the run wrote beside config.json (take_back removes that and the rest)
+        for path in (run_dir.status_path, run_dir.metrics_path, run_dir.log_path):
+            with suppress(OSError):
+                path.unlink()
+    run_dir.take_back(existed)
+    with suppress(EngineError, OSError):
+        forget_run(run_dir.path)
+    print(f"removed the run folder {run_dir.path}: the run failed before its first step"
+          if not existed else f"removed the run's files from {run_dir.path}: the run failed "
+          "before its first step", file=sys.stderr)

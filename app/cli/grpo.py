@@ -17,7 +17,7 @@ from pathlib import Path
 from app.cli.foreground import (TARGET_ALIASES, TRAINING_DEFAULTS, Progress, add_adapter_options,
                                add_compute_options, add_optimizer_options, add_queue_options,
                                clock, run_in_foreground, show_defaults, start_run)
-from app.cli.train import check_lora_targets
+from app.cli.train import check_adapter_and_format, check_lora_targets
 from app.engine.errors import ConfigError
 from app.engine.training import events
 
@@ -219,12 +219,16 @@ def cmd_grpo(args) -> int:
             return execute_grpo(run_dir, args.json, args.trust_reward_code)
     from app.engine.runtime.backend import array_module
     from app.engine.runtime.inputs import check_input_file
+    from app.engine.training.memory import check_run_memory
 
     config = grpo_config_from_args(args)
     check_input_file(config.prompts, "prompts file")   # a pipe, a folder: before a run folder
     # --reward replaces the config's rewards: files named on the command line are trusted
     check_reward_trust(config.rewards, TRUST_HINT, args.trust_reward_code or bool(args.reward))
+    check_adapter_and_format(config)
     check_lora_targets(config)
-    if args.queue is None:
+    if args.queue is None:   # a queued run may run elsewhere: its machine is not known here
         array_module(config.train.device)  # no usable GPU: say so before a run folder exists
+        check_run_memory(config.model, config.train, config.micro_batch_tokens,
+                         config.prompts_per_step * config.group_size, config.max_new_tokens)
     return start_run(args, config.to_dict(), f"grpo-{Path(config.prompts).stem}", execute_grpo)

@@ -158,6 +158,23 @@ def check_lora_targets(config) -> None:
         print(f"warning: {warning}", file=sys.stderr)
 
 
+def check_adapter_and_format(config, data_config=None) -> None:
+    """The cheap checks of what would otherwise fail while the run prepares, done before a run
+    folder exists (and before a run is queued, where the worker would fail it): `--adapter` is
+    a GGUF LoRA adapter (its header), and the dataset's format can be told (its first rows;
+    `data_config`: a training run's, given for a queued run). What needs the whole dataset tokenized (rows all
+    rejected or too long: "Nothing to train on") is found when the run starts: a foreground
+    run that fails before its first step removes its folder (foreground.start_run)."""
+    if config.adapter:
+        from app.engine.model.lora import read_adapter_header
+
+        read_adapter_header(config.adapter)
+    if data_config is not None:
+        from app.engine.data.dataset import resolve_format
+
+        resolve_format(config.data, data_config)
+
+
 def execute_sft(run_dir, as_json: bool, allow_changed_inputs: bool = False) -> int:
     """Run a training run directory's config in this process (`allow_changed_inputs`: resume
     although the model or data changed since the checkpoint)."""
@@ -172,10 +189,15 @@ def execute_sft(run_dir, as_json: bool, allow_changed_inputs: bool = False) -> i
 def cmd_train(args) -> int:
     from app.engine.data.dataset import check_data_files
     from app.engine.runtime.backend import array_module
+    from app.engine.training.memory import check_run_memory
 
     config = run_config_from_args(args)
     check_data_files(config.data, config.data_config)   # a pipe, a folder: before a run folder
+    # the format up front only for a queued run: reading the first rows of a dataset whose
+    # first line is 64 GB takes minutes, which a run in the foreground spends showing progress
+    check_adapter_and_format(config, config.data_config if args.queue is not None else None)
     check_lora_targets(config)
-    if args.queue is None:
+    if args.queue is None:   # a queued run may run elsewhere: its machine is not known here
         array_module(config.train.device)  # no usable GPU: say so before a run folder exists
+        check_run_memory(config.model, config.train, config.data_config.context)
     return start_run(args, config.to_dict(), Path(config.data).stem, execute_sft)

@@ -69,11 +69,20 @@ def test_a_grpo_run_records_the_same_here_and_queued(tmp_path, capsys):
     _same_records(here, queued, schema.GRPO_RUN)
 
 
-def test_a_failed_foreground_run_records_its_error_as_a_job_does(tmp_path, capsys):
-    data = tmp_path / "empty.jsonl"
-    data.write_text('{"nothing": 1}\n')
-    assert run_cli(["train", "-m", str(GOLDEN / "mixtral-q8_0.gguf"), "-d", str(data),
-                    "-o", str(tmp_path / "run")]) == 2
+def test_a_failed_foreground_run_records_its_error_as_a_job_does(tmp_path, capsys,
+                                                                 monkeypatch):
+    """A run that fails after its first step keeps its folder, the error in status.json (one
+    that fails before it removes the folder: test_failed_before_training)."""
+    from app.engine.errors import DatasetError
+    from app.engine.training import sft
+
+    def fails_after_a_step(config, report, should_stop, checkpoints, **kw):
+        report({"type": "step", "step": 1, "total_steps": 2})
+        raise DatasetError("The data went bad.", "Fix it.")
+
+    monkeypatch.setattr(sft, "train", fails_after_a_step)
+    assert run_cli(["train", "-m", str(SAMPLE_DATA / "tiny-moe.gguf"), "-d",
+                    str(SAMPLE_DATA / "chat.jsonl"), "--json", "-o", str(tmp_path / "run")]) == 2
     st = RunDir(tmp_path / "run").status()
     assert st["state"] == "failed" and set(st["error"]) == {"kind", "message", "hint"}
     assert st["error"]["kind"] == "dataset" and st["finished_at"] >= st["started_at"]

@@ -39,16 +39,25 @@ class LoraAdapter:
         return a, b, self.scale(name, user_scale)
 
 
-def load_adapter(path: str | os.PathLike) -> LoraAdapter:
-    """Read a GGUF LoRA adapter written by llama.cpp's converter, PEFT tools or the workbench."""
+def read_adapter_header(path: str | os.PathLike):
+    """The GGUF file at `path` (its header read, no tensor data), refused with a
+    ModelFormatError unless it is a LoRA adapter: what `train --adapter` checks before it makes
+    a run folder, and `load_adapter` first."""
     f = read_gguf(path)
-    name = os.path.basename(str(path))
     meta = f.metadata
     if meta.get("general.type") != "adapter" or meta.get("adapter.type") != "lora":
         raise ModelFormatError(
-            f"{name} is not a LoRA adapter (general.type={meta.get('general.type')!r}, "
-            f"adapter.type={meta.get('adapter.type')!r}).",
+            f"{os.path.basename(str(path))} is not a LoRA adapter (general.type="
+            f"{meta.get('general.type')!r}, adapter.type={meta.get('adapter.type')!r}).",
             "Pick a GGUF LoRA adapter, e.g. one written by convert_lora_to_gguf.py.")
+    return f
+
+
+def load_adapter(path: str | os.PathLike) -> LoraAdapter:
+    """Read a GGUF LoRA adapter written by llama.cpp's converter, PEFT tools or the workbench."""
+    f = read_adapter_header(path)
+    name = os.path.basename(str(path))
+    meta = f.metadata
     alpha = meta.get("adapter.lora.alpha", 0.0)
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
         raise ModelFormatError(f"{name}: adapter.lora.alpha has an invalid value {alpha!r}.")
