@@ -17,13 +17,18 @@ from dataclasses import dataclass
 import numpy as np
 
 from app.engine.model.card import human_bytes, human_count
-from app.engine.model.config import config_from_metadata
+from app.engine.model.config import MAX_EXPERTS, MAX_LAYERS, config_from_metadata
 from app.engine.errors import ConfigError, OutOfMemoryError
 from app.engine.io.gguf import read_gguf, write_gguf
 from app.engine.model.transformer import expected_shapes
 from app.engine.runtime.backend import device_memory
 from app.engine.runtime.files import storage_error
+from app.engine.runtime.schema import INT_MAX
 
+
+# The shortest context a new model may have: a few tokens of text and the one after them (a
+# context of 0 wrote a model nothing can be trained on or generated with).
+MIN_CONTEXT = 8
 
 # Architectures whose required metadata NewModelSpec covers (qwen2moe and deepseek need shared-
 # expert and leading-dense settings it does not have).
@@ -58,6 +63,20 @@ class NewModelSpec:
                               "Use one of: " + ", ".join(NEW_MODEL_ARCHITECTURES) + ".")
         if min(self.n_layer, self.n_embd, self.n_head, self.kv_heads, self.n_ff) < 1:
             raise ConfigError("Layers, width, heads and FFN width must be positive.")
+        # llama.cpp's limits, said as limits of the shape asked for (the loader's own check
+        # calls a count past them a corrupt file)
+        if self.n_layer > MAX_LAYERS:
+            raise ConfigError(f"{self.n_layer:,} layers is more than llama.cpp allows "
+                              f"({MAX_LAYERS}).", f"Choose at most {MAX_LAYERS} layers.")
+        if self.n_expert > MAX_EXPERTS:
+            raise ConfigError(f"{self.n_expert:,} experts is more than llama.cpp allows "
+                              f"({MAX_EXPERTS}).", f"Choose at most {MAX_EXPERTS} experts.")
+        if not MIN_CONTEXT <= self.context_length <= INT_MAX:
+            raise ConfigError(f"A context of {self.context_length:,} tokens is not usable.",
+                              f"Choose a context from {MIN_CONTEXT} to {INT_MAX:,} tokens.")
+        if not 0 <= self.seed <= INT_MAX:   # numpy refuses a negative seed; the window's range
+            raise ConfigError(f"The seed {self.seed} is not from 0 to {INT_MAX:,}.",
+                              "Choose a seed in that range.")
         if self.n_embd % self.n_head or self.n_head % self.kv_heads:
             raise ConfigError("The width must divide by the heads, and the heads by the kv heads.")
         if self.arch in ("qwen3moe", "olmoe") and not self.n_expert:

@@ -11,7 +11,7 @@ from app.engine.data.dataset import DataConfig
 from app.engine.errors import ConfigError
 from app.engine.kernels.loss import VOCAB_CHUNK
 from app.engine.model.lora import TARGET_GROUPS
-from app.engine.runtime.schema import (AT_LEAST_0, AT_LEAST_1, FRACTION, POSITIVE, TEXT,
+from app.engine.runtime.schema import (AT_LEAST_0, AT_LEAST_1, FRACTION, POSITIVE, TEXT, Range,
                                        check)
 from app.engine.training.optimizers import SCHEDULES
 
@@ -32,6 +32,13 @@ def default_lr(mode: str, alpha: float = LORA_LR_ALPHA) -> float:
         return FULL_LR
     return float(f"{LORA_LR * math.sqrt(LORA_LR_ALPHA / alpha):.2g}")
 OPTIMIZERS = ("adamw", "sgd", "lbfgs")
+# The largest LoRA rank a run takes. A rank past the smaller side of the matrix it adapts adds
+# nothing (A is rank x in, B out x rank: their product's rank is at most min(in, out)), and
+# the matrices of the models the workbench trains are narrower than this on their smaller side;
+# what a rank up to it costs on a given model is checked against the machine's memory before
+# anything is allocated (app.engine.training.memory.check_run_memory).
+MAX_RANK = 4096
+RANK = Range(1, MAX_RANK)
 
 
 @dataclass(frozen=True)
@@ -79,7 +86,7 @@ class TrainConfig:
     weight_cache_mb: int | None = None  # dequantized weights kept (None: run_cache_budget)
 
     SCHEMA_RULES: ClassVar[dict] = dict(  # app.engine.runtime.schema: what the types cannot say
-        mode=TRAIN_MODES, lora_rank=AT_LEAST_1, expert_rank=AT_LEAST_1, lora_alpha=POSITIVE,
+        mode=TRAIN_MODES, lora_rank=RANK, expert_rank=RANK, lora_alpha=POSITIVE,
         lora_targets=tuple(dict.fromkeys([*TARGET_GROUPS, *(kind for kinds in TARGET_GROUPS.values()
                                                             for kind in kinds)])),
         lora_dropout=FRACTION, full_targets=TEXT, optimizer=OPTIMIZERS, lr=POSITIVE,

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from app.engine.model.card import RUNTIME_BYTES, ModelCard, describe_model
+from app.engine.errors import OutOfMemoryError
+from app.engine.model.card import RUNTIME_BYTES, ModelCard, describe_model, human_bytes
 from app.engine.model.lora import LoraConfig
 from app.engine.model.weights import default_cache_budget
 from app.engine.runtime.backend import array_module, device_memory, gpu_available
@@ -99,3 +100,34 @@ def run_cache_budget(model_path: str, train: TrainConfig, context: int) -> int:
     rest = estimate_memory(card, card.lora_params, train.mode == "full", train.device,
                            train.checkpoint_interval, weight_cache_mb=0).total
     return cache_budget_for(rest, _compute_module(train.device)[0])
+
+
+def check_run_memory(model_path: str, train: TrainConfig, context: int, sequences: int = 0,
+                     sequence_tokens: int = 0) -> None:
+    """OutOfMemoryError naming the size when a run cannot fit the memory of its device, before
+    anything is allocated: its estimate with the least weight cache (the cache is optional),
+    plus the KV cache of `sequences` sampled at once for at least `sequence_tokens` tokens each
+    (GRPO's group of a step, its generated tokens alone: a lower bound, so a run that fits is
+    never refused). A LoRA rank of 4096 on a large model, or a GRPO step of 1,024 x 1,024
+    completions, fails here with the figure instead of allocating until the OOM killer comes."""
+    kinds = tuple(LoraConfig(targets=tuple(train.lora_targets)).kinds())
+    card = describe_model(model_path, train.lora_rank, context, train.expert_rank, kinds)
+    run = estimate_memory(card, card.lora_params, train.mode == "full", train.device,
+                          train.checkpoint_interval, weight_cache_mb=0)
+    c = card.config
+    kv = sequences * sequence_tokens * c.n_layer * 2 * c.n_head_kv * c.head_dim * 4
+    xp, on_gpu = _compute_module(train.device)
+    try:
+        total = device_memory(xp)[1]
+    except (ValueError, OSError, AttributeError):   # no figure for this device: nothing to say
+        return
+    need = run.total + kv
+    if need > total:
+        where = "the GPU has" if on_gpu else "this machine has"
+        sampled = f" (sampling {sequences:,} completions at once: {human_bytes(kv)})" if kv else ""
+        raise OutOfMemoryError(
+            f"This run needs at least {human_bytes(need)} of memory{sampled}, and {where} "
+            f"{human_bytes(total)}.",
+            "Lower the LoRA rank (--rank, --expert-rank), the context, or for GRPO the group "
+            "size and prompts per step; gradient checkpointing (--checkpoint-interval 1) "
+            "saves activations.")
