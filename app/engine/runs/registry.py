@@ -28,12 +28,13 @@ from pathlib import Path
 from typing import Any
 
 from app.engine.errors import ConfigError
-from app.engine.runtime.files import append_line, loads_json, storage_error
+from app.engine.runtime.files import append_line, loads_json, read_own_bytes, storage_error
 from app.engine.runtime.paths import state_file, user_state_dir
 
 REGISTRY = "runs.jsonl"
 LATEST_TIME = 253402300799.0   # 9999-12-31 23:59:59 UTC: the last second a date can show
 NAME_LIMIT = 200               # characters of a display name
+REGISTRY_MAX_BYTES = 256 << 20  # about a million lines; a larger file is not the workbench's
 
 
 def registry_path() -> Path:
@@ -65,10 +66,12 @@ class Registry:
 
 def read_registry() -> Registry:
     """The registry as it is now; a file that exists but cannot be read is a StorageError
-    (a missing one is an empty list)."""
+    (a missing one is an empty list), and so is anything but a regular file of at most
+    REGISTRY_MAX_BYTES (files.read_own_bytes: a FIFO or a link to /dev/zero never hangs)."""
     path = registry_path()
     try:
-        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        lines = read_own_bytes(path, "list of runs", max_bytes=REGISTRY_MAX_BYTES).decode(
+            "utf-8", errors="replace").splitlines()
     except FileNotFoundError:
         return Registry()
     except OSError as e:

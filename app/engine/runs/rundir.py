@@ -37,7 +37,8 @@ from typing import Any, Iterable
 from app.engine.errors import ConfigError, EngineError
 from app.engine.runs.registry import register_run, registry_entries
 from app.engine.runtime.files import (NAME_MAX, StorageError, append_line, atomic_write_json,
-                                      loads_json, read_json, storage_error, to_json)
+                                      loads_json, open_regular, read_json, storage_error,
+                                      to_json)
 from app.engine.runtime.paths import ensure_state_dir
 from app.engine.runtime.processes import pid_alive, process_started
 from app.engine.training.checkpoints import best_checkpoint as best_in_folder
@@ -51,6 +52,7 @@ CHECKPOINTS = "checkpoints"
 EXPORTS = "exports"
 
 RUN_NAME_MAX = NAME_MAX - 8   # a new run's name: room for the "-N" that makes it unique
+METRICS_READ_MAX = 64 << 20   # bytes of metrics.jsonl read at once: 50,000 steps or more
 
 
 # --------------------------------------------------------------------------- the run directory
@@ -234,15 +236,20 @@ class RunDir:
         A trailing line without its newline (being written, or torn by a crash) is not
         returned and the offset stays before it. Lines that are not JSON objects (a torn line
         terminated later) are skipped. If the file shrank below the offset (replaced), reading
-        restarts at 0. A missing file gives ([], 0).
+        restarts at 0. A missing file gives ([], 0). At most the last METRICS_READ_MAX bytes
+        after the offset are read (from the first line break in them): a long run's
+        list row, summary or curves need its last events, and a file that is not a run's
+        metrics (a 20 GB sparse file) costs one bounded read. Anything but a regular file (a
+        FIFO, a link to /dev/zero) is a StorageError, never a read that blocks or never ends.
         """
         try:
-            with open(self.metrics_path, "rb") as f:
+            with os.fdopen(open_regular(self.metrics_path, "run metrics", own=True), "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 if since_offset > size:
                     since_offset = 0
-                f.seek(since_offset)
-                data = f.read(size - since_offset)
+                start = max(since_offset, size - METRICS_READ_MAX)
+                f.seek(start)
+                data = f.read(size - start)
         except FileNotFoundError:
             return [], 0
         except OSError as e:
@@ -250,8 +257,9 @@ class RunDir:
         end = data.rfind(b"\n")
         if end < 0:
             return [], since_offset
+        first = 0 if start == since_offset else data.find(b"\n") + 1   # a line cut by the start
         events = []
-        for raw in data[:end].split(b"\n"):
+        for raw in data[first:end].split(b"\n"):
             if not raw.strip():
                 continue
             try:
@@ -260,7 +268,7 @@ class RunDir:
                 continue
             if isinstance(ev, dict):
                 events.append(ev)
-        return events, since_offset + end + 1
+        return events, start + end + 1
 
     def metrics(self) -> list[dict]:
         """Every complete event in metrics.jsonl, deduplicated by step (`dedupe_steps`)."""

@@ -161,15 +161,85 @@ def atomic_write_json(path: str | os.PathLike, obj: Any, *, fsync: bool = True,
                        mode=mode)
 
 
+# --------------------------------------------------------------------------- reading files safely
+
+JSON_MAX_BYTES = 16 << 20   # config.json, status.json, clusters.json...: a few KB when real
+
+_NOT_REGULAR = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a named pipe (FIFO)"),
+                (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                (stat.S_ISSOCK, "a socket"))
+
+
+def size_text(n: int) -> str:
+    """A size for a message: "20.0 GB", "3.5 MB", "12 KB"."""
+    if n >= 1 << 30:
+        return f"{n / (1 << 30):.1f} GB"
+    return f"{n / (1 << 20):.1f} MB" if n >= 1 << 20 else f"{n / 1024:.0f} KB"
+
+
+def check_regular(st: os.stat_result, shown: str, what: str, *, max_bytes: int | None = None,
+                  error: type[EngineError] = StorageError, own: bool = False) -> None:
+    """`error` unless `st` is a regular file of at most `max_bytes`: a FIFO blocks open() and
+    read() forever, a device such as /dev/zero never ends, a 20 GB sparse file fills memory.
+    `own`: a file the workbench writes itself (a run's config.json, the registry...), which
+    only another program can have made so; else an input the user named (a dataset...)."""
+    if stat.S_ISREG(st.st_mode):
+        if max_bytes is None or st.st_size <= max_bytes:
+            return
+        raise error(f"The {what} {shown} is {size_text(st.st_size)}; at most "
+                    f"{size_text(max_bytes)} is read.",
+                    "The workbench never writes one that large: another program changed it. "
+                    "Restore it from a backup, or move it aside." if own else
+                    f"Check that this is the {what} you meant.")
+    kind = next((name for test, name in _NOT_REGULAR if test(st.st_mode)), "not a regular file")
+    raise error(f"The {what} {shown} is {kind}, not a file.",
+                f"Remove {shown} or replace it with a regular file: the workbench writes it as "
+                "one (another program or a copy made it so)." if own else
+                f"Give the {what} as a regular file (a pipe or a device cannot be read as one; "
+                "save its content to a file first).")
+
+
+def open_regular(path: str | os.PathLike, what: str, *, max_bytes: int | None = None,
+                 error: type[EngineError] = StorageError, own: bool = False) -> int:
+    """A descriptor for reading `path` once `check_regular` accepts it (links followed: reading
+    through one writes nothing). `os.stat` comes first, as open() itself blocks on a FIFO; the
+    open uses O_NONBLOCK (on a regular file the flag changes nothing) and the opened file is
+    checked again, so a file swapped for a pipe in between cannot block either. OSErrors (a
+    missing file...) and ValueError (a NUL in the path) are raised as they are."""
+    shown = os.fspath(path)
+    check_regular(os.stat(path), shown, what, max_bytes=max_bytes, error=error, own=own)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+                 | getattr(os, "O_BINARY", 0))
+    try:
+        check_regular(os.fstat(fd), shown, what, max_bytes=max_bytes, error=error, own=own)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_own_bytes(path: str | os.PathLike, what: str, *, max_bytes: int = JSON_MAX_BYTES,
+                   error: type[EngineError] = StorageError) -> bytes:
+    """The content of a file the workbench writes (`open_regular`, `own`), at most `max_bytes`
+    even if it grows while read. OSErrors are raised as they are."""
+    with os.fdopen(open_regular(path, what, max_bytes=max_bytes, error=error, own=True),
+                   "rb") as f:
+        return f.read(max_bytes)
+
+
 def read_json(path: str | os.PathLike, *, what: str = "file",
-              error_cls: type[EngineError] = StorageError, missing_ok: bool = False) -> Any:
-    """Parse a JSON file; missing, unreadable or corrupt files raise `error_cls` with a hint.
+              error_cls: type[EngineError] = StorageError, missing_ok: bool = False,
+              max_bytes: int = JSON_MAX_BYTES) -> Any:
+    """Parse a JSON file the workbench writes; missing, unreadable or corrupt files raise
+    `error_cls` with a hint, and so does anything but a regular file of at most `max_bytes`
+    (`read_own_bytes`: a FIFO, a link to /dev/zero or a huge sparse file neither hangs nor
+    fills memory).
 
     With `missing_ok`, a missing file returns None.
     """
     path = Path(path)
     try:
-        raw = path.read_bytes()
+        raw = read_own_bytes(path, what, max_bytes=max_bytes, error=error_cls)
     except FileNotFoundError:
         if missing_ok:
             return None

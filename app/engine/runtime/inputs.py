@@ -20,76 +20,46 @@ from __future__ import annotations
 
 import hashlib
 import os
-import stat
 import time
 from typing import BinaryIO, Callable
 
 from app.engine.errors import Cancelled, DatasetError, EngineError
+from app.engine.runtime.files import check_regular, open_regular
 
 CONFIG_MAX_BYTES = 1 << 20     # a run config is a few KB; a larger "config" is not one
 EDGE_BYTES = 64 << 10          # a fingerprint hashes the first and last 64 KiB ...
 SAMPLES, SAMPLE_BYTES = 16, 4 << 10   # ... and 16 samples of 4 KiB spread between them
 
-_NOT_REGULAR = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a named pipe (FIFO)"),
-                (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                (stat.S_ISSOCK, "a socket"))
-
-
-def _refuse_special(mode: int, path: str, what: str, error: type[EngineError]) -> None:
-    if stat.S_ISREG(mode):
-        return
-    kind = next((name for test, name in _NOT_REGULAR if test(mode)), "not a regular file")
-    raise error(f"The {what} {path} is {kind}, not a file.",
-                f"Give the {what} as a regular file (a pipe or a device cannot be read as one; "
-                "save its content to a file first).")
-
-
-def _size_mb(n: int) -> str:
-    return f"{n / (1 << 20):.1f} MB" if n >= 1 << 20 else f"{n / 1024:.0f} KB"
-
 
 def check_input_file(path, what: str, *, max_bytes: int | None = None,
                      error: type[EngineError] = DatasetError) -> os.stat_result:
     """The stat of `path`, an input the user named ("dataset", "config file", ...): `error`
-    when it is missing, unreadable, not a regular file or larger than `max_bytes`."""
+    when it is missing, unreadable, not a regular file or larger than `max_bytes`
+    (files.check_regular)."""
     shown = os.fspath(path)
     try:
         st = os.stat(path)
     except (OSError, ValueError) as exc:   # ValueError: a NUL in the path
-        raise error(f"Cannot read the {what} {shown}: {getattr(exc, 'strerror', None) or exc}.",
-                    "Check the path and that the file is readable.") from None
-    _refuse_special(st.st_mode, shown, what, error)
-    if max_bytes is not None and st.st_size > max_bytes:
-        raise error(f"The {what} {shown} is {_size_mb(st.st_size)}; at most "
-                    f"{_size_mb(max_bytes)} is read.",
-                    f"Check that this is the {what} you meant.")
+        raise _unreadable(shown, what, exc, error) from None
+    check_regular(st, shown, what, max_bytes=max_bytes, error=error)
     return st
 
 
 def open_input(path, what: str, *, max_bytes: int | None = None,
                error: type[EngineError] = DatasetError) -> BinaryIO:
-    """`path` opened for binary reading once `check_input_file` accepts it; the opened file is
-    checked again (it may have been replaced by a pipe in between: O_NONBLOCK keeps that open
-    from blocking, and on a regular file the flag changes nothing)."""
-    check_input_file(path, what, max_bytes=max_bytes, error=error)
-    flags = (os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
-             | getattr(os, "O_BINARY", 0))
+    """`path` opened for binary reading once `check_input_file` accepts it, through
+    files.open_regular: it may have been replaced by a pipe in between, so the opened file is
+    checked again, and the open cannot block."""
     try:
-        fd = os.open(path, flags)
-    except OSError as exc:
-        raise error(f"Cannot read the {what} {os.fspath(path)}: {exc.strerror or exc}.",
-                    "Check the path and that the file is readable.") from None
-    try:
-        st = os.fstat(fd)
-        _refuse_special(st.st_mode, os.fspath(path), what, error)
-        if max_bytes is not None and st.st_size > max_bytes:
-            raise error(f"The {what} {os.fspath(path)} is {_size_mb(st.st_size)}; at most "
-                        f"{_size_mb(max_bytes)} is read.", f"Check that this is the {what} "
-                        "you meant.")
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
+        fd = open_regular(path, what, max_bytes=max_bytes, error=error)
+    except (OSError, ValueError) as exc:
+        raise _unreadable(os.fspath(path), what, exc, error) from None
+    return os.fdopen(fd, "rb")
+
+
+def _unreadable(shown: str, what: str, exc: Exception, error: type[EngineError]) -> EngineError:
+    return error(f"Cannot read the {what} {shown}: {getattr(exc, 'strerror', None) or exc}.",
+                 "Check the path and that the file is readable.")
 
 
 STOP_EVERY_S = 0.5   # how often a reader asks should_stop (tests set 0: at every call)
