@@ -9,6 +9,12 @@ runs, since when) so that a second writer is refused with `RunBusyError` saying 
 run. A holder that ends well removes its file; a file left behind by a holder that died is
 taken over, with a line in the run's log.txt naming the process that left it.
 
+The run folder itself is locked too (`flock` on a descriptor of the folder, POSIX only),
+before the file: run.lock is a file anyone can delete, and a second writer would then lock a
+new one while the first still writes; the folder cannot be deleted from under its holder's
+descriptor, so a deleted run.lock still leaves the run locked (its holder then unnamed, "another
+process"). A file system that cannot lock a folder keeps the file's lock alone.
+
 Removing the file while another process may be opening it is safe because a taker checks,
 once it holds the lock, that the path still names the file it locked (else it locked a file
 already removed, and tries again). On Windows the file cannot be removed while open and its
@@ -91,24 +97,28 @@ class RunLock:
         self.path = lock_path(self.run)
         self.what = what
         self._fd: int | None = None
+        self._folder_fd: int | None = None
 
     def acquire(self) -> "RunLock":
-        """Take the lock, or raise RunBusyError naming its holder (StorageError when the lock
-        file cannot be made, or is a link)."""
-        while True:
-            fd = _open(self.path, os.O_RDWR | os.O_CREAT)
-            if not try_lock(fd):
-                holder = _holder(fd)
-                os.close(fd)
-                raise RunBusyError(f"The run {self.run.path} is being written by "
-                                   f"{describe(holder)}: a run has one writer at a time.",
-                                   "Wait until it ends, or stop it first (Ctrl-C in its "
-                                   "terminal, Pause in the window, or workbench queue pause "
-                                   "JOB), then try again.")
-            if _same_file(fd, self.path):
-                break
-            os.close(fd)   # locked a file its last holder removed meanwhile: take the new one
-        self._fd = fd
+        """Take the lock (the folder's, then the file's), or raise RunBusyError naming its
+        holder (StorageError when the lock file cannot be made, or is a link)."""
+        folder_fd = _lock_folder(self.run.path)
+        if folder_fd is False:
+            raise self._busy(_named_holder(self.path))
+        try:
+            while True:
+                fd = _open(self.path, os.O_RDWR | os.O_CREAT)
+                if not try_lock(fd):
+                    holder = _holder(fd)
+                    os.close(fd)
+                    raise self._busy(holder)
+                if _same_file(fd, self.path):
+                    break
+                os.close(fd)   # locked a file its last holder removed meanwhile: the new one
+        except BaseException:
+            _close_folder(folder_fd)
+            raise
+        self._fd, self._folder_fd = fd, folder_fd
         left = _holder(fd)
         try:
             _write(fd, {"host": socket.gethostname(), "pid": os.getpid(),
@@ -121,6 +131,12 @@ class RunLock:
             self.run.log(f"{self.what} took over the lock {LOCK} left by {describe(left)}, "
                          "which ended without releasing it")
         return self
+
+    def _busy(self, holder: dict | None) -> RunBusyError:
+        return RunBusyError(f"The run {self.run.path} is being written by {describe(holder)}: "
+                            "a run has one writer at a time.",
+                            "Wait until it ends, or stop it first (Ctrl-C in its terminal, "
+                            "Pause in the window, or workbench queue pause JOB), then try again.")
 
     @property
     def held(self) -> bool:
@@ -139,6 +155,8 @@ class RunLock:
             pass
         unlock(fd)
         os.close(fd)
+        _close_folder(self._folder_fd)
+        self._folder_fd = None
 
     def __enter__(self) -> "RunLock":
         return self.acquire()
@@ -150,8 +168,11 @@ class RunLock:
 def lock_holder(run_dir: RunDir | str | os.PathLike) -> dict | None:
     """Who holds the run's lock ({"host", "pid", ...}, {} when it cannot be read), or None
     when nobody does (this process's own hold counts). Makes no file."""
+    path = lock_path(run_dir)
+    if _folder_locked(path.parent):
+        return _named_holder(path) or {}   # {}: run.lock deleted or not written yet
     try:
-        fd = _open(lock_path(run_dir), os.O_RDONLY)
+        fd = _open(path, os.O_RDONLY)
     except EngineError:
         return None
     try:
@@ -181,6 +202,76 @@ def _open(path: Path, flags: int) -> int:
         return open_own_file(path, flags | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
         raise storage_error(e, path, "open") from e
+
+
+def _named_holder(path: Path) -> dict | None:
+    """The holder run.lock names, None when there is none (no file, an empty one)."""
+    try:
+        fd = _open(path, os.O_RDONLY)
+    except EngineError:
+        return None
+    try:
+        return _holder(fd)
+    finally:
+        os.close(fd)
+
+
+def _folder_fd(folder: Path) -> int | None:
+    """A descriptor of the run folder to `flock`; None on Windows (no folder locks there)."""
+    if os.name == "nt":
+        return None
+    try:
+        return os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)
+                       | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise storage_error(e, folder, "open") from e
+
+
+def _lock_folder(folder: Path) -> int | None | bool:
+    """The run folder's descriptor, locked (exclusive); False when another holds its lock;
+    None where it cannot be locked (Windows, a file system without flock on folders: the
+    lock file's lock alone then)."""
+    fd = _folder_fd(folder)
+    if fd is None:
+        return None
+    import fcntl
+
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd
+    except BlockingIOError:
+        os.close(fd)
+        return False
+    except OSError:
+        os.close(fd)
+        return None
+
+
+def _folder_locked(folder: Path) -> bool:
+    """Does a process (this one included) hold the run folder's lock?"""
+    try:
+        fd = _folder_fd(folder)
+    except EngineError:
+        return False
+    if fd is None:
+        return False
+    import fcntl
+
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _close_folder(fd: int | None) -> None:
+    if fd is not None:
+        os.close(fd)   # releases its flock
 
 
 def _same_file(fd: int, path: Path) -> bool:

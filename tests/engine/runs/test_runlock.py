@@ -116,3 +116,19 @@ def test_a_cluster_attempt_on_a_run_another_process_writes_is_refused(run, holde
     with pytest.raises(RunBusyError, match=f"pid {holder.pid}"):
         run_remote(run.path, runner=lambda run_dir, control: ran.append(1))
     assert ran == [] and not run.status_path.exists()
+
+
+def test_deleting_run_lock_does_not_let_a_second_writer_in(run, holder, tmp_path):
+    """The run folder itself is locked (flock on its descriptor): run.lock deleted under a
+    running holder, a second writer, a queue's add and lock_holder still see the run held."""
+    (run.path / LOCK).unlink()
+    with pytest.raises(RunBusyError, match="being written by another process"):
+        RunLock(run, "this test").acquire()
+    assert lock_holder(run) == {}
+    with pytest.raises(RunBusyError, match="another process"):
+        JobQueue(tmp_path / "other.sqlite3").add(run.path)
+    assert not (run.path / LOCK).exists()   # the refused writer made no lock file of its own
+    holder.kill()
+    holder.wait(30)
+    with RunLock(run, "this test"):         # the kernel let the folder go with its holder
+        assert lock_holder(run)["pid"] == os.getpid()
