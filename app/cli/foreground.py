@@ -167,9 +167,16 @@ def _progress_line(e: dict) -> str:
             f"ETA={clock(e['eta_s'])}")
 
 
-def _until_reader_gone(printer):
-    """`printer`, silenced once the reader of stdout is gone (`workbench train ... | head`):
-    the run goes on unprinted, as it does in the window, instead of failing on the pipe."""
+def _until_output_lost(printer, run_dir):
+    """`printer`, silenced once stdout is gone: its reader went away (`workbench train ... |
+    head`) or it cannot be written (`> /mnt/full/log.txt`: app.cli.output's OutputError). The
+    run goes on unprinted, as it does in the window, instead of failing on its printing; a
+    failed write is said once, on stderr and in the run's log.txt."""
+    from contextlib import suppress
+
+    from app.cli.output import OutputError, reason
+    from app.engine.errors import EngineError
+
     gone = False
 
     def show(event: dict) -> None:
@@ -179,6 +186,14 @@ def _until_reader_gone(printer):
                 printer(event)
             except BrokenPipeError:
                 gone = True
+            except (OutputError, OSError) as e:
+                gone = True
+                what = (e.message if isinstance(e, OutputError)
+                        else f"could not write the output: {reason(e)}.")
+                note = f"{what} The run goes on; its progress is in {run_dir.metrics_path.name}."
+                print(f"warning: {note}", file=sys.stderr)    # dropped if stderr fails too
+                with suppress(EngineError, OSError):  # the run's own writes say a full disk
+                    run_dir.log(f"progress printing stopped: {note}")
     return show
 
 
@@ -193,7 +208,7 @@ def run_in_foreground(run_dir, runner, printer) -> int:
     reporter = RunReporter(run_dir)
     reporter.started()
     previous = install_stop_signals(stop)
-    show = _until_reader_gone(printer)
+    show = _until_output_lost(printer, run_dir)
     try:
         result = runner(lambda event: show(reporter.report(event)),
                         lambda: "pause" if stop.is_set() else None, run_dir.checkpoints_dir)
@@ -225,6 +240,10 @@ def start_run(args, config: dict, name: str, execute) -> int:
     check_path_length(out)
     _check_holds_no_run(out)
     existed = out.exists()
+    # the run's files a take-back may remove: only those it makes (a folder that was there may
+    # hold a log.txt of the user's own)
+    run_files = [p for p in (RunDir(out).status_path, RunDir(out).metrics_path,
+                             RunDir(out).log_path) if not p.exists()]
     run_dir = RunDir.create(out, config)
     if args.queue is not None:
         from app.engine.runs.queue import JobQueue
@@ -243,7 +262,7 @@ def start_run(args, config: dict, name: str, execute) -> int:
             return execute(run_dir, args.json)
     except EngineError:
         if not _trained_anything(run_dir):
-            _take_back_failed_run(run_dir, existed)
+            _take_back_failed_run(run_dir, existed, run_files)
         raise
 
 
@@ -290,7 +309,7 @@ def _trained_anything(run_dir) -> bool:
         return True  # cannot tell: keep it
 
 
-def _take_back_failed_run(run_dir, existed: bool) -> None:
+def _take_back_failed_run(run_dir, existed: bool, run_files: list[Path]) -> None:
     """A run that failed before its first step made nothing worth keeping: remove what this
     command made (the folder, or in a folder that was there before, the run's files in it) and
     its line in the list of runs, so that the same command, its input fixed, works next time
@@ -301,7 +320,7 @@ def _take_back_failed_run(run_dir, existed: bool) -> None:
     from app.engine.runs.registry import forget_run
 
     if existed:  # what the run wrote beside config.json (take_back removes that and the rest)
-        for path in (run_dir.status_path, run_dir.metrics_path, run_dir.log_path):
+        for path in run_files:
             with suppress(OSError):
                 path.unlink()
     run_dir.take_back(existed)

@@ -64,11 +64,14 @@ def test_a_train_that_fails_before_training_leaves_no_folder(inputs, capsys, wha
     assert (out / "adapter.gguf").is_file() and str(out) in registered_run_paths()
 
 
-def test_an_existing_empty_folder_is_left_empty(inputs, capsys):
-    out = inputs / "empty"
+def test_an_existing_folder_is_left_as_it_was(inputs, capsys):
+    """In a folder that was there, only what the run made goes (a log.txt of the user's stays)."""
+    out = inputs / "there"
     out.mkdir()
+    (out / "log.txt").write_text("mine\n")
     assert run_cli(["train", "-m", MODEL, "-d", CHAT, "--ctx", "1", "-o", str(out), *QUICK]) == 2
-    assert out.is_dir() and list(out.iterdir()) == []
+    assert [p.name for p in out.iterdir()] == ["log.txt"]
+    assert (out / "log.txt").read_text().startswith("mine\n")
     assert str(out) not in registered_run_paths()
 
 
