@@ -276,7 +276,8 @@ def link_error(path: str | os.PathLike) -> StorageError:
 def open_own_file(path: str | os.PathLike, flags: int, mode: int = 0o644) -> int:
     """`os.open` of a file the workbench writes (in a run folder, in the user's state): never
     through a symbolic link at `path` (O_NOFOLLOW; where the OS has none, a check just before),
-    and only a regular file (O_NONBLOCK, so that a FIFO planted there does not block the open).
+    and only a regular file (O_NONBLOCK, so that a FIFO planted there does not block the open)
+    with one name (a hard link's other name is a file elsewhere, the user's).
     The folders above `path` may be links: a run folder or a state folder moved elsewhere and
     linked back is the user's doing. A link or anything but a regular file is a StorageError
     naming it; other OSErrors are raised as they are."""
@@ -289,10 +290,18 @@ def open_own_file(path: str | os.PathLike, flags: int, mode: int = 0o644) -> int
         if os.path.islink(path):   # ELOOP on Linux and macOS, EMLINK on FreeBSD
             raise link_error(path) from None
         raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
         os.close(fd)
         raise StorageError(f"{path} is not a regular file; the workbench writes only into "
                            "regular files.", f"Remove {path} or replace it with a regular file.")
+    if st.st_nlink > 1:   # a file of the workbench's own never has a second name
+        os.close(fd)
+        raise StorageError(
+            f"{path} is a hard link (one of {st.st_nlink} names of one file); the workbench "
+            "does not write through links.",
+            f"Replace {path} with a copy of its own (copy it, then move the copy over it), or "
+            "remove it: writing to it would change the file its other names show.")
     return fd
 
 

@@ -52,6 +52,23 @@ def test_an_append_to_a_special_file_is_refused_without_blocking(tmp_path):
         append_line(fifo, "{}")
 
 
+@pytest.mark.parametrize("name, append", [
+    ("metrics.jsonl", lambda run: run.append_metrics({"step": 1, "loss": 2.0})),
+    ("log.txt", lambda run: run.log("resumed from step 1")),
+])
+def test_appends_refuse_a_hard_linked_run_file(tmp_path, name, append):
+    """`ln victim.txt RUN/metrics.jsonl`: a run's own file never has a second name, so an
+    append through one would change the user's file under its other name."""
+    run = RunDir.create(tmp_path / "run", {"model": "m.gguf"})
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"the user's own file\n")
+    os.link(victim, run.path / name)
+    with pytest.raises(StorageError, match="is a hard link") as e:
+        append(run)
+    assert str(run.path / name) in e.value.message and "copy" in e.value.hint
+    assert victim.read_bytes() == b"the user's own file\n"
+
+
 def test_the_registry_is_not_appended_through_a_link(tmp_path, monkeypatch):
     state = tmp_path / "state"
     monkeypatch.setenv("WORKBENCH_QUEUE", str(state / "queue.sqlite3"))
