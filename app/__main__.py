@@ -7,6 +7,9 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    from app.cli.output import ensure_standard_streams
+
+    ensure_standard_streams()  # `workbench ... >&-`: no file the app opens takes descriptor 1
     try:
         return _run(argv)
     except ModuleNotFoundError as e:  # a dependency missing before the CLI could say so

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import io
 import json
@@ -18,6 +17,7 @@ from app.cli.evaluate import add_eval_parser, cmd_eval
 from app.cli.resume import cmd_resume
 from app.cli.train import add_train_parsers, cmd_train
 from app.cli.grpo import add_grpo_parser, cmd_grpo
+from app.cli.output import ensure_standard_streams, guarded_output, silence
 from app.engine.errors import ConfigError, EngineError, MissingModuleError
 from app.engine.training import events
 
@@ -642,16 +642,6 @@ def _print_error(e: EngineError) -> int:
     return 2
 
 
-def _reader_gone() -> None:
-    """The reader of stdout went away (`workbench queue list | head`): it read what it wanted,
-    and the command ends quietly. stdout is pointed at the null device, so that Python's own
-    flush at exit does not fail again."""
-    with contextlib.suppress(OSError, ValueError):  # no file descriptor (a test's capture)
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-
-
 def _escape_unencodable_output() -> None:
     """A path with a byte that is not UTF-8 (os.fsdecode's surrogate escapes), or text the
     console cannot show, is printed escaped, never a UnicodeEncodeError."""
@@ -661,7 +651,16 @@ def _escape_unencodable_output() -> None:
 
 
 def run_cli(argv: list[str]) -> int:
+    """Run the command of `argv`; its exit status. Printing never fails it (app.cli.output): a
+    closed stdout or stderr is the null device, stdout that cannot be written is an error
+    (exit 2) and stderr that cannot be written is dropped."""
+    ensure_standard_streams()
     _escape_unencodable_output()
+    with guarded_output():
+        return _run_command(argv)
+
+
+def _run_command(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.command in ("train", "grpo") and args.on and args.queue is None:
         args.queue = ""  # `train --on CLUSTER` queues the run
@@ -670,8 +669,8 @@ def run_cli(argv: list[str]) -> int:
         code = COMMANDS[args.command](args)
         sys.stdout.flush()  # a closed pipe shows here, not in Python's flush at exit
         return code
-    except BrokenPipeError:
-        _reader_gone()
+    except BrokenPipeError:  # the reader went away (`queue list | head`): it read what it wanted
+        silence(sys.stdout)
         return code  # the command's own status if it ended before the flush, else 0
     except EngineError as e:
         return _print_error(e)
