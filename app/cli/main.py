@@ -661,11 +661,11 @@ def run_cli(argv: list[str]) -> int:
 
 
 def _run_command(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command in ("train", "grpo") and args.on and args.queue is None:
-        args.queue = ""  # `train --on CLUSTER` queues the run
     code = 0
     try:
+        args = build_parser().parse_args(argv)   # --help's text is output too
+        if args.command in ("train", "grpo") and args.on and args.queue is None:
+            args.queue = ""  # `train --on CLUSTER` queues the run
         code = COMMANDS[args.command](args)
         sys.stdout.flush()  # a closed pipe shows here, not in Python's flush at exit
         return code

@@ -60,7 +60,8 @@ def test_a_closed_stdout_is_the_null_device(args, home):
 
 
 @needs_full
-@pytest.mark.parametrize("args", [["info", MODEL], ["runs", "list"], ["info", MODEL, "--json"]])
+@pytest.mark.parametrize("args", [["info", MODEL], ["runs", "list"], ["info", MODEL, "--json"],
+                                  ["train", "--help"]])
 def test_a_full_stdout_is_an_error_not_a_bug(args, home):
     code, err = workbench(args, home, stdout="full")
     assert code == 2, err
