@@ -629,7 +629,7 @@ def _wait_for_cluster(queue: JobQueue, cluster: _ClusterJob, run: RunDir,
     the user asked is kept for it), else with the run's status saying queued (a cancel asked
     meanwhile cancels it)."""
     job = cluster.job
-    log.warning("job %s: %s; trying cluster %s again in %g s, running other jobs meanwhile",
+    log.warning("job %s: %s Trying cluster %s again in %g s, running other jobs meanwhile.",
                 job.id, error.message, job.executor, wait_s)
     with suppress(EngineError):
         if job.handle is None:
@@ -670,7 +670,8 @@ def run_worker(queue: JobQueue | str | os.PathLike, runner: Runner | None = None
 
     Recovers stale jobs first (and every `stale_after_s` while idle). With `exclusive` (the
     default, and what `workbench queue worker` does) it holds the queue's worker lock and
-    raises WorkerAlreadyRunning if another worker holds it. Returns the number of jobs run.
+    raises WorkerAlreadyRunning if another worker holds it. Returns the number of jobs run (a
+    cluster's job put back in the queue, its cluster silent or the worker stopping, is not).
     """
     queue = queue if isinstance(queue, JobQueue) else JobQueue(queue)
     runner = runner or default_runner
@@ -729,8 +730,8 @@ def _loop(queue, runner, once, poll_s, stop_event, worker_id, heartbeat_s, grace
                                     pending_timeout_s=pending_timeout_s,
                                     stop_grace_s=stop_grace_s, max_attempts=max_attempts,
                                     stop_event=stop_event, backoff=backoff)
-            if state == "queued" and job.executor in backoff.waiting():
-                continue  # put back until its cluster answers: not a job run (the count below)
+            if state == "queued":
+                continue  # put back (its cluster silent, the worker stopping): not a job run
         n += 1
     log.info("worker %s: stopped after %d job(s)", worker_id, n)
     return n
