@@ -20,6 +20,7 @@ screen says so instead of showing fewer runs without a word.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -158,6 +159,7 @@ class RunLister:
         self._forgotten: set[str] = set()             # deleted in the window: not listed
         self._problem = ""
         self._rows: dict[str, tuple[tuple, RunRow]] = {}
+        self._lock = threading.Lock()                 # the reader thread and a refresh
 
     def invalidate(self) -> None:
         """List the registry and the runs folder again at the next call (a run was made,
@@ -198,6 +200,10 @@ class RunLister:
         pending ones first, in queue order), then the runs folder's and the registered runs
         that are not in the queue (most recently updated first, with the finished jobs;
         missing folders last)."""
+        with self._lock:
+            return self._collect(queue, runs_root)
+
+    def _collect(self, queue, runs_root) -> Listing:
         if time.monotonic() - self._listed_at > REGISTRY_S:
             self._list(runs_root)
         try:

@@ -81,3 +81,24 @@ def test_an_unreadable_registry_is_said(qtbot, ctx, tmp_path):
     qtbot.waitUntil(lambda: not view.problem_label.isHidden())
     assert "could not be read" in view.problem_label.text()
     assert "runs.jsonl" in view.problem_label.text()
+
+
+def test_only_runs_whose_files_changed_are_read_again(ctx, tmp_path, monkeypatch):
+    import app.views.runs.run_rows as run_rows
+    from app.engine.runs.rundir import RunDir
+
+    paths = write_runs(str(tmp_path / "elsewhere"), 50)
+    reads = []
+    read_row = run_rows._read_row
+    monkeypatch.setattr(run_rows, "_read_row", lambda path, *a: reads.append(path) or
+                        read_row(path, *a))
+    lister = run_rows.RunLister()
+    first = lister(ctx.queue, ctx.runs_root())
+    assert len(reads) == 50
+    reads.clear()
+    second = lister(ctx.queue, ctx.runs_root())
+    assert reads == [] and all(a is b for a, b in zip(first.rows, second.rows))
+    RunDir(paths[7]).write_status(state="failed")
+    third = lister(ctx.queue, ctx.runs_root())
+    assert reads == [paths[7]]
+    assert {r.path: r.state for r in third.rows}[paths[7]] == "failed"
