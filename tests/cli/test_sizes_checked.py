@@ -53,7 +53,7 @@ CASES = {
     "grpo group": (GRPO + ["-G", BILLION, "-P", "1"],
                    "group_size: expected an integer in [2, 1024]"),
     "grpo prompts": (GRPO + ["-G", "2", "-P", BILLION],
-                     "prompts_per_step: expected an integer in [1, 1024]"),
+                     "prompts_per_step: expected an integer in [1, 4096]"),
     # within the ranges, but 1,048,576 completions sampled at once: ~500 GB of KV cache
     "grpo memory": (GRPO[:-4] + ["-G", "1024", "-P", "1024", "--max-new-tokens", "100",
                                  "--max-steps", "1"],

@@ -105,11 +105,11 @@ STD_EPS = 1e-6
 # ---- configuration --------------------------------------------------------------------------------
 
 GRPO_LR = 1e-4   # GRPO's own default learning rate (TrainConfig's is swept for supervised runs)
-# The most completions per prompt, and prompts per step: a step samples their product at once
-# (a KV cache per sequence), and a billion of either was a list of a billion items built before
-# any check, deaf to SIGTERM. The memory of the product is checked before a run starts
-# (app.engine.training.memory.check_run_memory).
-MAX_GROUP = 1024
+# The most completions per prompt, and prompts per step (the window's ranges): a step samples
+# their product at once (a KV cache per sequence), and a billion of either was a list of a
+# billion items built before any check, deaf to SIGTERM. The memory of the product is checked
+# before a run starts (app.engine.training.memory.check_run_memory).
+MAX_GROUP, MAX_PROMPTS_PER_STEP = 1024, 4096
 
 @dataclass(frozen=True)
 class GrpoConfig:
@@ -149,7 +149,7 @@ class GrpoConfig:
 
     SCHEMA_RULES: ClassVar[dict] = dict(
         kind=(KIND,), model=TEXT, prompts=TEXT, group_size=Range(2, MAX_GROUP),
-        prompts_per_step=Range(1, MAX_GROUP),
+        prompts_per_step=Range(1, MAX_PROMPTS_PER_STEP),
         temperature=AT_LEAST_0, top_p=Range(0, 1, lo_open=True), max_new_tokens=AT_LEAST_1,
         advantage=ADVANTAGES, kl=AT_LEAST_0, max_steps=AT_LEAST_1, val_split=FRACTION,
         eval_samples=Range(0, MAX_GROUP), samples_every=AT_LEAST_0, samples_prompts=AT_LEAST_0,
