@@ -86,3 +86,19 @@ def test_the_cache_is_counted_as_the_engine_fills_it():
     assert m.dequantized == sum(quantized.values()) - quantized["token_embd.weight"]
     kept = kept_activation_bytes(list(m.layer_activations), m.boundary, 0)
     assert m.activations() == kept + max(m.loss_head, *m.layer_backward)
+
+
+def test_a_run_past_the_machines_memory_is_refused_with_its_size(machine_24gb, monkeypatch):
+    """check_run_memory: a run that fits passes; the same run with a GRPO step of a million
+    completions, or on a machine of 1 MB, is an OutOfMemoryError naming both sizes."""
+    from app.engine.errors import OutOfMemoryError
+
+    train = TrainConfig(lora_rank=8)
+    memory.check_run_memory(MODEL, train, 256)
+    with pytest.raises(OutOfMemoryError, match=r"sampling 1,048,576 completions at once: .* "
+                                               r"and this machine has 24\.0 GB"):
+        memory.check_run_memory(MODEL, train, 256, sequences=1024 * 1024, sequence_tokens=100)
+    monkeypatch.setattr(memory, "device_memory", lambda xp: (1 << 20, 1 << 20))
+    with pytest.raises(OutOfMemoryError, match=r"This run needs at least .* and this machine "
+                                               r"has 1\.0 MB\."):
+        memory.check_run_memory(MODEL, train, 256)
