@@ -30,7 +30,7 @@ COLUMNS = ("Run", "Type", "Model", "Dataset", "Created", "Duration", "Steps", "B
 COL = {name: i for i, name in enumerate(COLUMNS)}
 # Each column's width: its sample text in the table's font (so at any scale), plus padding;
 # Run takes the rest. Longer models and datasets are elided in the middle, whole in the tooltip.
-SAMPLES = {"Type": "GRPO", "Model": "tiny-moe.gguf", "Dataset": "chat.jsonl",
+SAMPLES = {"Type": "GRPO", "Model": "tiny-moe.gguf", "Dataset": "addition.jsonl",
            "Created": "2026-11-28 06:47", "Duration": "10:00:00", "Steps": "1000/1000",
            "Best": "1.284 @ 1770", "Where": "this computer", "Status": "running \u00b7 ETA 0:00:07"}
 PADDING = 20
