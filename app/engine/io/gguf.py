@@ -12,8 +12,11 @@ uses the NumPy order, i.e. `shape = tuple(reversed(ne))`; a weight of HF shape (
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
+import re
+import shutil
 import stat
 import struct
 import weakref
@@ -464,11 +467,33 @@ def write_gguf(path: str | os.PathLike, metadata: dict[str, Any], tensors: dict[
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        writer.close()
+    except BaseException as exc:
+        try:
+            writer.close()
+        except OSError:     # flushing onto the same full disk: the first error says it
+            pass
+        full = isinstance(exc, OSError) and _short_write_on_full_disk(exc, tmp)
         if os.path.exists(tmp):
             os.remove(tmp)
+        if full:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path) from exc
         raise
+
+
+def _short_write_on_full_disk(exc: OSError, tmp: str) -> bool:
+    """Is `exc` a short write on a full disk? NumPy's tofile, which the gguf writer writes
+    tensors with, reports one as an OSError without an errno ("143360 requested and 65536
+    written"); when the folder's disk has less free space than the bytes left unwritten, it
+    is a full disk (ENOSPC, so that the caller's files.storage_error says "no space left in
+    DIR"). A full quota with free space on the disk keeps the error as it is."""
+    found = re.search(r"(\d+) requested and (\d+) written", str(exc))
+    if exc.errno is not None or found is None:
+        return False
+    try:
+        free = shutil.disk_usage(os.path.dirname(os.path.abspath(tmp))).free
+    except OSError:
+        return False
+    return free < int(found[1]) - int(found[2])
 
 
 def _make_own_temporary(tmp: str) -> None:
