@@ -252,7 +252,7 @@ def start_run(args, config: dict, name: str, execute) -> int:
             job_id = JobQueue(args.queue or None).add(run_dir.path,
                                                       executor=args.on or "local")
         except BaseException:  # the queue refused it: the same command must work next time
-            run_dir.take_back(existed)
+            _take_back_failed_run(run_dir, existed, run_files, "the queue refused it")
             raise
         print(f"queued job {job_id}: {run_dir.path}" + (f" on {args.on}" if args.on else ""))
         return 0
@@ -262,7 +262,8 @@ def start_run(args, config: dict, name: str, execute) -> int:
             return execute(run_dir, args.json)
     except EngineError:
         if not _trained_anything(run_dir):
-            _take_back_failed_run(run_dir, existed, run_files)
+            _take_back_failed_run(run_dir, existed, run_files,
+                                  "the run failed before its first step")
         raise
 
 
@@ -309,9 +310,9 @@ def _trained_anything(run_dir) -> bool:
         return True  # cannot tell: keep it
 
 
-def _take_back_failed_run(run_dir, existed: bool, run_files: list[Path]) -> None:
-    """A run that failed before its first step made nothing worth keeping: remove what this
-    command made (the folder, or in a folder that was there before, the run's files in it) and
+def _take_back_failed_run(run_dir, existed: bool, run_files: list[Path], why: str) -> None:
+    """A run that failed before its first step (or that the queue refused: `why`) made nothing
+    worth keeping: remove what this command made (the folder, or in a folder that was there before, the run's files in it) and
     its line in the list of runs, so that the same command, its input fixed, works next time
     (issue 28: "A command that fails before training starts removes the run folder it
     made"). The error itself is printed by the caller. Best effort: never raises."""
@@ -326,6 +327,5 @@ def _take_back_failed_run(run_dir, existed: bool, run_files: list[Path]) -> None
     run_dir.take_back(existed)
     with suppress(EngineError, OSError):
         forget_run(run_dir.path)
-    print(f"removed the run folder {run_dir.path}: the run failed before its first step"
-          if not existed else f"removed the run's files from {run_dir.path}: the run failed "
-          "before its first step", file=sys.stderr)
+    print(f"removed the run folder {run_dir.path}: {why}" if not existed
+          else f"removed the run's files from {run_dir.path}: {why}", file=sys.stderr)

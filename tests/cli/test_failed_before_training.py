@@ -106,3 +106,11 @@ def test_an_output_folder_around_a_run_is_refused(inputs, capsys):
     assert run_cli(["train", "-m", MODEL, "-d", CHAT, "-o", str(inputs / "outer"), *QUICK]) == 2
     assert f"error: {inputs / 'outer'} holds the run {inner}." in capsys.readouterr().err
     assert sorted(p.name for p in (inputs / "outer").rglob("*")) == before
+
+
+def test_a_run_the_queue_refuses_leaves_no_folder_and_no_listed_run(inputs, capsys):
+    out = inputs / "refused"
+    assert run_cli(["train", "-m", MODEL, "-d", CHAT, "-o", str(out), "--queue",
+                    str(inputs / "q.sqlite3"), "--on", "nowhere"]) == 2
+    assert "nowhere" in capsys.readouterr().err
+    assert not out.exists() and str(out) not in registered_run_paths()
