@@ -312,10 +312,11 @@ def _trained_anything(run_dir) -> bool:
 
 def _take_back_failed_run(run_dir, existed: bool, run_files: list[Path], why: str) -> None:
     """A run that failed before its first step (or that the queue refused: `why`) made nothing
-    worth keeping: remove what this command made (the folder, or in a folder that was there before, the run's files in it) and
-    its line in the list of runs, so that the same command, its input fixed, works next time
-    (issue 28: "A command that fails before training starts removes the run folder it
-    made"). The error itself is printed by the caller. Best effort: never raises."""
+    worth keeping: remove what this command made (the folder, or in a folder that was there
+    before, the run's files in it) and its line in the list of runs, so that the same
+    command, its input fixed, works next time (issue 28: "A command that fails before
+    training starts removes the run folder it made"). The error itself is printed by the
+    caller. Best effort: never raises."""
     from contextlib import suppress
 
     from app.engine.runs.registry import forget_run
