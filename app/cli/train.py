@@ -162,9 +162,10 @@ def check_adapter_and_format(config, data_config=None) -> None:
     """The cheap checks of what would otherwise fail while the run prepares, done before a run
     folder exists (and before a run is queued, where the worker would fail it): `--adapter` is
     a GGUF LoRA adapter (its header), and the dataset's format can be told (its first rows;
-    `data_config`: a training run's, given for a queued run). What needs the whole dataset tokenized (rows all
-    rejected or too long: "Nothing to train on") is found when the run starts: a foreground
-    run that fails before its first step removes its folder (foreground.start_run)."""
+    `data_config`: a training run's, given for a queued run). What needs the whole dataset
+    tokenized (rows all rejected or too long: "Nothing to train on") is found when the run
+    starts: a foreground run that fails before its first step removes its folder
+    (foreground.start_run)."""
     if config.adapter:
         from app.engine.model.lora import read_adapter_header
 
