@@ -155,6 +155,7 @@ class RunLister:
     def __init__(self):
         self._listed_at = float("-inf")
         self._paths: list[str] = []                   # the runs folder's, then the registry's
+        self._registered: list[str] = []
         self._names: dict[str, str] = {}              # display names given in the window
         self._forgotten: set[str] = set()             # deleted in the window: not listed
         self._problem = ""
@@ -168,16 +169,18 @@ class RunLister:
 
     def _list(self, runs_root) -> None:
         self._listed_at = time.monotonic()
+        folder = [str(r.path) for r in list_runs(runs_root)]
         try:
             found = read_registry()
-        except EngineError as e:                     # keep what was listed before
+        except EngineError as e:                     # keep the registered runs listed before
+            self._paths = folder + self._registered
             self._problem = f"The list of runs could not be read: {e.message}"
         else:
             entries = sorted(found.entries, key=lambda e: -(e["created"] or 0))
             self._names = {e["path"]: e["name"] for e in entries if e.get("name")}
             self._forgotten = found.forgotten
-            registered = [e["path"] for e in entries]
-            self._paths = [str(r.path) for r in list_runs(runs_root)] + registered
+            self._registered = [e["path"] for e in entries]
+            self._paths = folder + self._registered
             self._problem = "" if not found.unreadable else (
                 f"{len(found.unreadable)} line(s) of the list of runs could not be read and "
                 f"were skipped (line {', '.join(map(str, found.unreadable[:5]))}"

@@ -75,12 +75,16 @@ def test_an_unreadable_registry_line_is_said(qtbot, ctx, tmp_path):
 
 
 def test_an_unreadable_registry_is_said(qtbot, ctx, tmp_path):
-    registry_path().parent.mkdir(parents=True, exist_ok=True)
+    from tests.views.fake_runs import FakeRun
+
+    here = FakeRun(ctx.runs_root() / "in-the-runs-folder")
+    registry_path().unlink()
     registry_path().mkdir()                              # not a file: cannot be read
     view = shown(qtbot, RunsView(ctx))
     qtbot.waitUntil(lambda: not view.problem_label.isHidden())
     assert "could not be read" in view.problem_label.text()
     assert "runs.jsonl" in view.problem_label.text()
+    assert [r.path for r in view.rows] == [here.path]    # the runs folder is still listed
 
 
 def test_only_runs_whose_files_changed_are_read_again(ctx, tmp_path, monkeypatch):
@@ -102,3 +106,16 @@ def test_only_runs_whose_files_changed_are_read_again(ctx, tmp_path, monkeypatch
     third = lister(ctx.queue, ctx.runs_root())
     assert reads == [paths[7]]
     assert {r.path: r.state for r in third.rows}[paths[7]] == "failed"
+
+
+def test_a_read_that_fails_is_said_not_swallowed(qtbot, ctx, monkeypatch):
+    import app.views.runs.run_rows as run_rows
+
+    def broken():
+        raise ValueError("a line the reader did not expect")
+
+    monkeypatch.setattr(run_rows, "read_registry", broken)
+    view = shown(qtbot, RunsView(ctx))
+    qtbot.waitUntil(lambda: not view.problem_label.isHidden())
+    assert view.problem_label.text() == ("The runs could not be read: ValueError: a line the "
+                                         "reader did not expect")
