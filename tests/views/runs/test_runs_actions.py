@@ -91,6 +91,8 @@ def test_delete_asks_moves_to_the_trash_and_drops_the_run(qtbot, ctx, tmp_path, 
     keep, gone = make(ctx, "keep"), make(ctx, "gone")
     for fake in (keep, gone):
         fake.finish()
+    ctx.queue.add(gone.path)                             # its finished job stays in the queue
+    ctx.queue.finish(ctx.queue.claim_next("w").id, "w", "done")
     view = listed(qtbot, ctx)
     asked = []
     view.confirm = lambda title, text: asked.append(text) or False
