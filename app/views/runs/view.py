@@ -7,7 +7,7 @@ attempt from the second on) and their status, and the actions on them.
 The rows are gathered in the reader thread every second (`run_rows.RunLister`: only the runs
 whose files changed are read again) and shown by a model (`table.RunsModel`), so 10,000 runs
 keep the window responsive; a list of runs that cannot be read (or lines of it) is said above
-the table. Headers sort, the filter box matches name, model, dataset, type and state. A details
+the table. Headers sort (a third click: the queue's order again), the filter box matches name, model, dataset, type and state. A details
 pane (collapsible) shows the selected run's paths, best checkpoint, settings, exports and
 evaluations. Actions call the job queue and refresh at once; "Continue" is the one way to go on
 with a run from its last checkpoint (a paused job, a failed or cancelled one, a run stopped
@@ -98,6 +98,8 @@ class RunsView(QWidget):
         header.setSectionResizeMode(COL["Run"], QHeaderView.Stretch)
         header.setSortIndicator(-1, Qt.AscendingOrder)      # the queue's order until a click
         t.setSortingEnabled(True)
+        self._sorted_by = (-1, Qt.AscendingOrder)
+        header.sortIndicatorChanged.connect(self._on_sort)
         t.selectionModel().selectionChanged.connect(lambda *_: self._on_selection())
         t.doubleClicked.connect(lambda *_: self.ctx.show_screen("monitor"))
 
@@ -235,6 +237,13 @@ class RunsView(QWidget):
             self.table.selectRow(i)
         sel.blockSignals(False)
         self.table.viewport().update()
+
+    def _on_sort(self, section: int, order) -> None:
+        """A header's third click (ascending, descending, then this) gives the queue's order
+        back: running and queued jobs first, then the most recently updated runs."""
+        last, self._sorted_by = self._sorted_by, (section, order)
+        if section >= 0 and last == (section, Qt.DescendingOrder) and order == Qt.AscendingOrder:
+            self.table.horizontalHeader().setSortIndicator(-1, Qt.AscendingOrder)
 
     def _on_filter(self, text: str) -> None:
         self.model.set_filter(text)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from PySide6.QtCore import Qt
+from PySide6.QtCore import QPoint, Qt
 
 from app.engine.api import human_bytes, read_registry
 from app.views.runs.details import config_summary
@@ -147,8 +147,15 @@ def test_headers_sort_and_the_filter_matches_name_model_dataset_and_state(qtbot,
         make(ctx, name, steps)
     make(ctx, "d-done", 5).finish()
     view = listed(qtbot, ctx)
-    view.table.sortByColumn(COL["Run"], Qt.AscendingOrder)        # as a header click does
+    queue_order = names(view)
+    header = view.table.horizontalHeader()
+    x = header.sectionViewportPosition(COL["Run"]) + 5
+    qtbot.mouseClick(header.viewport(), Qt.LeftButton, pos=QPoint(x, 5))
     assert names(view) == ["a-run", "b-run", "c-run", "d-done"]
+    qtbot.mouseClick(header.viewport(), Qt.LeftButton, pos=QPoint(x, 5))
+    assert names(view) == ["d-done", "c-run", "b-run", "a-run"]
+    qtbot.mouseClick(header.viewport(), Qt.LeftButton, pos=QPoint(x, 5))
+    assert names(view) == queue_order and header.sortIndicatorSection() == -1
     view.table.sortByColumn(COL["Steps"], Qt.DescendingOrder)
     assert names(view) == ["b-run", "c-run", "a-run", "d-done"]
     view.filter_box.setText("done")
