@@ -64,6 +64,7 @@ class RunsView(QWidget):
         self.ask_name = self._ask_name                      # replaced in tests
         self.trash = QFile.moveToTrash                      # replaced in tests
         self._selected: str | None = None
+        self._details_row: RunRow | None = None
 
         title = QLabel("Queue and runs", objectName="pageTitle")
         self.summary = QLabel(objectName="pageSubtitle")
@@ -287,10 +288,11 @@ class RunsView(QWidget):
             self.ctx.select_run(path)
 
     def _show_details(self) -> None:
+        """The selected run's details, read again only when its row changed (a new object)."""
         row = self.selected_row()
-        if row is not self.details.property("row_object") or row is None:
+        if row is not self._details_row or row is None:
             self.details.show_row(row)
-            self.details.setProperty("row_object", row)
+            self._details_row = row
 
     def _show_row_error(self) -> None:
         row = self.selected_row()
