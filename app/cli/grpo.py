@@ -219,7 +219,7 @@ def cmd_grpo(args) -> int:
             return execute_grpo(run_dir, args.json, args.trust_reward_code)
     from app.engine.runtime.backend import array_module
     from app.engine.runtime.inputs import check_input_file
-    from app.engine.training.memory import check_run_memory
+    from app.engine.training.grpo import check_grpo_memory
 
     config = grpo_config_from_args(args)
     check_input_file(config.prompts, "prompts file")   # a pipe, a folder: before a run folder
@@ -229,6 +229,5 @@ def cmd_grpo(args) -> int:
     check_lora_targets(config)
     if args.queue is None:   # a queued run may run elsewhere: its machine is not known here
         array_module(config.train.device)  # no usable GPU: say so before a run folder exists
-        check_run_memory(config.model, config.train, config.micro_batch_tokens,
-                         config.prompts_per_step * config.group_size, config.max_new_tokens)
+        check_grpo_memory(config)
     return start_run(args, config.to_dict(), f"grpo-{Path(config.prompts).stem}", execute_grpo)

@@ -86,7 +86,7 @@ from app.engine.text.chat_template import generation_prompt_ids
 from app.engine.training import events, fingerprints
 from app.engine.training.checkpoints import prune_checkpoints, save_checkpoint
 from app.engine.training.config import TrainConfig
-from app.engine.training.memory import run_cache_budget
+from app.engine.training.memory import check_run_memory, run_cache_budget
 from app.engine.runtime.schema import AT_LEAST_0, AT_LEAST_1, FRACTION, POSITIVE, TEXT, Range, check
 from app.engine.training.reward_functions import (RewardScorer, RewardSpec, ScoreItem,
                                                   check_reward_trust)
@@ -471,6 +471,13 @@ def _sample_items(completions, raw, total, adv, names, answer_field) -> list[dic
             for i, c in enumerate(completions)]
 
 
+def check_grpo_memory(config: GrpoConfig) -> None:
+    """OutOfMemoryError naming the size when the run cannot fit this machine's (or GPU's)
+    memory: its training estimate plus the KV cache of a step's completions, sampled at once."""
+    check_run_memory(config.model, config.train, config.micro_batch_tokens,
+                     config.prompts_per_step * config.group_size, config.max_new_tokens)
+
+
 def train_grpo(config: GrpoConfig, report: Report, should_stop: ShouldStop,
                checkpoints: str | Path | None = None, allow_changed_inputs: bool = False) -> str:
     """Run (or resume, from the newest checkpoint in `checkpoints`) a GRPO run.
@@ -486,6 +493,7 @@ def train_grpo(config: GrpoConfig, report: Report, should_stop: ShouldStop,
     inputs = fingerprints.check_inputs(
         checkpoints, {"model": config.model, "prompts": config.prompts, "adapter": config.adapter},
         report, allow_changed_inputs)
+    check_grpo_memory(config)   # wherever it runs (a queue's worker, the window): this machine
     model = load_model(config.model,
                        run_cache_budget(config.model, config.train, config.micro_batch_tokens),
                        config.train.device)

@@ -27,7 +27,7 @@ from app.engine.training.checkpoints import (nested_runs, newest_intact, own_fol
                                              set_aside)
 from app.engine.training.communicator import Communicator, SingleProcess
 from app.engine.training.config import TrainConfig
-from app.engine.training.memory import run_cache_budget
+from app.engine.training.memory import check_run_memory, run_cache_budget
 from app.engine.runtime.schema import AT_LEAST_0, AT_LEAST_1, TEXT, check
 from app.engine.training import events, fingerprints
 from app.engine.data.dataset import DataConfig, load_dataset
@@ -202,6 +202,8 @@ def train(config: RunConfig, report: Report, should_stop: ShouldStop,
     t_start = time.perf_counter()
     inputs = fingerprints.check_inputs(checkpoints, run_inputs(config), report,
                                        allow_changed_inputs) if lead else {}
+    # wherever it runs (a queue's worker, the window, a cluster's node): this machine's memory
+    check_run_memory(config.model, config.train, config.data_config.context)
     model = load_model(config.model,
                        run_cache_budget(config.model, config.train, config.data_config.context),
                        config.train.device)

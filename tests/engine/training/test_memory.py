@@ -102,3 +102,27 @@ def test_a_run_past_the_machines_memory_is_refused_with_its_size(machine_24gb, m
     with pytest.raises(OutOfMemoryError, match=r"This run needs at least .* and this machine "
                                                r"has 1\.0 MB\."):
         memory.check_run_memory(MODEL, train, 256)
+
+
+def test_training_itself_refuses_a_run_past_the_machines_memory(monkeypatch, tmp_path):
+    """The check runs where the run trains (a queue's worker, the window, resume), not only in
+    the CLI before a foreground run: train and train_grpo raise before the model is loaded."""
+    from app.engine.errors import OutOfMemoryError
+    from app.engine.training.grpo import GrpoConfig, train_grpo
+    from app.engine.training.reward_functions import RewardSpec
+    from app.engine.training.sft import RunConfig
+    from tests.conftest import SAMPLE_DATA
+
+    monkeypatch.setattr(memory, "device_memory", lambda xp: (1 << 20, 1 << 20))
+    loaded = []
+    monkeypatch.setattr(sft, "load_model", lambda *a, **k: loaded.append(a))
+    sft_config = RunConfig(model=str(SAMPLE_DATA / "tiny-moe.gguf"),
+                           data=str(SAMPLE_DATA / "chat.jsonl"), train=TrainConfig(lora_rank=4))
+    with pytest.raises(OutOfMemoryError, match=r"this machine has 1\.0 MB"):
+        sft.train(sft_config, lambda event: None, lambda: None)
+    grpo_config = GrpoConfig(model=str(SAMPLE_DATA / "tiny-moe.gguf"),
+                             prompts=str(SAMPLE_DATA / "addition.jsonl"),
+                             rewards=(RewardSpec("exact"),), train=TrainConfig(lora_rank=4))
+    with pytest.raises(OutOfMemoryError, match=r"this machine has 1\.0 MB"):
+        train_grpo(grpo_config, lambda event: None, lambda: None)
+    assert loaded == []
