@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from app.engine.errors import CheckpointError
-from app.engine.runtime.files import link_error
+from app.engine.runtime.files import link_error, open_regular, read_own_bytes
 
 SEP = "/"  # joins nested keys in arrays.npz (tensor names contain dots, never slashes)
 ARRAYS, META, MANIFEST = "arrays.npz", "meta.json", "manifest.json"
@@ -85,10 +85,17 @@ def _fsync_dir(path: Path) -> None:
 
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with os.fdopen(open_regular(path, "checkpoint file", error=CheckpointError, own=True),
+                   "rb") as f:   # a FIFO or a device in its place: an error, never a hang
         while chunk := f.read(1 << 20):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def read_meta(path: Path) -> bytes:
+    """A checkpoint's meta.json or manifest.json: a regular file of at most JSON_MAX_BYTES
+    (files.read_own_bytes), else CheckpointError; OSErrors as they are."""
+    return read_own_bytes(path, "checkpoint file", error=CheckpointError)
 
 
 def _write(path: Path, data: bytes) -> None:
@@ -154,7 +161,7 @@ def save_checkpoint(folder: str | os.PathLike, step: int, state: dict,
 def _verify(path: Path) -> bool:
     """Check the files against manifest.json; False when there is none (an older checkpoint)."""
     try:
-        raw = (path / MANIFEST).read_bytes()
+        raw = read_meta(path / MANIFEST)
     except FileNotFoundError:
         return False
     try:
@@ -163,8 +170,10 @@ def _verify(path: Path) -> bool:
         raise DamagedCheckpoint(path, f"{MANIFEST} is unreadable") from None
     if not isinstance(sums, dict) or set(sums) != {ARRAYS, META}:
         raise DamagedCheckpoint(path, f"{MANIFEST} does not list {ARRAYS} and {META}")
+    actual = {ARRAYS: _sha256(path / ARRAYS),   # meta.json read as JSON is, within its cap
+              META: hashlib.sha256(read_meta(path / META)).hexdigest()}
     for name in (ARRAYS, META):
-        if _sha256(path / name) != sums[name]:
+        if actual[name] != sums[name]:
             raise DamagedCheckpoint(path, f"{name} does not match its checksum")
     return True
 
@@ -174,12 +183,13 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
     path = Path(path)
     try:
         verified = _verify(path)
-        meta = json.loads((path / META).read_bytes())
+        meta = json.loads(read_meta(path / META))
         if not isinstance(meta, dict) or not isinstance(meta.get("state"), dict):
             raise DamagedCheckpoint(path, f"{META} holds no checkpoint state")
         if not verified and "format" in meta:
             raise DamagedCheckpoint(path, f"{MANIFEST} is missing")
-        with np.load(path / ARRAYS) as npz:
+        with os.fdopen(open_regular(path / ARRAYS, "checkpoint file", error=CheckpointError,
+                                    own=True), "rb") as f, np.load(f) as npz:
             arrays = {k: npz[k] for k in npz.files}
         return Checkpoint(path, int(meta["step"]), _unflatten(meta["state"], arrays),
                           meta.get("meta", {}))
@@ -187,6 +197,10 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
         raise DamagedCheckpoint(path, f"{Path(e.filename).name} is missing") from e
     # an older checkpoint has no checksums: its damage shows up as a parse error (zipfile
     # answers some altered headers with NotImplementedError or RuntimeError: "encrypted")
+    except DamagedCheckpoint:
+        raise
+    except CheckpointError as e:      # a file that is not one, or too large (files.check_regular)
+        raise DamagedCheckpoint(path, e.message) from e
     except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile,
             NotImplementedError, RuntimeError) as e:
         raise DamagedCheckpoint(path, f"{type(e).__name__}: {e}") from e
@@ -294,8 +308,8 @@ def best_checkpoint(folder: str | os.PathLike) -> tuple[int, Path, float] | None
     "best_reward" (GRPO)); None when no evaluation made one (or it is no longer there)."""
     for path in reversed(list_checkpoints(folder)):
         try:
-            run = json.loads((path / META).read_bytes())["meta"]["run"]
-        except (OSError, ValueError, KeyError, TypeError):
+            run = json.loads(read_meta(path / META))["meta"]["run"]
+        except (OSError, CheckpointError, ValueError, KeyError, TypeError):
             continue
         step = run.get("best_step")
         metric = run.get("best_loss", run.get("best_reward"))

@@ -24,7 +24,7 @@ from typing import Callable
 from app.engine.errors import ConfigError, EngineError
 from app.engine.runtime.inputs import fingerprint, fingerprint_changes
 from app.engine.training import events
-from app.engine.training.checkpoints import META, list_checkpoints
+from app.engine.training.checkpoints import META, list_checkpoints, read_meta
 
 STATE_KEY = "inputs"
 
@@ -55,10 +55,10 @@ def recorded(checkpoints) -> tuple[int, dict] | None:
     from before fingerprints)."""
     for path in reversed(list_checkpoints(checkpoints) if checkpoints else []):
         try:
-            meta = json.loads((path / META).read_bytes())
+            meta = json.loads(read_meta(path / META))
             found = meta["meta"]["run"].get(STATE_KEY)
             step = int(meta["step"])
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        except (OSError, EngineError, ValueError, KeyError, TypeError, AttributeError):
             continue
         return (step, found) if isinstance(found, dict) else None
     return None

@@ -141,3 +141,35 @@ def test_a_long_runs_metrics_are_read_from_their_last_bytes(run, monkeypatch):
     assert offset == run.metrics_path.stat().st_size
     run.append_metrics({"type": "step", "step": 200, "loss": 1.0})
     assert [e["step"] for e in run.read_metrics(offset)[0]] == [200]
+
+
+@pytest.mark.parametrize("name, kind", [(name, kind) for name in ("meta.json", "manifest.json")
+                                         for kind in KINDS]
+                         + [("arrays.npz", kind) for kind in KINDS[:2]])
+def test_an_odd_checkpoint_file_is_a_damaged_checkpoint_never_a_hang(tmp_path, name, kind):
+    """(arrays.npz has no cap: a model's optimizer state may be many GB; a huge one costs a
+    checksum's read, bounded by its size.)"""
+    import numpy as np
+
+    from app.engine.training.checkpoints import save_checkpoint
+
+    step = save_checkpoint(tmp_path / "checkpoints", 2, {"w": np.ones(3, np.float32)},
+                           {"run": {"best_step": 2, "best_loss": 1.0}})
+    _plant(step / name, kind)
+    try:
+        found = _run(f"""
+            from app.engine.training.checkpoints import (DamagedCheckpoint, best_checkpoint,
+                                                         load_checkpoint)
+            try:
+                load_checkpoint({str(step)!r})
+                damage = None
+            except DamagedCheckpoint as e:
+                damage = e.message
+            print(json.dumps([damage, best_checkpoint({str(step.parent)!r})], default=str))
+            """, tmp_path)
+    finally:
+        (step / name).unlink(missing_ok=True)
+    what = {"fifo": "named pipe", "dev-zero link": "character device",
+            "20 GB sparse file": "20.0 GB"}[kind]
+    assert what in found[0] and name in found[0], found
+    assert (found[1] is None) == (name == "meta.json")   # best_checkpoint reads meta.json
