@@ -422,6 +422,18 @@ def _adapter_gguf_size(adapter: LoraAdapter, arch: str, base_name: str, adapter_
     return _gguf_size(meta, tensors)
 
 
+def checked_format(to: str, adapter_type: str | None) -> str:
+    """The tensor type an export `to` writes (`adapter_type`, else the format's default); a
+    ConfigError for an unknown format or type."""
+    if to not in FORMATS:
+        raise ConfigError(f"Unknown export format {to!r}.", "Use one of: " + ", ".join(FORMATS))
+    adapter_type = adapter_type or DEFAULT_TYPES.get(to, "f32")
+    if adapter_type not in ADAPTER_TYPES:
+        raise ConfigError(f"Unknown adapter type {adapter_type!r}.",
+                          "Use one of: " + ", ".join(ADAPTER_TYPES) + ".")
+    return adapter_type
+
+
 def expected_export_size(source: ExportSource, to: str, adapter_type: str | None = None) -> int:
     """The bytes a `to` export of `source` will write, before writing it (the window shows it).
     GGUF LoRA: exact from the adapter's shapes and the stored types; merged: `merged_size`
@@ -429,12 +441,7 @@ def expected_export_size(source: ExportSource, to: str, adapter_type: str | None
     an allowance for the headers (experts are written one by one) and adapter_config.json;
     Ollama: its adapter or merged model plus the Modelfile. Reads only the base's header.
     Raises ConfigError as `export` does when the format cannot carry the source."""
-    if to not in FORMATS:
-        raise ConfigError(f"Unknown export format {to!r}.", "Use one of: " + ", ".join(FORMATS))
-    adapter_type = adapter_type or DEFAULT_TYPES.get(to, "f32")
-    if adapter_type not in ADAPTER_TYPES:
-        raise ConfigError(f"Unknown adapter type {adapter_type!r}.",
-                          "Use one of: " + ", ".join(ADAPTER_TYPES) + ".")
+    adapter_type = checked_format(to, adapter_type)
     f = read_gguf(source.model_path)
     try:
         arch = str(f.metadata.get("general.architecture", "unknown"))
@@ -993,12 +1000,7 @@ def export(source: ExportSource, to: str, out: str | os.PathLike | None = None, 
     False) and for a failed write (StorageError: a full disk, a read-only folder); an export
     that fails verification is moved aside (`_staged`) and returned with `report.ok == False`.
     """
-    if to not in FORMATS:
-        raise ConfigError(f"Unknown export format {to!r}.", "Use one of: " + ", ".join(FORMATS))
-    adapter_type = adapter_type or DEFAULT_TYPES.get(to, "f32")
-    if adapter_type not in ADAPTER_TYPES:
-        raise ConfigError(f"Unknown adapter type {adapter_type!r}.",
-                          "Use one of: " + ", ".join(ADAPTER_TYPES) + ".")
+    adapter_type = checked_format(to, adapter_type)
     if not math.isfinite(scale) or scale == 0:
         raise ConfigError(f"The export scale must be a non-zero number, got {scale}.")
     if to == "peft" and adapter_type not in ("f32", "f16"):
