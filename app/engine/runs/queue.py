@@ -57,6 +57,7 @@ from app.engine.runs.clusters import ClusterStore
 from app.engine.runs.executors.local import local_alive, local_handle
 from app.engine.runs.rundir import RunDir
 from app.engine.runs.runlock import RunBusyError, describe, lock_holder
+from app.engine.runtime.files import check_regular
 from app.engine.runtime.paths import default_queue_path, ensure_state_dir
 from app.engine.runtime.processes import pid_alive, this_host
 
@@ -332,12 +333,20 @@ class JobQueue:
 
     def _check_database_files(self) -> None:
         """Refuse what SQLite would silently take for part of the queue (see the module's
-        docstring): QueueError when the database has several hard links, or when its `-wal`
+        docstring): QueueError when the database or SQLite's files beside it are not regular
+        files (a FIFO, a device), when the database has several hard links, or when its `-wal`
         file shows another database's queue_id (or none) where the database file alone shows
         its own. The log is read through a read-only connection, which never checkpoints it
         into the file; a database with no queue_id of its own yet (new, or not a queue) or a
         busy one is not judged. A log written before the write mark (an older workbench) is
         judged only by the transactions that touched the meta table."""
+        real = os.path.realpath(self.path)
+        for name in (self.path, *(f"{real}{end}" for end in ("-wal", "-shm", "-journal"))):
+            try:   # a FIFO or a device there: SQLite's "disk I/O error", or a read that blocks
+                check_regular(os.stat(name), os.fspath(name), "job queue file",
+                              error=QueueError, own=True)
+            except OSError:
+                pass                      # none yet, or unreadable: the open says why
         try:
             links = os.stat(self.path).st_nlink
         except OSError:
@@ -349,7 +358,7 @@ class JobQueue:
                 "and each name would get a worker of its own.",
                 "Keep one name: delete the other hard links, or replace them with symbolic "
                 "links (those are safe).")
-        wal = Path(f"{os.path.realpath(self.path)}-wal")   # SQLite's: beside the real file
+        wal = Path(f"{real}-wal")         # SQLite's: beside the real file
         try:
             if wal.stat().st_size <= WAL_HEADER_BYTES:
                 return

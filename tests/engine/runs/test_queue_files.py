@@ -88,3 +88,18 @@ def test_the_queues_own_log_left_by_a_dead_process_is_replayed(tmp_path):
                    cwd=REPO, check=True, timeout=60)
     assert os.path.getsize(f"{queue.path}-wal") > 32
     assert [os.path.basename(j.run_dir) for j in JobQueue(queue.path).list()] == ["r1", "r2"]
+
+
+@pytest.mark.parametrize("name", ["q.sqlite3", "q.sqlite3-wal", "q.sqlite3-journal"])
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero link"])
+def test_a_queue_file_that_is_not_a_regular_file_is_refused_naming_it(tmp_path, name, kind):
+    """SQLite said 'disk I/O error' for a FIFO or /dev/zero as the database or its log."""
+    if name != "q.sqlite3":
+        _queue_with_jobs(tmp_path / "q.sqlite3").close()
+    odd = tmp_path / name
+    odd.unlink(missing_ok=True)
+    os.mkfifo(odd) if kind == "fifo" else odd.symlink_to("/dev/zero")
+    what = "a named pipe (FIFO)" if kind == "fifo" else "a character device"
+    with pytest.raises(QueueError) as e:
+        JobQueue(tmp_path / "q.sqlite3")
+    assert e.value.message == f"The job queue file {odd} is {what}, not a file."
