@@ -77,7 +77,7 @@ from typing import Any, ClassVar, Iterable, Sequence
 import numpy as np
 
 from app.engine.errors import ConfigError, EngineError
-from app.engine.runtime.files import atomic_write_json
+from app.engine.runtime.files import atomic_write_json, read_json
 from app.engine.runtime.inputs import check_input_file
 from app.engine.runtime.paths import state_file, user_state_dir
 from app.engine.runtime.schema import ANY, AT_LEAST_0, TEXT
@@ -599,9 +599,11 @@ def _code_hashes(path: str) -> dict[str, str | None]:
 
 
 def _trusted() -> dict:
+    """The trust list; {} (nothing trusted: the user is asked) for a missing, corrupt or odd
+    file (read_json: a FIFO or a huge file there neither hangs nor fills memory)."""
     try:
-        trusted = json.loads(trust_file_path().read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        trusted = read_json(trust_file_path(), what="trusted reward list", missing_ok=True)
+    except EngineError:
         return {}
     return trusted if isinstance(trusted, dict) else {}
 

@@ -173,3 +173,24 @@ def test_an_odd_checkpoint_file_is_a_damaged_checkpoint_never_a_hang(tmp_path, n
             "20 GB sparse file": "20.0 GB"}[kind]
     assert what in found[0] and name in found[0], found
     assert (found[1] is None) == (name == "meta.json")   # best_checkpoint reads meta.json
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_odd_trust_list_trusts_nothing_and_is_replaced_when_trusting(tmp_path, kind):
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    reward = tmp_path / "rew.py"
+    reward.write_text("def reward(prompt, completion, **row):\n    return 1\n")
+    _plant(state / "trusted-rewards.json", kind)
+    try:
+        found = _run(f"""
+            from app.engine.training.reward_functions import (RewardSpec, trust_reward_files,
+                                                              untrusted_reward_files)
+            specs = [RewardSpec("file", arg={str(reward)!r})]
+            before = untrusted_reward_files(specs)
+            trust_reward_files(specs)
+            print(json.dumps([before, untrusted_reward_files(specs)]))
+            """, state)
+    finally:
+        (state / "trusted-rewards.json").unlink(missing_ok=True)
+    assert found == [[str(reward)], []]
