@@ -37,8 +37,8 @@ from typing import Any, Iterable
 from app.engine.errors import ConfigError, EngineError
 from app.engine.runs.registry import register_run, registry_entries
 from app.engine.runtime.files import (NAME_MAX, StorageError, append_line, atomic_write_json,
-                                      loads_json, open_regular, read_json, storage_error,
-                                      to_json)
+                                      loads_json, open_regular, read_json, size_text,
+                                      storage_error, to_json)
 from app.engine.runtime.paths import ensure_state_dir
 from app.engine.runtime.processes import pid_alive, process_started
 from app.engine.training.checkpoints import best_checkpoint as best_in_folder
@@ -302,6 +302,13 @@ class RunDir:
         except EngineError as e:
             out["problems"].append(e.message)
             events = []
+        try:
+            size = self.metrics_path.stat().st_size
+        except OSError:
+            size = 0
+        if size > METRICS_READ_MAX:
+            out["problems"].append(f"Only the last {size_text(METRICS_READ_MAX)} of {METRICS} "
+                                   f"({size_text(size)}) were read.")
         out["events"] = len(events)
         out["final"], out["best"] = summarize_metrics(events)
         return out
