@@ -475,7 +475,7 @@ def run_entry(path: str | os.PathLike, registered: dict | None = None) -> RunEnt
                   model=record.get("model"), dataset=record.get("dataset"),
                   created=record.get("created") or 0.0, duration_s=None, step=None,
                   total_steps=None, best=None)
-    if not run.exists():
+    if not os.path.lexists(run.config_path):   # a config.json that is not a file: unreadable
         return RunEntry(state="missing", **fields)
     try:
         config = run.config()
