@@ -62,7 +62,7 @@ from app.engine.runtime.processes import this_host
 from app.engine.runs.reporter import RunReporter, failure
 from app.engine.runs.rundir import RunDir
 from app.engine.runs.runlock import RunLock, try_lock, unlock
-from app.engine.runtime.files import storage_error
+from app.engine.runtime.files import read_own_bytes, storage_error
 
 log = logging.getLogger("app.engine.runs.worker")
 
@@ -822,8 +822,9 @@ class WorkerLock:
         if self.pid_path is None:
             return None
         try:
-            return int(self.pid_path.read_text().split()[0])
-        except (OSError, ValueError, IndexError):
+            text = read_own_bytes(self.pid_path, "worker's pid file", max_bytes=4096)
+            return int(text.split()[0])
+        except (OSError, ValueError, IndexError, EngineError):   # EngineError: not a file
             return None
 
     def __enter__(self) -> "WorkerLock":

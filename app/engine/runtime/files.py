@@ -227,6 +227,20 @@ def read_own_bytes(path: str | os.PathLike, what: str, *, max_bytes: int = JSON_
         return f.read(max_bytes)
 
 
+def read_range(path: str | os.PathLike, what: str, offset: int, max_bytes: int) -> bytes:
+    """At most `max_bytes` of `path` from byte `offset` (`open_regular`: never a FIFO or a
+    device); a reader that tails a growing file (a run's metrics.jsonl, log.txt, the worker's
+    log) calls it again from where the complete lines it used end. OSErrors as they are."""
+    fd = open_regular(path, what)
+    try:
+        if hasattr(os, "pread"):
+            return os.pread(fd, max_bytes, offset)
+        os.lseek(fd, offset, os.SEEK_SET)
+        return os.read(fd, max_bytes)
+    finally:
+        os.close(fd)
+
+
 def read_json(path: str | os.PathLike, *, what: str = "file",
               error_cls: type[EngineError] = StorageError, missing_ok: bool = False,
               max_bytes: int = JSON_MAX_BYTES) -> Any:

@@ -14,7 +14,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.engine.api import GRPO, EngineError, RunDir, best_checkpoint
+from app.engine.api import GRPO, EngineError, RunDir, best_checkpoint, read_range
+
+READ_MAX_BYTES = 16 << 20   # of metrics.jsonl per poll: a long run's history comes in pieces
 
 BEST, FINAL = "best", "final"          # checkpoint choices besides a step number
 
@@ -105,12 +107,12 @@ class BestTracker:
         key = str(run.path)
         offset, best, started = self._seen.get(key, (0, None, None))
         try:
-            with open(run.metrics_path, "rb") as f:
-                f.seek(offset)
-                data = f.read()
-        except OSError:
+            data = read_range(run.metrics_path, "run's metrics", offset, READ_MAX_BYTES)
+        except (OSError, EngineError):                # missing, or not a regular file
             return best, started
         end = data.rfind(b"\n") + 1                    # complete lines only
+        if end == 0 and len(data) == READ_MAX_BYTES:   # one line longer than a read: skipped
+            end = len(data)
         lines = data[:end].splitlines()
         if started is None and lines:
             started = _number(lines[0], "time")

@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 from PySide6.QtCore import QCoreApplication, QObject, QTimer, Signal
 
-from app.engine.api import GRPO, EngineError, RunDir, dedupe_steps
+from app.engine.api import GRPO, EngineError, RunDir, dedupe_steps, read_range
 
 DEFAULT_INTERVAL_MS = 150
 MAX_LOG_BYTES = 64 * 1024          # a first look at a long log.txt reads only its tail
@@ -163,15 +163,13 @@ def _read(path: Path, offset: int, log_offset: int, last_step: float = -math.inf
             log_offset = 0
         if log_offset == 0 and size > MAX_LOG_BYTES:
             log_offset = size - MAX_LOG_BYTES
-        with open(run.log_path, "rb") as f:
-            f.seek(log_offset)
-            data = f.read(size - log_offset)
+        data = read_range(run.log_path, "run's log", log_offset, size - log_offset)
         end = data.rfind(b"\n")
         if end >= 0:
             out["log"] = [_LOG_DATE.sub("", line) for line in
                           data[:end].decode("utf-8", "replace").splitlines()]
             out["log_offset"] = log_offset + end + 1
-    except OSError:
+    except (OSError, EngineError):                   # no log yet, or not a regular file
         pass
     groups: dict[str, list] = {"step": [], "eval": [], "norms": [], "routing": []}
     lines = []

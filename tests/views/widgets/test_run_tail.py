@@ -299,3 +299,38 @@ def test_garbage_is_collected_on_the_gui_thread(qtbot):
     qtbot.waitUntil(lambda: ref() is None, timeout=5000)
     del junk
     assert threads == [threading.main_thread().name]
+
+
+def test_a_run_whose_files_are_a_fifo_or_a_device_never_blocks_the_readers(tmp_path):
+    """The tail's read and the best tracker read through the engine's bounded, regular-file-only
+    read (a plain open() blocked forever on a FIFO log.txt or metrics.jsonl, and read a
+    /dev/zero link until memory ran out). Each read runs in a thread that must end at once."""
+    import os
+    import threading
+
+    from app.engine.api import RunDir
+    from app.views.widgets.run_best import BestTracker
+    from app.views.widgets.run_tail import _read
+
+    fake = FakeRun(tmp_path / "run")
+    fake.step(2)
+    run = RunDir(fake.path)
+    for make in (lambda p: os.mkfifo(p), lambda p: p.symlink_to("/dev/zero")):
+        for path in (run.log_path, run.metrics_path):
+            path.unlink(missing_ok=True)
+            make(path)
+        results = []
+        readers = [threading.Thread(target=lambda: results.append(_read(run.path, 0, 0)),
+                                    daemon=True),
+                   threading.Thread(target=lambda: results.append(BestTracker().best(run, "sft")),
+                                    daemon=True)]
+        for reader in readers:
+            reader.start()
+        for reader in readers:
+            reader.join(timeout=10)
+        assert not any(reader.is_alive() for reader in readers)
+        [tail] = [r for r in results if isinstance(r, dict)]
+        assert len(results) == 2 and tail["log"] == []
+        for path in (run.log_path, run.metrics_path):
+            path.unlink()
+            path.write_text("")

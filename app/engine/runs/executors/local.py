@@ -12,7 +12,9 @@ import os
 import signal
 from pathlib import Path
 
+from app.engine.errors import EngineError
 from app.engine.runs.executors.base import Poll
+from app.engine.runtime.files import read_range
 from app.engine.runtime.processes import pid_alive, process_started
 
 LOG_TAIL_BYTES = 64 << 10
@@ -62,9 +64,9 @@ class LocalExecutor:
     def logs(self, handle: dict) -> str:
         if self.queue_path is None:
             return ""
+        path = worker_log_path(self.queue_path)
         try:
-            with open(worker_log_path(self.queue_path), "rb") as f:
-                f.seek(max(0, f.seek(0, os.SEEK_END) - LOG_TAIL_BYTES))
-                return f.read().decode("utf-8", "replace")
-        except OSError:
+            start = max(0, os.path.getsize(path) - LOG_TAIL_BYTES)
+            return read_range(path, "worker log", start, LOG_TAIL_BYTES).decode("utf-8", "replace")
+        except (OSError, EngineError):   # no log yet, or not a regular file (a planted FIFO)
             return ""
