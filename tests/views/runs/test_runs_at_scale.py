@@ -45,17 +45,21 @@ def test_ten_thousand_runs_keep_the_event_loop_turning(qtbot, ctx, tmp_path):
         gaps.append(now - last[0])
         last[0] = now
 
-    timer = QTimer(interval=20)
-    timer.timeout.connect(beat)
-    timer.start()
     t0 = time.perf_counter()
     view = shown(qtbot, RunsView(ctx), 1100, 700)
+    built = time.perf_counter() - t0             # the screen itself: it reads no run to build
+    timer = QTimer(interval=20)
+    timer.timeout.connect(beat)
+    last[0] = time.perf_counter()
+    timer.start()
     qtbot.waitUntil(lambda: len(view.rows) == N_RUNS, timeout=120_000)
     loaded = time.perf_counter() - t0
     qtbot.wait(2500)                             # two more polls: unchanged runs, not re-read
     timer.stop()
-    print(f"\n{N_RUNS} runs listed in {loaded:.1f} s; longest gap {max(gaps) * 1000:.0f} ms")
-    assert max(gaps) < 0.5, max(gaps)
+    print(f"\n{N_RUNS} runs listed in {loaded:.1f} s (screen built in {built * 1000:.0f} ms); "
+          f"longest gap {max(gaps) * 1000:.0f} ms")
+    assert built < 2.0, built                    # the old screen: 1.2 s for 3,000, then stuck
+    assert max(gaps) < 0.5, max(gaps)            # about 50 ms measured with nothing beside it
     assert view.model.rowCount() == N_RUNS
     assert {r.path for r in view.rows} == set(paths)
     assert view.text(0, "Status") == "done" and view.text(0, "Steps") == "10/10"
