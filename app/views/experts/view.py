@@ -173,6 +173,7 @@ class ExpertsView(QWidget):
         self._routing_steps: list[int] = []
         self._routing = np.zeros((0, 0, 0))     # (capacity, layers, experts); first n used
         self._is_moe = False
+        self._total_steps = 0                   # status.json's total_steps; 0: not known yet
         self._warnings: list[str] = []
         self._norm_warnings: list[str] = []
         self._routing_warnings: list[str] = []
@@ -210,6 +211,21 @@ class ExpertsView(QWidget):
         self.dense_note = QLabel("Dense model (no experts, no router): update norms per layer "
                                  "and module.", objectName="pageSubtitle")
         self.dense_note.hide()
+        self._set_tooltips()
+
+    def _set_tooltips(self) -> None:
+        """What each control does (the records come every `norms_every` steps)."""
+        self.view_combo.setToolTip("Experts: layers by experts, for the projection chosen "
+                                   "beside. Modules: layers by adapted modules (attention, FFN, "
+                                   "router, shared experts...).")
+        self.projection.setToolTip("Which expert projection's update norm the left heatmap "
+                                   "shows; all: the square root of the sum of their squares.")
+        self.window_combo.setToolTip("Router load over the whole run so far (since start) or "
+                                     "in the last recorded interval only.")
+        self.slider.setToolTip("Replay the recorded steps (one record every norms_every "
+                               "steps): both heatmaps show the record at or before the step.")
+        self.follow.setToolTip("Jump to each new record as the run writes it; moving the "
+                               "slider back turns this off.")
 
     def _layout(self) -> None:
         head = QVBoxLayout()
@@ -246,6 +262,7 @@ class ExpertsView(QWidget):
         self.tail.reset.connect(self._on_reset)
         self.tail.norms.connect(self._on_norms)
         self.tail.routing.connect(self._on_routing)
+        self.tail.status_changed.connect(self._on_status)
         self.redraw.add("norms", self._draw_norms)
         self.redraw.add("routing", self._draw_routing)
         for combo in (self.view_combo, self.projection, self.window_combo):
@@ -266,8 +283,13 @@ class ExpertsView(QWidget):
         self._norms, self._routing_steps = [], []
         self._routing = np.zeros((0, 0, 0))
         self._is_moe = False
+        self._total_steps = 0
         self.subtitle.setText(path or "No run selected.")
         self._update_slider()
+
+    def _on_status(self, status: dict) -> None:
+        self._total_steps = int(status.get("total_steps") or 0)
+        self._update_step_label()
 
     def _on_norms(self, events: list) -> None:
         self._norms.extend(events)
@@ -319,9 +341,13 @@ class ExpertsView(QWidget):
 
     # ---------------------------------------------------------------- drawing
     def _update_step_label(self) -> None:
+        """The label "step S of N": S the record shown, N the run's total steps
+        (status.json), or the last record's step while the total is unknown (records come
+        every `norms_every` steps, so the last one is rarely the run's last step)."""
         step = self.shown_step()
-        self.step_label.setText("no norms yet: they are recorded every few steps (norms_every)"
-                                if step is None else f"step {step} of {self._steps()[-1]}")
+        self.step_label.setText(
+            "no norms yet: they are recorded every few steps (norms_every)" if step is None
+            else f"step {step} of {max(self._total_steps, self._steps()[-1])}")
 
     def _draw_norms(self) -> None:
         step = self.shown_step()

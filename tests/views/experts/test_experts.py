@@ -73,7 +73,7 @@ def test_the_step_slider_replays_the_growth(qtbot, ctx, experts):
     experts.slider.setValue(0)
     assert shown_step(experts) == 10 and not experts.follow.isChecked()
     np.testing.assert_allclose(experts.norm_image.image, expected_norms(fake, 10))
-    assert experts.step_label.text() == "step 10 of 50"
+    assert experts.step_label.text() == "step 10 of 100"          # the run has 100 steps
     fake.play(20, every=10)                                  # new events: the slider stays
     qtbot.waitUntil(lambda: experts.slider.maximum() == 6)
     assert shown_step(experts) == 10
