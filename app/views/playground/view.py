@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtGui import QKeySequence, QShortcut
+from PySide6.QtGui import QKeySequence, QShortcut, QTextCharFormat
 from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog, QFormLayout,
                                QGridLayout, QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit,
                                QPushButton, QSlider, QSpinBox, QSplitter, QVBoxLayout, QWidget)
@@ -363,6 +363,8 @@ class PlaygroundView(QWidget):
             if self.histories[side]:             # not cleared meanwhile
                 self.histories[side].append({"role": "assistant", "content": answer})
                 self._view(side).setPlainText(transcript(self.histories[side]))
+                if thread.tokens[side] >= thread.request["max_tokens"] and not thread.stopped():
+                    self._mark_cut(side, thread.request["max_tokens"])
         n = sum(thread.tokens.values())
         rate = n / thread.elapsed if thread.elapsed else 0.0
         counts = " and ".join(f"{n_} {side}" for side, n_ in thread.tokens.items())
@@ -370,6 +372,19 @@ class PlaygroundView(QWidget):
         self.status_label.setText(f"{counts} tokens, {rate:.1f} tokens/s{stopped}")
         thread.deleteLater()
         self.finished.emit()
+
+    def _mark_cut(self, side: str, limit: int) -> None:
+        """A muted mark after an answer cut at Max tokens. The engine does not yield the stop
+        token, so an answer of `limit` tokens ended at the limit, not on end-of-sequence. The
+        mark is in the pane only, never in the history sent back; the next turn redraws the
+        pane without it."""
+        fmt = QTextCharFormat()
+        fmt.setForeground(self._view(side).palette().placeholderText())
+        fmt.setFontItalic(True)
+        cursor = self._view(side).textCursor()
+        cursor.movePosition(cursor.MoveOperation.End)
+        cursor.insertText(f" \u2026 [stopped at {limit} tokens: raise Max tokens to see more]",
+                          fmt)
 
     def shutdown(self, timeout_ms: int = 5000) -> None:
         """Stop a running answer and wait for its thread (closing the window)."""

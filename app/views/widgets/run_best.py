@@ -67,18 +67,34 @@ def kept_checkpoints(run_dir: str) -> list[int]:
 
 def checkpoint_choices(run_dir: str) -> list[tuple[str, str]]:
     """(data, label) of what a user can take from the run, the default first: the best
-    checkpoint ("best", when it is kept), the final adapter ("final"), every kept step."""
+    checkpoint ("best", when it is kept), the final adapter ("final"), every other kept step.
+    Each checkpoint is listed once, labelled with all it is: a finished run's final adapter
+    holds the weights of its last step, so a kept checkpoint of that step is not listed again."""
     steps = kept_checkpoints(run_dir)
     best = run_best(run_dir)
+    best_step = best.step if best is not None and best.step in steps else None
+    final_step = _final_step(run_dir)
     out = []
-    if best is not None and best.step in steps:
-        out.append((BEST, f"Best checkpoint, {best.text()}"))
-    if Path(run_dir, "adapter.gguf").is_file():
-        out.append((FINAL, "Final adapter (adapter.gguf)"))
-    for step in steps:
-        mark = " (the best)" if best is not None and step == best.step else ""
-        out.append((str(step), f"Checkpoint at step {step}{mark}"))
+    if best_step is not None:
+        also = ", also the final adapter" if best_step == final_step else ""
+        out.append((BEST, f"Best checkpoint, {best.text()}{also}"))
+    if Path(run_dir, "adapter.gguf").is_file() and (best_step is None or best_step != final_step):
+        at = f", step {final_step}" if final_step in steps else ""
+        out.append((FINAL, f"Final adapter (adapter.gguf){at}"))
+    out += [(str(step), f"Checkpoint at step {step}")
+            for step in steps if step not in (best_step, final_step)]
     return out
+
+
+def _final_step(run_dir: str) -> int | None:
+    """The step of a finished run's final adapter (None: not finished, or no adapter.gguf)."""
+    try:
+        status = RunDir(run_dir).status()
+    except EngineError:
+        return None
+    step = status.get("step")
+    done = status.get("state") == "done" and Path(run_dir, "adapter.gguf").is_file()
+    return step if done and isinstance(step, int) else None
 
 
 def choice_step(run_dir: str, choice: str) -> int | None:

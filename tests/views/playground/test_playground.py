@@ -9,6 +9,7 @@ import pytest
 from PySide6.QtCore import Qt
 
 from app.engine import load_adapter, load_model
+from app.engine.api import RunDir
 from app.engine.text.chat_template import generation_prompt_ids
 from app.views.playground.view import FROM_FILE, NO_ADAPTER, PlaygroundView
 from app.views.widgets.run_best import BEST
@@ -37,6 +38,12 @@ def expected(engine, prompt, chat, n, adapter=None, scale=1.0, temperature=0.0, 
     return tok.decode(out), len(out)
 
 
+def mark(n, limit):
+    """What the pane shows after an answer of n tokens with Max tokens at `limit`."""
+    cut = f" \u2026 [stopped at {limit} tokens: raise Max tokens to see more]"
+    return cut if n == limit else ""
+
+
 def send_and_wait(qtbot, view, text, timeout=30_000):
     view.message.setPlainText(text)
     with qtbot.waitSignal(view.finished, timeout=timeout):
@@ -57,9 +64,30 @@ def test_the_best_checkpoint_is_the_default(view, ctx, best_run_dir):
     assert view.checkpoint_box.currentText() == "Best checkpoint, step 10 (validation 1.37)"
     assert view.adapter_key() == ("run", best_run_dir, 10)
     items = [view.checkpoint_box.itemData(i) for i in range(view.checkpoint_box.count())]
-    assert items == [BEST, "final", "20", "10"]          # any kept checkpoint can be picked
+    assert items == [BEST, "final", "20"]        # any kept checkpoint can be picked, each once
     view.checkpoint_box.setCurrentIndex(items.index("20"))
     assert view.adapter_key() == ("run", best_run_dir, 20)
+
+
+def checkpoint_list(view):
+    box = view.checkpoint_box
+    return [(box.itemData(i), box.itemText(i)) for i in range(box.count())]
+
+
+@pytest.mark.parametrize("final", [10, 20])
+def test_each_checkpoint_is_listed_once(view, ctx, best_run_dir, final):
+    """The best checkpoint (step 10) is not listed again as a step; a finished run's final
+    adapter is its last step, so that step is not listed again either."""
+    RunDir(best_run_dir).write_status(state="done", step=final)
+    ctx.select_run(best_run_dir)
+    if final == 10:                                  # the best is the last step
+        assert checkpoint_list(view) == [
+            (BEST, "Best checkpoint, step 10 (validation 1.37), also the final adapter"),
+            ("20", "Checkpoint at step 20")]
+    else:
+        assert checkpoint_list(view) == [(BEST, "Best checkpoint, step 10 (validation 1.37)"),
+                                         ("final", "Final adapter (adapter.gguf), step 20")]
+    assert view.adapter_key() == ("run", best_run_dir, 10)
 
 
 def test_base_and_adapter_side_by_side(qtbot, view, ctx, golden_run_dir, engine):
@@ -70,8 +98,9 @@ def test_base_and_adapter_side_by_side(qtbot, view, ctx, golden_run_dir, engine)
     send_and_wait(qtbot, view, "Hello")
     base, n_base = expected(engine, "Hello", False, 12)
     tuned, n_tuned = expected(engine, "Hello", False, 12, engine[1], 1.5)
-    assert view.base_output.toPlainText() == f"You: Hello\n\nModel: {base}"
-    assert view.adapter_output.toPlainText() == f"You: Hello\n\nModel: {tuned}"
+    assert view.base_output.toPlainText() == f"You: Hello\n\nModel: {base}{mark(n_base, 12)}"
+    assert view.adapter_output.toPlainText() == (f"You: Hello\n\nModel: {tuned}"
+                                                 f"{mark(n_tuned, 12)}")
     assert base != tuned
     assert view.adapter_title.text() == "With the adapter (scale 1.50)"
     assert f"{n_base} base and {n_tuned} adapter tokens" in view.status_label.text()
@@ -91,16 +120,53 @@ def test_a_multi_turn_chat_keeps_its_history_and_clears_on_a_run_change(
     send_and_wait(qtbot, view, "And then?")
     second = first + [{"role": "assistant", "content": answer},
                       {"role": "user", "content": "And then?"}]
-    answer2, _ = expected(engine, second, True, 6)
+    answer2, n2 = expected(engine, second, True, 6)
     assert view.histories["base"] == second[1:] + [{"role": "assistant", "content": answer2}]
     assert view.histories["adapter"] == []
-    assert view.base_output.toPlainText().endswith(f"You: And then?\n\nModel: {answer2}")
+    assert view.base_output.toPlainText().endswith(f"You: And then?\n\nModel: {answer2}"
+                                                   f"{mark(n2, 6)}")
     ctx.select_run(best_run_dir)                         # another run: no stale answers
     assert view.histories == {"base": [], "adapter": []}
     assert view.base_output.toPlainText() == view.adapter_output.toPlainText() == ""
     send_and_wait(qtbot, view, "Hi")
     view.clear_button.click()
     assert view.histories["base"] == [] and view.base_output.toPlainText() == ""
+
+
+def test_an_answer_cut_at_max_tokens_is_marked(qtbot, view, ctx, golden_run_dir, engine):
+    ctx.select_run(golden_run_dir)
+    view.max_tokens.setValue(3)
+    send_and_wait(qtbot, view, "Hi")
+    answer, n = expected(engine, [{"role": "user", "content": "Hi"}], True, 3)
+    assert n == 3
+    assert view.base_output.toPlainText() == f"You: Hi\n\nModel: {answer}{mark(3, 3)}"
+    assert view.adapter_output.toPlainText().endswith(mark(3, 3))
+    assert view.histories["base"][-1] == {"role": "assistant", "content": answer}   # not sent back
+    cursor = view.base_output.textCursor()
+    cursor.movePosition(cursor.MoveOperation.End)
+    assert cursor.charFormat().fontItalic()                                # muted, not the text
+
+
+def test_an_answer_ending_on_a_stop_token_is_not_marked(qtbot, view, ctx, golden_run_dir,
+                                                        engine, monkeypatch):
+    import app.engine.model.transformer as model_mod
+
+    prompt = [{"role": "user", "content": "Hi"}]
+    model = engine[0]
+    third = list(model.generate(generation_prompt_ids(model.tokenizer, prompt), 3, 0.0, 1.0, 0,
+                                None, 1.0))[2]
+    original = model_mod.Model.generate
+
+    def stop_on_the_third(self, ids, n, *args):      # the third token stands for end-of-sequence
+        return original(self, ids, n, *args[:-1], [third])
+
+    monkeypatch.setattr(model_mod.Model, "generate", stop_on_the_third)
+    ctx.select_run(golden_run_dir)
+    view.view_box.setCurrentIndex(view.view_box.findData("base"))
+    view.max_tokens.setValue(3)
+    send_and_wait(qtbot, view, "Hi")
+    answer, _ = expected(engine, prompt, True, 2)
+    assert view.base_output.toPlainText() == f"You: Hi\n\nModel: {answer}"      # no mark
 
 
 def test_every_input_has_a_tooltip(view):
