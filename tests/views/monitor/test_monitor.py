@@ -167,13 +167,20 @@ def test_switching_runs_resets_the_curves(qtbot, ctx, monitor):
     assert n_points(monitor.loss_curve) == 7
 
 
-def test_stop_and_save_pauses_and_stop_and_discard_cancels(qtbot, ctx, monitor):
+def follow_a_running_job(qtbot, ctx, monitor) -> tuple[FakeRun, int]:
+    """A queued run three steps in, claimed by a worker, followed by `monitor` once its Stop
+    buttons are on: (the run, its job id)."""
     fake = FakeRun(ctx.runs_root() / "run")
     fake.step(3)
     job_id = ctx.queue.add(fake.path)
     ctx.queue.claim_next("worker-1")
     ctx.select_run(fake.path)
     qtbot.waitUntil(lambda: monitor.stop_save_button.isEnabled())
+    return fake, job_id
+
+
+def test_stop_and_save_pauses_and_stop_and_discard_cancels(qtbot, ctx, monitor):
+    _, job_id = follow_a_running_job(qtbot, ctx, monitor)
     assert monitor.stop_discard_button.isEnabled()
     with qtbot.waitSignal(ctx.runs_changed):
         monitor.stop_save_button.click()

@@ -10,6 +10,7 @@ from PySide6.QtWidgets import QPushButton
 from app.views.monitor.view import MonitorView
 from tests.views.conftest import untipped_inputs
 from tests.views.fake_runs import FakeRun
+from tests.views.monitor.test_monitor import follow_a_running_job
 
 
 @pytest.fixture
@@ -20,12 +21,7 @@ def monitor(ctx, qtbot):
 
 
 def test_stop_and_save_then_resume_from_the_monitor(qtbot, ctx, monitor):
-    fake = FakeRun(ctx.runs_root() / "run")
-    fake.step(3)
-    job_id = ctx.queue.add(fake.path)
-    ctx.queue.claim_next("worker-1")
-    ctx.select_run(fake.path)
-    qtbot.waitUntil(lambda: monitor.stop_save_button.isEnabled())
+    fake, job_id = follow_a_running_job(qtbot, ctx, monitor)
     assert not monitor.resume_button.isEnabled()                   # running
     monitor.stop_save_button.click()
     assert ctx.queue.get(job_id).requested_action == "pause"
