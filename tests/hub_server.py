@@ -1,0 +1,346 @@
+"""A local Hugging Face Hub for the tests: the endpoints `huggingface_hub` calls, over real HTTP.
+
+`FakeHub(repos)` serves, on loopback at a random port (threaded, one thread per connection):
+
+- `GET /api/models?search=&author=&sort=&filter=&limit=` the repositories, filtered and sorted
+  the Hub's way (descending), as ModelInfo JSON;
+- `GET /api/models/{repo}[/revision/{rev}]` one repository's info with its siblings;
+- `GET /api/models/{repo}/tree/{rev}[?recursive=]` the file listing with sizes and, for the LFS
+  files (every .gguf), `lfs.oid` (the sha256) and size;
+- `HEAD|GET /{repo}/resolve/{rev}/{file}` the file, with the headers the client reads
+  (`X-Repo-Commit`, `ETag` and `X-Linked-Etag` = the sha256 for LFS files and the git blob id
+  otherwise, `X-Linked-Size`, `Content-Length`) and `Range: bytes=N-` answered 206.
+
+Errors come the Hub's way: `X-Error-Code` RepoNotFound / EntryNotFound / GatedRepo, 401 for a
+gated repository without a token and 403 with a token that has no access.
+
+Faults (attributes of the server, set by a test): `drop_after[file] = n` closes the connection
+after n bytes of that file's body, once (then the entry is removed); `corrupt` (file names)
+serves a flipped byte under the right checksum; `status[key] = code` answers `code` for a request
+whose path contains `key`; `garbage` (path fragments) answers "{not json" with 200;
+`advertised_size[file] = n` announces a size other than the real one. `requests` records
+(method, path, Range header) of every request, `authorizations` the Authorization headers.
+
+Tests point the engine at it with HF_ENDPOINT=`hub.url` (the engine reads HF_ENDPOINT, HF_HOME,
+HF_HUB_OFFLINE and HF_TOKEN at each call and hands them to the client explicitly, so the tests
+run the client in their own process; see app/engine/hub/__init__.py).
+
+`build_repos(folder)` makes the repositories from the golden tiny models (tests/data/golden):
+real GGUF files, one split with gguf's own writer (the `split.*` keys llama.cpp's gguf-split
+writes, `-00001-of-00002.gguf` names).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, unquote, urlsplit
+
+import gguf
+import numpy as np
+
+GOLDEN = Path(__file__).parent / "data" / "golden"
+TOKEN = "hf_test_token_0123456789"          # the only token the gated repository accepts
+
+
+@dataclass
+class Repo:
+    repo_id: str
+    files: dict[str, bytes]
+    downloads: int = 0
+    likes: int = 0
+    gated: bool = False
+    tags: tuple[str, ...] = ("gguf",)
+    commit: str = ""
+
+    def __post_init__(self):
+        if not self.commit:
+            h = hashlib.sha1(self.repo_id.encode())
+            for name in sorted(self.files):
+                h.update(name.encode() + hashlib.sha256(self.files[name]).digest())
+            self.commit = h.hexdigest()
+
+
+def is_lfs(name: str) -> bool:
+    return name.endswith(".gguf")
+
+
+def git_blob_id(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def etag_of(name: str, data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest() if is_lfs(name) else git_blob_id(data)
+
+
+def write_split_gguf(source: Path, folder: Path, stem: str) -> list[Path]:
+    """Rewrite the F32 GGUF `source` as two shards with gguf's writer (split_max_tensors):
+    `<stem>-00001-of-00002.gguf` (all the metadata and the first half of the tensors) and
+    `-00002-of-00002.gguf` (the rest), each with llama.cpp's split.no/count/tensors.count."""
+    from tests.gguf_build import read_all
+
+    metadata, tensors = read_all(source)
+    w = gguf.GGUFWriter(str(folder / f"{stem}.gguf"), metadata["general.architecture"],
+                        split_max_tensors=-(-len(tensors) // 2))
+    for key, value in metadata.items():
+        if key in ("general.architecture",) or key.startswith("GGUF."):
+            continue
+        if isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, str):
+            w.add_string(key, value)
+        elif isinstance(value, (int, np.integer)):
+            w.add_uint32(key, int(value))
+        elif isinstance(value, (float, np.floating)):
+            w.add_float32(key, float(value))
+        else:
+            w.add_array(key, list(value.tolist() if isinstance(value, np.ndarray) else value))
+    for name, arr in tensors.items():
+        w.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    shards = sorted(folder.glob(f"{stem}-0000?-of-00002.gguf"))
+    assert len(shards) == 2, shards
+    return shards
+
+
+def build_repos(folder: Path) -> dict[str, Repo]:
+    """The test Hub's repositories (real GGUF files from tests/data/golden):
+
+    - `wb-test/tiny-llama-GGUF`: tiny-llama-Q8_0.gguf, tiny-llama-F32.gguf, README.md;
+    - `wb-test/tiny-mixtral-GGUF`: tiny-mixtral-Q8_0.gguf and the split
+      tiny-mixtral-F32-00001-of-00002.gguf / -00002-of-00002.gguf;
+    - `gated-org/tiny-gemma-GGUF` (gated): tiny-gemma-Q8_0.gguf;
+    - `wb-test/tiny-llama` (no GGUF: not a search hit with filter=gguf)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    shards = write_split_gguf(GOLDEN / "mixtral-f32.gguf", folder, "tiny-mixtral-F32")
+    read = lambda name: (GOLDEN / name).read_bytes()   # noqa: E731
+    return {r.repo_id: r for r in [
+        Repo("wb-test/tiny-llama-GGUF", {
+            "tiny-llama-Q8_0.gguf": read("llama-q8_0.gguf"),
+            "tiny-llama-F32.gguf": read("llama-f32.gguf"),
+            "README.md": b"# tiny llama\n\nGGUF files for the workbench's tests.\n"},
+            downloads=1200, likes=7),
+        Repo("wb-test/tiny-mixtral-GGUF", {
+            "tiny-mixtral-Q8_0.gguf": read("mixtral-q8_0.gguf"),
+            **{p.name: p.read_bytes() for p in shards}}, downloads=300, likes=40),
+        Repo("gated-org/tiny-gemma-GGUF", {"tiny-gemma-Q8_0.gguf": read("gemma3-q8_0.gguf")},
+             downloads=50, likes=2, gated=True),
+        Repo("wb-test/tiny-llama", {"config.json": b"{}"}, downloads=9999, likes=99,
+             tags=("safetensors",)),
+    ]}
+
+
+class FakeHub:
+    def __init__(self, repos: dict[str, Repo]):
+        self.repos = repos
+        self.drop_after: dict[str, int] = {}
+        self.corrupt: set[str] = set()
+        self.status: dict[str, int] = {}
+        self.garbage: set[str] = set()
+        self.advertised_size: dict[str, int] = {}
+        self.requests: list[tuple[str, str, str | None]] = []
+        self.authorizations: list[str | None] = []
+        self._lock = threading.Lock()
+        hub = self
+
+        class Handler(_Handler):
+            server_hub = hub
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def __enter__(self) -> "FakeHub":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def ranges(self, file: str) -> list[str | None]:
+        """The Range headers of the GET requests of `file`, in order."""
+        return [r for m, p, r in self.requests if m == "GET" and p.endswith("/" + file)]
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server_hub: FakeHub
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args) -> None:      # quiet
+        pass
+
+    # ---- answers ---------------------------------------------------------------------------
+    def _send(self, code: int, body: bytes = b"", headers: dict | None = None,
+              content_type: str = "application/json") -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", content_type)
+        for k, v in (headers or {}).items():
+            self.send_header(k, str(v))
+        if "Content-Length" not in (headers or {}):
+            self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _json(self, value) -> None:
+        self._send(200, json.dumps(value).encode())
+
+    def _error(self, code: int, error_code: str | None = None, message: str = "") -> None:
+        headers = {"X-Error-Code": error_code} if error_code else {}
+        if message:
+            headers["X-Error-Message"] = message
+        self._send(code, json.dumps({"error": message or error_code or str(code)}).encode(),
+                   headers)
+
+    # ---- routing ---------------------------------------------------------------------------
+    def do_HEAD(self) -> None:
+        self._route()
+
+    def do_GET(self) -> None:
+        self._route()
+
+    def _route(self) -> None:
+        hub = self.server_hub
+        url = urlsplit(self.path)
+        path = unquote(url.path)
+        with hub._lock:
+            hub.requests.append((self.command, path, self.headers.get("Range")))
+            hub.authorizations.append(self.headers.get("Authorization"))
+        for key, code in hub.status.items():
+            if key in path:
+                return self._error(code, message=f"fault {code}")
+        if any(key in path for key in hub.garbage):
+            return self._send(200, b"{not json", {})
+        query = parse_qs(url.query)
+        if path == "/api/models":
+            return self._search(query)
+        if path.startswith("/api/models/"):
+            return self._api_repo(path[len("/api/models/"):])
+        if "/resolve/" in path:
+            repo_id, _, rest = path.lstrip("/").partition("/resolve/")
+            _rev, _, file = rest.partition("/")
+            return self._resolve(repo_id, file)
+        self._error(404, message="no such route")
+
+    def _repo(self, repo_id: str) -> Repo | None:
+        """The repository, or None after answering the error (not found; gated: 401/403)."""
+        repo = self.server_hub.repos.get(repo_id)
+        if repo is None:
+            self._error(401 if not self.headers.get("Authorization") else 404, "RepoNotFound",
+                        "Repository not found")
+            return None
+        if repo.gated:
+            auth = self.headers.get("Authorization")
+            if auth is None:
+                self._error(401, "GatedRepo", "Access to this model is restricted: log in.")
+                return None
+            if auth != f"Bearer {TOKEN}":
+                self._error(403, "GatedRepo", "Access to this model is restricted: ask for "
+                                              "access on the model's page.")
+                return None
+        return repo
+
+    def _info(self, repo: Repo) -> dict:
+        return {"id": repo.repo_id, "modelId": repo.repo_id, "author": repo.repo_id.split("/")[0],
+                "sha": repo.commit, "downloads": repo.downloads, "likes": repo.likes,
+                "gated": "auto" if repo.gated else False, "private": False,
+                "tags": list(repo.tags), "lastModified": "2026-11-01T00:00:00.000Z",
+                "siblings": [{"rfilename": n} for n in sorted(repo.files)]}
+
+    def _search(self, query: dict) -> None:
+        repos = list(self.server_hub.repos.values())
+        text = query.get("search", [""])[0].lower()
+        author = query.get("author", [None])[0]
+        tags = query.get("filter", [])
+        hits = [r for r in repos if text in r.repo_id.lower()
+                and (author is None or r.repo_id.split("/")[0] == author)
+                and all(t in r.tags for t in tags)]
+        sort = query.get("sort", [None])[0]
+        if sort in ("downloads", "likes"):
+            hits.sort(key=lambda r: -getattr(r, sort))
+        limit = int(query.get("limit", ["1000"])[0])
+        self._json([{k: v for k, v in self._info(r).items() if k != "siblings"}
+                    for r in hits[:limit]])
+
+    def _api_repo(self, rest: str) -> None:
+        parts = rest.split("/")
+        repo_id = "/".join(parts[:2])
+        repo = self._repo(repo_id)
+        if repo is None:
+            return
+        if len(parts) == 2 or parts[2] == "revision":
+            return self._json(self._info(repo))
+        if parts[2] == "tree":
+            entries = []
+            for name in sorted(repo.files):
+                data = repo.files[name]
+                size = self.server_hub.advertised_size.get(name, len(data))
+                entry = {"type": "file", "oid": git_blob_id(data), "size": size, "path": name}
+                if is_lfs(name):
+                    entry["lfs"] = {"oid": hashlib.sha256(data).hexdigest(), "size": size,
+                                    "pointerSize": 134}
+                entries.append(entry)
+            return self._json(entries)
+        self._error(404, message="no such route")
+
+    def _resolve(self, repo_id: str, file: str) -> None:
+        hub = self.server_hub
+        repo = self._repo(repo_id)
+        if repo is None:
+            return
+        data = repo.files.get(file)
+        if data is None:
+            return self._send(404, b"{}", {"X-Error-Code": "EntryNotFound",
+                                           "X-Repo-Commit": repo.commit})
+        etag = etag_of(file, data)
+        size = hub.advertised_size.get(file, len(data))
+        if file in hub.corrupt:
+            data = bytes([data[0] ^ 0xFF]) + data[1:]
+        headers = {"X-Repo-Commit": repo.commit, "ETag": f'"{etag}"', "Accept-Ranges": "bytes"}
+        if is_lfs(file):
+            headers["X-Linked-Etag"] = f'"{etag}"'
+            headers["X-Linked-Size"] = size
+        start = 0
+        rng = self.headers.get("Range")
+        if rng and rng.startswith("bytes="):
+            first, _, last = rng[len("bytes="):].partition("-")
+            start = int(first)
+            end = min(int(last) + 1, len(data)) if last else len(data)
+            if start >= len(data):
+                return self._send(416, b"", {"Content-Range": f"bytes */{len(data)}"})
+            body = data[start:end]
+            headers["Content-Range"] = f"bytes {start}-{end - 1}/{len(data)}"
+            code = 206
+        else:
+            body, code = data, 200
+        headers["Content-Length"] = len(body)
+        if self.command == "HEAD":
+            headers["Content-Length"] = size
+            return self._send(200, b"", headers, "application/octet-stream")
+        with hub._lock:
+            cut = hub.drop_after.get(file)
+            if cut is not None and start < cut:
+                del hub.drop_after[file]        # once
+            else:
+                cut = None
+        self.send_response(code)
+        self.send_header("Content-Type", "application/octet-stream")
+        for k, v in headers.items():
+            self.send_header(k, str(v))
+        self.end_headers()
+        if cut is not None:
+            self.wfile.write(body[:max(0, cut - start)])
+            self.wfile.flush()
+            self.close_connection = True
+            self.connection.shutdown(2)     # the peer sees the body end early
+            return
+        self.wfile.write(body)
