@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from app.engine.runs.reporter import record_event
 from app.engine.runs.rundir import RunDir
 from app.engine.runtime.files import append_line, to_json
 
@@ -58,7 +59,7 @@ class FakeRun:
 
     def _append(self, event: dict) -> None:
         if self._recording is None:
-            self.run.append_metrics(event)
+            record_event(self.run, event)       # metrics.jsonl, and log.txt's readable line
         else:
             self._recording.append(("line", to_json({"type": "step", **event,
                                                      "time": time.time()})))
@@ -196,14 +197,14 @@ class FakeGrpoRun:
         self.total_steps, self.group_size = total_steps, group_size
         self.step_no = 0
         self.run.write_status(state="running", step=0, total_steps=total_steps, fsync=False)
-        self.run.append_metrics({"type": "start", "kind": "grpo", "total_steps": total_steps,
-                                 "epochs": 1, "trainable": 1000, "prompt_rows": 20,
-                                 "train_prompts": 18, "val_prompts": 2, "skipped_rows": 0,
-                                 "group_size": group_size, "prompts_per_step": 2,
-                                 "advantage": "group-std", "kl": 0.0, "resumed_at": 0,
-                                 "rewards": [{"name": "exact", "kind": "exact", "weight": 1.0},
-                                             {"name": "format", "kind": "format",
-                                              "weight": 0.5}]})
+        record_event(self.run, {"type": "start", "kind": "grpo", "total_steps": total_steps,
+                                "epochs": 1, "trainable": 1000, "prompt_rows": 20,
+                                "train_prompts": 18, "val_prompts": 2, "skipped_rows": 0,
+                                "group_size": group_size, "prompts_per_step": 2,
+                                "advantage": "group-std", "kl": 0.0, "resumed_at": 0,
+                                "rewards": [{"name": "exact", "kind": "exact", "weight": 1.0},
+                                            {"name": "format", "kind": "format",
+                                             "weight": 0.5}]})
 
     @staticmethod
     def reward_at(step: int) -> float:

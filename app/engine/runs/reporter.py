@@ -16,7 +16,7 @@ import traceback
 from app.engine.errors import EngineError
 from app.engine.runs.rundir import RunDir
 from app.engine.runtime import faults
-from app.engine.training.events import STATUS_FIELDS, STEP, event_type
+from app.engine.training.events import STATUS_FIELDS, STEP, describe, event_type
 
 FINAL_STATES = ("done", "failed", "cancelled")   # the states that stamp finished_at
 
@@ -42,7 +42,7 @@ class RunReporter:
 
     def report(self, event: dict) -> dict:
         """Record `event` (see app.engine.training.events); returns it as written."""
-        ev = self.run_dir.append_metrics(event)
+        ev = record_event(self.run_dir, event)
         if event_type(ev) == STEP:
             self._pending.update({k: ev[k] for k in STATUS_FIELDS if k in ev})
             last = ev.get("total_steps") is not None and ev.get("step") == ev.get("total_steps")
@@ -66,6 +66,19 @@ class RunReporter:
         self.run_dir.write_status(state=state, error=public,
                                   finished_at=time.time() if state in FINAL_STATES else None,
                                   **{**pending, **fields})
+
+
+def record_event(run_dir: RunDir, event: dict) -> dict:
+    """Append `event` to metrics.jsonl and, for an event a person reads (a log line, the start,
+    a checkpoint, the end: `events.describe`), its line to log.txt. log.txt is the run's one
+    readable log, in the order things happened: the worker's, the queue's and the lock's lines
+    go there too, so a reader (the window's Monitor) that showed the events of metrics.jsonl
+    and then the lines of log.txt put 'job N: started by worker' after 'done'."""
+    ev = run_dir.append_metrics(event)
+    line = describe(ev)
+    if line is not None:
+        run_dir.log(line)
+    return ev
 
 
 def failure(exc: BaseException) -> dict:

@@ -119,3 +119,35 @@ def problems(event: dict, run_kind: str = SFT_RUN) -> list[str]:
         return [f"a {schema.type} event of {run_kind} runs carries kind "
                 f"{event.get(RUN_KIND)!r}, not {schema.run_kind!r}"]
     return schema.problems(event)
+
+
+def describe(event: dict) -> str | None:
+    """The line a person reads for an event that is not a curve (log, start, checkpoint, done),
+    or None. app.engine.runs.reporter writes it to the run's log.txt as it records the event,
+    so log.txt tells the run's story in the order it happened, the job's own lines included."""
+    kind = event_type(event)
+    if kind == LOG:
+        text = str(event.get("message", ""))
+    elif kind == START and event.get(RUN_KIND) == GRPO_RUN:
+        text = (f"start: {event.get('total_steps')} steps of {event.get('prompts_per_step')} "
+                f"prompts x {event.get('group_size')} completions, "
+                f"{event.get('trainable', 0):,} trainable parameters, "
+                f"{event.get('train_prompts')} training / {event.get('val_prompts')} held-out "
+                f"prompts ({event.get('skipped_rows')} skipped)")
+    elif kind == START:
+        text = (f"start: {event.get('total_steps')} steps, {event.get('epochs')} epoch(s), "
+                f"{event.get('trainable', 0):,} trainable parameters, "
+                f"{event.get('train_rows')} train / {event.get('val_rows')} validation rows")
+    elif kind == CHECKPOINT:
+        tag = f" ({event['tag']})" if event.get("tag") else ""
+        text = f"checkpoint at step {event.get('step')}{tag}"
+    elif kind == DONE:
+        best = event.get("best_loss")
+        text = f"done at step {event.get('step')}: {event.get('reason', 'finished')}"
+        if isinstance(best, (int, float)):
+            text += f", best validation loss {best:.4f} at step {event.get('best_step')}"
+    else:
+        return None
+    if kind == START and event.get("resumed_at"):
+        text += f", resumed at step {event['resumed_at']}"
+    return text

@@ -8,7 +8,7 @@ as batches:
 
   steps(list[dict])     step events                 evals(list[dict])    eval events
   norms(list[dict])     norms events                routing(list[dict])  routing events
-  events(list[dict])    every event of the batch    logs(list[str])      readable log lines
+  events(list[dict])    every event of the batch    logs(list[str])      log.txt's new lines
   status_changed(dict)  status.json when it changed
   reset(str)            the run changed (or metrics.jsonl was replaced, or an attempt
                         restarted): drop what you have
@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 from PySide6.QtCore import QCoreApplication, QObject, QTimer, Signal
 
-from app.engine.api import GRPO, EngineError, RunDir, dedupe_steps, read_range
+from app.engine.api import EngineError, RunDir, dedupe_steps, read_range
 
 DEFAULT_INTERVAL_MS = 150
 MAX_LOG_BYTES = 64 * 1024          # a first look at a long log.txt reads only its tail
@@ -96,36 +96,6 @@ def collect_garbage_on_gui_thread(interval_ms: int = 500) -> bool:
     return True
 
 
-def describe_event(ev: dict) -> str | None:
-    """A readable log line for the events that are not curves (log, start, checkpoint, done)."""
-    kind = ev.get("type")
-    stamp = time.strftime("%H:%M:%S", time.localtime(ev["time"])) if "time" in ev else ""
-    if kind == "log":
-        text = str(ev.get("message", ""))
-    elif kind == "start" and ev.get("kind") == GRPO.name:
-        text = (f"start: {ev.get('total_steps')} steps of {ev.get('prompts_per_step')} prompts "
-                f"x {ev.get('group_size')} completions, {ev.get('trainable', 0):,} trainable "
-                f"parameters, {ev.get('train_prompts')} training / {ev.get('val_prompts')} "
-                f"held-out prompts ({ev.get('skipped_rows')} skipped)")
-    elif kind == "start":
-        text = (f"start: {ev.get('total_steps')} steps, {ev.get('epochs')} epoch(s), "
-                f"{ev.get('trainable', 0):,} trainable parameters, "
-                f"{ev.get('train_rows')} train / {ev.get('val_rows')} validation rows")
-    elif kind == "checkpoint":
-        tag = f" ({ev['tag']})" if ev.get("tag") else ""
-        text = f"checkpoint at step {ev.get('step')}{tag}"
-    elif kind == "done":
-        best = ev.get("best_loss")
-        text = f"done at step {ev.get('step')}: {ev.get('reason', 'finished')}"
-        if isinstance(best, (int, float)):
-            text += f", best validation loss {best:.4f} at step {ev.get('best_step')}"
-    else:
-        return None
-    if kind == "start" and ev.get("resumed_at"):
-        text += f", resumed at step {ev['resumed_at']}"
-    return f"{stamp} {text}".strip()
-
-
 def _first_step(events: list) -> float | None:
     return next((ev["step"] for ev in events if ev.get("type", "step") == "step"
                  and isinstance(ev.get("step"), (int, float))), None)
@@ -172,17 +142,14 @@ def _read(path: Path, offset: int, log_offset: int, last_step: float = -math.inf
     except (OSError, EngineError):                   # no log yet, or not a regular file
         pass
     groups: dict[str, list] = {"step": [], "eval": [], "norms": [], "routing": []}
-    lines = []
     for ev in out["events"]:
         kind = ev.get("type", "step")
         if kind in groups:
             groups[kind].append(ev)
-        else:
-            line = describe_event(ev)
-            if line:
-                lines.append(line)
     out["groups"] = groups
-    out["lines"] = lines + out["log"]
+    # The lines are log.txt's alone: the engine writes the readable events there too, in the
+    # order they happened (app.engine.runs.reporter.record_event), with the job's lines.
+    out["lines"] = out["log"]
     out["bytes"] = out["offset"] - offset
     out["read_ms"] = (time.perf_counter() - t0) * 1000
     return out

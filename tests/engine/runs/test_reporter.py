@@ -53,3 +53,24 @@ def test_failure_names_the_kind_of_error():
     bug = failure(KeyError("x"))
     assert bug["kind"] == "bug" and "KeyError" in bug["message"] and "report" in bug["hint"]
     assert "KeyError" in bug["detail"]
+
+
+def test_log_txt_tells_the_runs_story_in_order(tmp_path):
+    """The readable events (log, start, checkpoint, done) reach log.txt as they are recorded,
+    between the lines others write there (the worker's 'job N: started'), never after them."""
+    from app.engine.training.events import CHECKPOINT_EVENT, describe
+    run = RunDir.create(tmp_path / "run", {})
+    reporter = RunReporter(run)
+    run.log("job 1: started by worker w1")
+    reporter.report(LOG_EVENT(message="tokenizing chat.jsonl"))
+    reporter.report(_step(1))                                        # a curve: not in the log
+    reporter.report(CHECKPOINT_EVENT(step=1, tag="best"))
+    reporter.report({"type": "done", "step": 1, "reason": "finished", "best_loss": 1.25,
+                     "best_step": 1})
+    run.log("job 1: done")
+    lines = [line.split(" ", 2)[2] for line in run.log_path.read_text().splitlines()]
+    assert lines == ["job 1: started by worker w1", "tokenizing chat.jsonl",
+                     "checkpoint at step 1 (best)",
+                     "done at step 1: finished, best validation loss 1.2500 at step 1",
+                     "job 1: done"]
+    assert describe({"type": "step", "step": 1}) is None

@@ -7,7 +7,7 @@ import re
 
 import numpy as np
 
-from app.views.widgets.run_tail import PacedRedraw, RunTail, Series, clock, describe_event, ema
+from app.views.widgets.run_tail import PacedRedraw, RunTail, Series, clock, ema
 from tests.views.fake_runs import FakeRun
 
 
@@ -125,14 +125,6 @@ def test_a_missing_run_directory_is_quiet(qtbot, tmp_path):
     qtbot.wait(100)
     assert got.steps == [] and got.statuses == []
     tail.stop()
-
-
-def test_describe_event():
-    assert describe_event({"type": "checkpoint", "step": 10, "tag": "best"}).endswith(
-        "checkpoint at step 10 (best)")
-    assert "best validation loss 1.2500 at step 8" in describe_event(
-        {"type": "done", "step": 10, "reason": "finished", "best_loss": 1.25, "best_step": 8})
-    assert describe_event({"type": "step", "step": 1}) is None
 
 
 def test_the_gui_thread_never_waits_while_a_run_is_written(qtbot, tmp_path, capsys, monkeypatch):
@@ -334,3 +326,38 @@ def test_a_run_whose_files_are_a_fifo_or_a_device_never_blocks_the_readers(tmp_p
         for path in (run.log_path, run.metrics_path):
             path.unlink()
             path.write_text("")
+
+
+def test_a_finished_jobs_log_reads_in_the_order_it_happened(qtbot, tmp_path):
+    """Issue 29 item 11: a run the worker ran to its end, opened afterwards (one read), showed
+    'done at step 2' before 'job 1: started by worker ...': the events came from metrics.jsonl
+    and the job's lines from log.txt, one file after the other. The run's log is one stream."""
+    from app.engine.runs.queue import JobQueue
+    from app.engine.runs.rundir import RunDir
+    from app.engine.runs.worker import run_job_once
+    from app.engine.training import events
+
+    def runner(run_dir, control):
+        control.report(events.SFT_START(total_steps=2, epochs=1, steps_per_epoch=2,
+                                        trainable=10, train_rows=4, val_rows=1, skipped_rows=0,
+                                        resumed_at=0))
+        control.report(events.LOG_EVENT(message="tokenizing chat.jsonl"))
+        control.report({"type": "step", "step": 1, "total_steps": 2, "loss": 1.0})
+        control.report({"type": "step", "step": 2, "total_steps": 2, "loss": 0.5})
+        control.report(events.SFT_DONE(step=2, reason="finished", best_step=2, best_loss=0.5,
+                                       skipped_steps=0, elapsed_s=0.1))
+        return "done"
+
+    queue = JobQueue(tmp_path / "q.sqlite3")
+    job_id = queue.add(RunDir.create(tmp_path / "run", {"name": "run"}).path)
+    assert run_job_once(queue, queue.claim_next("w1"), runner, "w1") == "done"
+    tail = RunTail(interval_ms=20)
+    got = Collector(tail)
+    tail.set_run(tmp_path / "run")
+    qtbot.waitUntil(lambda: any(f"job {job_id}: done" in line for line in got.logs))
+    tail.stop()
+    order = [next(i for i, line in enumerate(got.logs) if text in line) for text in (
+        f"job {job_id}: started by worker w1", "start: 2 steps", "tokenizing chat.jsonl",
+        "done at step 2", f"job {job_id}: done")]
+    assert order == sorted(order), got.logs
+    assert sum("done at step 2" in line for line in got.logs) == 1      # each line once
