@@ -1,0 +1,291 @@
+"""bf16 products on the CPU's matrix units: one small interface, so the kernels stay NumPy.
+
+What runs in bf16 (issue 30) is the frozen base's products only: x W^T (forward) and dY W
+(backward) with W a frozen weight, bf16 inputs, float32 accumulation. Everything else (LoRA,
+gradients, the optimizer, norms, softmax, the residual stream, the loss) stays float32.
+
+- `detect()` reads the CPU's flags once (/proc/cpuinfo): `amx_bf16` (Intel AMX) or
+  `avx512_bf16` (AVX512-BF16: Zen 4/5, Cooper Lake and later Xeons). AMX tiles may only be
+  touched after the kernel granted the process the tile state
+  (`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`, asked here through a raw syscall before
+  the library is loaded; oneDNN asks too). A CPU that lists amx_bf16 but whose kernel refuses (a
+  VM, an old kernel) is treated as one without the unit: float32, with the refusal in the reason.
+- The library is oneDNN through PyTorch (`pip install -e '.[bf16]'`; the measurements that chose
+  it are in docs/PERFORMANCE.md, "bf16 products"). Imported only once bf16 was chosen.
+- `choose(requested)` turns `precision = auto|fp32|bf16` into a `Precision`: auto = bf16 where
+  the unit and the library are there, float32 elsewhere; an explicit bf16 without the unit or the
+  library runs the EMULATION (same numerics, slower than float32: for tests and comparisons).
+  Each says why in `reason`, which the run's log, status.json and Monitor show.
+- `pack(w)` rounds a float32 weight to bf16 once (`Bf16Weight`: the bits as uint16, half the
+  float32 bytes; what the weight cache holds); `matmul(x, w, transpose)` is x @ w^T
+  (transpose=True) or x @ w, float32 in and out.
+
+Numerics, the same on both backends up to summation order: x and W rounded to bf16 (round to
+nearest even), products accumulated in float32, and the result rounded to bf16 before it is
+returned as float32. The last rounding is the library's: PyTorch's CPU matmul on bf16 tensors
+writes bf16 (oneDNN accumulates in float32 and converts once; no CPU op of PyTorch 2.13 returns
+float32 from bf16 inputs: `mm(out_dtype=)` and `_grouped_mm(out_dtype=)` refuse on the CPU,
+`out=` must be bf16, and fpmath_mode=bf16 on float32 runs oneDNN's float32 kernel on this CPU).
+The emulation rounds its result the same way so that it is the library's oracle. So each output
+is within 3 u sum_k |x_k||w_k| of the exact product of the float32 inputs (u = 2^-8: 2u for the
+two inputs' rounding, u for the output's), plus the float32 accumulation term.
+
+Threads: the engine splits the products into row blocks on its own threads
+(app.engine.runtime.parallel) and calls the library inside each piece, so the library runs on
+one thread (torch.set_num_threads(1)), as BLAS does.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+PRECISIONS = ("auto", "fp32", "bf16")
+INSTALL_HINT = "pip install -e '.[bf16]'"
+# The bench-dense LoRA step, ctx 256, bf16 against float32 on the AVX512-BF16 machine that
+# measured it (docs/PERFORMANCE.md, "bf16 products"): what the reason promises a user without
+# the extra. Only a rounded figure: machines differ.
+MEASURED_GAIN = "1.9x"
+
+# arch_prctl(2) on x86-64: request permission for a dynamically enabled XSAVE feature.
+SYS_ARCH_PRCTL = 158
+ARCH_REQ_XCOMP_PERM = 0x1023
+XFEATURE_XTILEDATA = 18
+
+
+@dataclass(frozen=True)
+class Device:
+    """What this CPU offers: `unit` ("AMX-BF16", "AVX512-BF16" or None), `library` (PyTorch
+    importable), `refused` (the kernel refused AMX's tile state: its message, else "")."""
+
+    unit: str | None
+    library: bool
+    refused: str = ""
+
+
+@dataclass(frozen=True)
+class Precision:
+    """The chosen precision of the frozen base's products: `name` "fp32" or "bf16", `backend`
+    "onednn" or "emulation" (bf16 only), `reason` one line for the log, status and Monitor."""
+
+    name: str
+    backend: str | None
+    reason: str
+
+    @property
+    def bf16(self) -> bool:
+        return self.name == "bf16"
+
+    def to_dict(self) -> dict:
+        return {"precision": self.name, "backend": self.backend, "reason": self.reason}
+
+
+FP32 = Precision("fp32", None, "float32")
+
+
+def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
+    """The flags of the first processor in /proc/cpuinfo (or of the text given); empty where
+    there is no such file (not Linux)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return frozenset()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            return frozenset(value.split())
+    return frozenset()
+
+
+def bf16_unit(flags: frozenset[str]) -> str | None:
+    """The CPU's bf16 matrix unit by its flags, the best first."""
+    if {"amx_bf16", "amx_tile"} <= flags:
+        return "AMX-BF16"
+    if "avx512_bf16" in flags:
+        return "AVX512-BF16"
+    return None
+
+
+def request_amx_permission(syscall: Callable[..., int] | None = None) -> str:
+    """Ask the kernel for the AMX tile state for this process: "" when granted, else why not.
+    Must run before any tile instruction (an ungranted one kills the thread with SIGILL);
+    asking again once granted is harmless. `syscall` is for tests (libc's by default)."""
+    try:
+        if syscall is None:
+            libc = ctypes.CDLL(None, use_errno=True)
+            syscall = libc.syscall
+        rc = syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
+    except (OSError, AttributeError) as exc:
+        return f"arch_prctl unavailable ({exc})"
+    if rc != 0:
+        err = ctypes.get_errno()
+        return f"the kernel refused AMX's tile state (arch_prctl: {os.strerror(err) if err else rc})"
+    return ""
+
+
+def library_available() -> bool:
+    """PyTorch (oneDNN) importable, without importing it (a second of start-up)."""
+    try:
+        return importlib.util.find_spec("torch") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+_device: Device | None = None
+
+
+def detect(flags: frozenset[str] | None = None, library: bool | None = None,
+           syscall: Callable[..., int] | None = None) -> Device:
+    """This CPU's bf16 unit and library, detected once (the arguments fake them, for tests:
+    any given one skips the cache)."""
+    global _device
+    faked = flags is not None or library is not None or syscall is not None
+    if _device is not None and not faked:
+        return _device
+    unit = bf16_unit(cpu_flags() if flags is None else flags)
+    refused = ""
+    if unit == "AMX-BF16":
+        refused = request_amx_permission(syscall)
+        if refused:
+            unit = None
+    device = Device(unit, library_available() if library is None else library, refused)
+    if not faked:
+        _device = device
+    return device
+
+
+def choose(requested: str = "auto", device: Device | None = None) -> Precision:
+    """`precision` (auto|fp32|bf16) on this device (detect() unless given) -> Precision."""
+    if requested not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {requested!r}")
+    if requested == "fp32":
+        return Precision("fp32", None, "float32: asked for (--precision fp32)")
+    device = detect() if device is None else device
+    if device.unit and device.library:
+        return Precision("bf16", "onednn", f"bf16: {device.unit} via oneDNN (PyTorch)")
+    if requested == "bf16":
+        why = ("this CPU has no bf16 unit" if not device.unit
+               else f"the bf16 extra is missing ({INSTALL_HINT})")
+        return Precision("bf16", "emulation", f"bf16 emulated in NumPy ({why}): slower than "
+                         "float32, the same numerics")
+    if device.refused:
+        return Precision("fp32", None, f"float32: {device.refused}")
+    if not device.unit:
+        return Precision("fp32", None, "float32: this CPU has no bf16 unit")
+    return Precision("fp32", None, f"float32: install the bf16 extra: {INSTALL_HINT} "
+                                   f"(measured {MEASURED_GAIN} on an {device.unit} CPU)")
+
+
+# ---------------------------------------------------------------------------------------------
+# The numbers: rounding, packing, products.
+
+def round_bits(x) -> np.ndarray:
+    """float32 -> the bf16 bits (uint16, same shape), round to nearest even; NaN stays NaN."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = (u + (np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1)))) >> 16
+    nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    if nan.any():                     # the carry would make a NaN with a small payload infinite
+        rounded = np.where(nan, (u >> 16) | np.uint32(0x40), rounded)
+    return rounded.astype(np.uint16)
+
+
+def widen(bits) -> np.ndarray:
+    """bf16 bits (uint16) -> float32, exactly."""
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def round_bf16(x) -> np.ndarray:
+    """float32 x rounded to the nearest bf16 value, as float32."""
+    return widen(round_bits(x))
+
+
+class Bf16Weight:
+    """A frozen weight (out, in) in bf16: `bits` uint16, C-contiguous, half its float32 bytes;
+    `tensor` the same memory as a torch.bfloat16 tensor when the library is in use. Rows slice
+    (the loss head's vocabulary chunks) without a copy."""
+
+    __slots__ = ("bits", "tensor")
+
+    def __init__(self, bits: np.ndarray, tensor: Any = None):
+        self.bits, self.tensor = bits, tensor
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.bits.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.bits.nbytes
+
+    dtype = np.dtype(np.float32)      # what its products give
+
+    def __len__(self) -> int:
+        return self.bits.shape[0]
+
+    def __getitem__(self, rows):
+        bits = self.bits[rows]
+        return Bf16Weight(bits, None if self.tensor is None else self.tensor[rows])
+
+    def widened(self) -> np.ndarray:
+        """The float32 values (a new array): the emulation's operand, and for tests."""
+        return widen(self.bits)
+
+
+def is_packed(w) -> bool:
+    return isinstance(w, Bf16Weight)
+
+
+_torch = None
+
+
+def _library():
+    """torch, imported once, on one thread (the engine's threads call it, see above)."""
+    global _torch
+    if _torch is None:
+        import torch
+        torch.set_num_threads(1)
+        _torch = torch
+    return _torch
+
+
+def pack(w, backend: str = "emulation") -> Bf16Weight:
+    """A float32 weight (out, in) rounded to bf16 once, for `matmul`."""
+    bits = round_bits(w)
+    if backend != "onednn":
+        return Bf16Weight(bits)
+    torch = _library()
+    return Bf16Weight(bits, torch.from_numpy(bits).view(torch.bfloat16))
+
+
+def matmul(x, w: Bf16Weight, transpose: bool = True, out=None) -> np.ndarray:
+    """x (M, K) float32 @ w^T (w (N, K), transpose=True) or @ w (w (K, N)) -> (M, N) float32
+    (into `out` if given, a C-contiguous float32 array), in bf16 with float32 accumulation:
+    see the module docstring for the numerics."""
+    if w.tensor is not None:
+        torch = _library()
+        xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).to(torch.bfloat16)
+        y = torch.mm(xt, w.tensor.t() if transpose else w.tensor)                 # bf16
+        if out is None:
+            out = np.empty(tuple(y.shape), np.float32)
+        torch.from_numpy(out).copy_(y)
+        return out
+    return emulated_matmul(x, w.bits, transpose, out)
+
+
+def emulated_matmul(x, bits, transpose: bool = True, out=None) -> np.ndarray:
+    """The library's numerics in NumPy (the oracle, and the path of CPUs without the unit):
+    inputs rounded to bf16, a float32 product, the result rounded to bf16."""
+    wf = widen(bits)
+    y = np.matmul(round_bf16(x), wf.T if transpose else wf)
+    y = round_bf16(y)
+    if out is None:
+        return y
+    out[...] = y
+    return out
