@@ -467,7 +467,7 @@ def cmd_queue(args) -> int:
 
 def cmd_cluster(args) -> int:
     from app.engine.runs.clusters import Cluster, PathMap
-    from app.engine.runs.executors import check_cluster, probe_cluster
+    from app.engine.runs.executors import cluster_test
     from app.engine.runs.queue import JobQueue
 
     store = JobQueue(args.queue).clusters()
@@ -493,8 +493,8 @@ def cmd_cluster(args) -> int:
                   f"python {c.python}  {token}  paths: {c.path_map or '(none)'}")
     elif action == "test":
         cluster, token = store.get(args.name), store.token(args.name)
-        print(f"{args.name}: {check_cluster(cluster, token)}", flush=True)
-        print(f"{args.name}: {probe_cluster(cluster, token)}")
+        for _, answer in cluster_test(cluster, token):   # what Settings' Test connection says
+            print(f"{args.name}: {answer}", flush=True)
     else:
         store.remove(args.name)
         print(f"removed cluster {args.name}")

@@ -22,7 +22,7 @@ from app.engine.model.lora import TARGET_GROUPS, load_adapter
 from app.engine.model.lora import check_model_targets  # the start-of-run LoRA target rule
 from app.engine.model.transformer import load_model
 from app.engine.runs.clusters import Cluster, ClusterError, ClusterStore, PathMap
-from app.engine.runs.executors import Poll, check_cluster, executor_for
+from app.engine.runs.executors import Poll, check_cluster, cluster_test, executor_for
 from app.engine.runs.kinds import GRPO, KINDS, SFT, RunKind, kind_of
 from app.engine.runs.queue import LOCAL, PENDING, Job, JobQueue, JobStateError
 from app.engine.runs.registry import Registry, forget_run, read_registry, rename_run
@@ -50,8 +50,8 @@ __all__ = [
     "RUN_NAME_MAX", "RunDir", "dedupe_steps", "default_run_name", "default_runs_dir", "list_runs",
     "LOCAL", "PENDING", "Job", "JobQueue", "JobStateError",
     # clusters: where a job runs (Settings > Clusters, New run's "Run on")
-    "Cluster", "ClusterError", "ClusterStore", "PathMap", "check_cluster", "executor_for",
-    "Poll",
+    "Cluster", "ClusterError", "ClusterStore", "PathMap", "check_cluster", "cluster_test",
+    "executor_for", "Poll",
     "ensure_worker", "stop_worker", "worker_pid", "worker_running",
     "RunEntry", "best_checkpoint", "registered_run_paths", "registered_runs",
     "Registry", "forget_run", "read_registry", "rename_run",

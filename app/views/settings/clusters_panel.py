@@ -5,8 +5,10 @@ the Ray dashboard's URL, the token (a password field; `ClusterStore.save` keeps 
 keyring, or without one in a file only the user can read, which the panel then says; left empty,
 the stored one stays), the path map (LOCAL=CLUSTER,...),
 the cluster's Python and the CPUs/GPUs each run asks for. Saving, removing and "Test
-connection" (`check_cluster`: the cluster's Ray version and resources, or why not) run off the
-GUI thread (a keyring or an unreachable head can take seconds); their errors (a wrong token,
+connection" (`cluster_test`, what `workbench cluster test` says: the cluster's Ray version and
+resources, then a small job there that imports this workbench with the cluster's Python and
+checks the path map; or why not) run off the GUI thread (a keyring or an unreachable head can
+take seconds, the test job up to two minutes); their errors (a wrong token,
 ...) show with their hint in the panel. A change emits `ctx.clusters_changed`,
 which reloads the list (whoever changed the clusters).
 """
@@ -17,7 +19,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import (QHBoxLayout, QLabel, QLineEdit, QListWidget, QPushButton,
                                QVBoxLayout, QWidget)
 
-from app.engine.api import Cluster, ConfigError, EngineError, PathMap, check_cluster
+from app.engine.api import Cluster, ConfigError, EngineError, PathMap, cluster_test
 from app.views.context import AppContext, Background
 from app.views.widgets.error_panel import ErrorPanel
 from app.views.widgets.form_fields import FormBase, dspin
@@ -111,6 +113,8 @@ class ClustersPanel(QWidget):
         self.current: str | None = None               # the cluster being edited (None: new)
         self._busy = False                            # saving or removing
         self._bg = Background(self, max_threads=2)
+        self._answers: list[str] = []                 # Test connection's answers so far
+        self._next_answer = lambda: None              # asks cluster_test for the next one
         self.list = QListWidget(objectName="clusterList")
         self.list.setFixedWidth(220)
         self.list.setMaximumHeight(260)               # beside the form, not the whole screen
@@ -119,8 +123,11 @@ class ClustersPanel(QWidget):
                                          "its token (runs already sent stay on it)")
         self.form = ClusterForm()
         self.test_button = QPushButton("Test connection",
-                                       toolTip="Ask the cluster for its Ray version and "
-                                               "resources with this URL and token")
+                                       toolTip="What `workbench cluster test` checks: the "
+                                               "cluster's Ray version and resources with this "
+                                               "URL and token, then a small job there that "
+                                               "imports this workbench with its Python and "
+                                               "reads and writes through the path map")
         self.save_button = QPushButton("Save", objectName="primaryButton",
                                        toolTip="Keep the cluster (its token in the OS keyring, or, "
                                                "without one, in a file only you can read)")
@@ -228,11 +235,18 @@ class ClustersPanel(QWidget):
         if cluster is None:
             return
         token, store = self.form.token(), self.store
+        answers = []                                  # cluster_test's, made in the thread
+
+        def next_answer() -> tuple[str, str] | None:
+            if not answers:
+                answers.append(cluster_test(cluster, token or store.token(cluster.name)))
+            return next(answers[0], None)
+
         self._clear_results()
+        self._answers, self._next_answer = [], next_answer
         self.test_button.setEnabled(False)
         self.test_label.setText(f"Connecting to {cluster.url}\u2026")
-        self._bg.run("test", lambda: check_cluster(cluster, token or store.token(cluster.name)),
-                     on_done=self._tested, on_error=self._test_failed)
+        self._bg.run("test", next_answer, on_done=self._tested, on_error=self._test_failed)
 
     def busy(self) -> bool:
         return self._bg.busy()
@@ -256,16 +270,26 @@ class ClustersPanel(QWidget):
         self._set_busy(False)                         # the form keeps what was typed
         self._show_error(title, error)
 
-    def _tested(self, answer: str) -> None:
+    def _tested(self, answer: tuple[str, str] | None) -> None:
+        """One answer of cluster_test shown; the next asked for off the GUI thread (None: all
+        answered)."""
+        if answer is not None:
+            self._answers.append(f"\u2714 {answer[0]}: {answer[1]}")
+            self.test_label.setText("\n".join(
+                self._answers + ["Running a test job on the cluster\u2026"]))
+            self._bg.run("test", self._next_answer, on_done=self._tested,
+                         on_error=self._test_failed)
+            return
         self.test_button.setEnabled(True)
         self.test_label.setProperty("ok", True)
-        self.test_label.setText(f"\u2714 Connected: {answer}")
+        self.test_label.setText("\n".join(self._answers))
         self.test_label.setStyleSheet("color: #1a7f37; font-weight: 600;")
 
     def _test_failed(self, error: BaseException) -> None:
         self.test_button.setEnabled(True)
         self.test_label.setProperty("ok", False)
-        self.test_label.setText("\u2716 Not connected")
+        self.test_label.setText("\n".join(self._answers + [
+            "\u2716 Cannot run a job" if self._answers else "\u2716 Not connected"]))
         self.test_label.setStyleSheet("color: #c0392b; font-weight: 600;")
         self._show_error("Test connection failed", error)
 

@@ -125,19 +125,45 @@ def test_without_a_keyring_the_token_is_kept_in_a_private_file_and_the_panel_say
 def test_test_connection_runs_off_the_gui_thread_and_shows_the_answer(qtbot, ctx, panel,
                                                                       memory_keyring,
                                                                       monkeypatch):
-    calls = []
+    """Issue 29 item 2: Test connection asked the dashboard only; it gives what `workbench
+    cluster test` gives (api.cluster_test, faked here at the api boundary): reachable with its
+    Ray version, then whether a job there runs this workbench, each answer as it comes."""
+    calls, probe_may_end = [], threading.Event()
 
-    def answer(cluster, token):
+    def answers(cluster, token):
         calls.append((cluster.url, token, threading.current_thread() is threading.main_thread()))
-        return "Ray 2.60.0, 4 CPUs, 0 GPUs"
+        yield "Connected", "Ray 2.60.0, 4 CPUs, 0 GPUs"
+        assert probe_may_end.wait(10)
+        calls.append(threading.current_thread() is threading.main_thread())
+        yield "Runs a job", "workbench 0.1.0 (as here) at /opt/wb/bin/python; no path map"
 
-    monkeypatch.setattr(clusters_panel, "check_cluster", answer)
+    monkeypatch.setattr(clusters_panel, "cluster_test", answers)
     fill(panel, name="lab", url="http://head:8265", token="typed")
     panel.test_button.click()                                # not saved: the form as typed
     qtbot.waitUntil(lambda: "Connected" in panel.test_label.text(), timeout=5000)
-    assert panel.test_label.text() == "\u2714 Connected: Ray 2.60.0, 4 CPUs, 0 GPUs"
-    assert calls == [("http://head:8265", "typed", False)]
+    assert panel.test_label.text() == ("\u2714 Connected: Ray 2.60.0, 4 CPUs, 0 GPUs\n"
+                                       "Running a test job on the cluster\u2026")
+    assert not panel.test_button.isEnabled() and panel.test_label.property("ok") is None
+    probe_may_end.set()
+    qtbot.waitUntil(lambda: panel.test_label.property("ok") is True, timeout=5000)
+    assert panel.test_label.text() == (
+        "\u2714 Connected: Ray 2.60.0, 4 CPUs, 0 GPUs\n"
+        "\u2714 Runs a job: workbench 0.1.0 (as here) at /opt/wb/bin/python; no path map")
+    assert calls == [("http://head:8265", "typed", False), False]
     assert panel.test_button.isEnabled() and not panel.error_panel.isVisible()
+
+    def no_job(cluster, token):
+        yield "Connected", "Ray 2.60.0, 4 CPUs, 0 GPUs"
+        raise ClusterError("Cluster 'lab' runs workbench 0.0.9 (/usr/bin/python); this machine "
+                           "runs 0.1.0.", "Install the same version on both.")
+
+    monkeypatch.setattr(clusters_panel, "cluster_test", no_job)
+    panel.test_button.click()
+    qtbot.waitUntil(lambda: panel.test_label.property("ok") is False, timeout=5000)
+    assert panel.test_label.text() == ("\u2714 Connected: Ray 2.60.0, 4 CPUs, 0 GPUs\n"
+                                       "\u2716 Cannot run a job")
+    assert panel.error_panel.title_label.text() == "Test connection failed"
+    assert "runs workbench 0.0.9" in panel.error_panel.message_label.text()
 
     memory_keyring.set_password(SERVICE, "cluster:lab", "stored")
     fill(panel, token="")                                    # empty: the stored token
@@ -146,8 +172,9 @@ def test_test_connection_runs_off_the_gui_thread_and_shows_the_answer(qtbot, ctx
         calls.append((cluster.url, token, False))
         raise ClusterError("http://head:8265 refused the token (HTTP 401).",
                            "Check the cluster's token in Settings > Clusters.")
+        yield                                                # a generator, as cluster_test
 
-    monkeypatch.setattr(clusters_panel, "check_cluster", refuse)
+    monkeypatch.setattr(clusters_panel, "cluster_test", refuse)
     panel.test_button.click()
     qtbot.waitUntil(panel.error_panel.isVisible, timeout=5000)
     assert calls[-1] == ("http://head:8265", "stored", False)
@@ -159,15 +186,39 @@ def test_test_connection_runs_off_the_gui_thread_and_shows_the_answer(qtbot, ctx
         "Check the cluster's token in Settings > Clusters."
 
 
+def test_test_connection_to_an_address_where_nothing_listens(qtbot, ctx, panel,
+                                                             memory_keyring):
+    """The real engine call (no fake): a port on this machine that nobody listens on."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]                            # free once closed
+    fill(panel, name="lab", url=f"http://127.0.0.1:{port}", token="t")
+    panel.test_button.click()
+    qtbot.waitUntil(lambda: panel.test_label.property("ok") is False, timeout=30_000)
+    assert panel.test_label.text() == "\u2716 Not connected"
+    assert panel.error_panel.isVisible()
+    assert f"127.0.0.1:{port}" in panel.error_panel.message_label.text()
+
+
 @pytest.mark.slow
 def test_test_connection_against_a_real_loopback_head(qtbot, ctx, panel, memory_keyring,
                                                       ray_head):
-    fill(panel, name="lab", url=ray_head.dashboard_url, token=ray_head.token)
+    """What `workbench cluster test` says, in the panel: reachable, Ray's version, and a job
+    that ran there with the cluster's Python and imported this workbench."""
+    import sys
+
+    import app
+    fill(panel, name="lab", url=ray_head.dashboard_url, token=ray_head.token,
+         python=sys.executable)
     panel.test_button.click()
-    qtbot.waitUntil(lambda: panel.test_label.property("ok") is not None, timeout=30_000)
-    assert panel.test_label.text().startswith("\u2714 Connected: Ray 2."), \
+    qtbot.waitUntil(lambda: panel.test_label.property("ok") is not None, timeout=150_000)
+    connected, job = panel.test_label.text().split("\n")
+    assert connected.startswith("\u2714 Connected: Ray 2."), \
         panel.error_panel.message_label.text()
-    assert "CPUs" in panel.test_label.text()
+    assert "CPUs" in connected
+    assert job == (f"\u2714 Runs a job: workbench {app.__version__} (as here) at "
+                   f"{sys.executable}; no path map (a head on this machine sees its paths)")
     fill(panel, token="wrong-token")
     panel.test_button.click()
     qtbot.waitUntil(lambda: panel.test_label.property("ok") is False, timeout=30_000)

@@ -3,7 +3,8 @@ executor runs one attempt of a job somewhere and answers for it by its *handle* 
 on the job):
 
 - `check()` -> a line saying what it is ("Ray 2.60.0, 2 CPUs, 0 GPUs"), or a ClusterError
-  (`probe_cluster` goes further: a small job that imports the workbench there);
+  (`probe_cluster` goes further: a small job that imports the workbench there; `cluster_test`
+  gives both answers, for `workbench cluster test` and Settings' Test connection);
 - `submit(job, run_dir)` -> the handle of attempt `job.attempt`;
 - `poll(handle)` -> `Poll(state, message)`, state one of POLL_STATES;
 - `cancel(handle)`: stop it (the run saves a checkpoint within the stop grace and exits);
@@ -21,11 +22,11 @@ from app.engine.runs.executors.base import ENDED, POLL_STATES, Executor, Poll
 from app.engine.runs.executors.local import LocalExecutor
 from app.engine.runs.executors.ray import (DEFAULT_STOP_GRACE_S, AlreadySubmitted, RayExecutor,
                                            Unreachable, check_cluster, cluster_resources,
-                                           probe_cluster)
+                                           cluster_test, probe_cluster)
 
 __all__ = ["ENDED", "POLL_STATES", "AlreadySubmitted", "Executor", "LocalExecutor", "Poll",
-           "RayExecutor", "Unreachable", "check_cluster", "cluster_resources", "executor_for",
-           "probe_cluster"]
+           "RayExecutor", "Unreachable", "check_cluster", "cluster_resources", "cluster_test",
+           "executor_for", "probe_cluster"]
 
 
 def executor_for(job, queue, *, stop_grace_s: float = DEFAULT_STOP_GRACE_S) -> Executor:

@@ -19,6 +19,7 @@ import shlex
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from contextlib import suppress
 from urllib.parse import quote
 
@@ -258,6 +259,16 @@ def probe_cluster(cluster: Cluster, token: str | None, *,
              "; no path map" + (" (a head on this machine sees its paths)" if cluster.is_loopback
                                 else ": runs cannot be sent"))
     return f"workbench {__version__} (as here) at {found.get('python')}{where}"
+
+
+def cluster_test(cluster: Cluster, token: str | None) -> Iterator[tuple[str, str]]:
+    """What `workbench cluster test` and Settings' "Test connection" say, one answer at a time:
+    ("Connected", `check_cluster`'s line: reachable, its Ray version, CPUs and GPUs), then
+    ("Runs a job", `probe_cluster`'s line: a job there imports this workbench, the path map
+    written and read both ways). A ClusterError from either ends it. Each answer may take
+    seconds (the job up to PROBE_TIMEOUT_S): the window asks for the next one off its thread."""
+    yield "Connected", check_cluster(cluster, token)
+    yield "Runs a job", probe_cluster(cluster, token)
 
 
 def _run_probe(client: RayClient, mark: str, prefixes: list[str], timeout_s: float,
