@@ -223,6 +223,38 @@ def rated_completions(n: int = ROWS, seed: int = SEED + 1) -> list[dict]:
     return rows
 
 
+PREFERENCE_ENDING = " Have a nice day!"   # the chosen style: the base ends its answers without it
+
+
+def preferences(n: int = 400, seed: int = SEED + 2) -> list[dict]:
+    """Chosen/rejected pairs (TRL's conversational form): the same right answer to a question,
+    an addition or a counting request, the chosen one ending with PREFERENCE_ENDING, the
+    rejected one as the base model answers (it ends at the answer). Preference training
+    (DPO, ORPO, SimPO, KTO) has to learn the ending, which the base almost never writes."""
+    rng = random.Random(seed)
+    rows, seen = [], set()
+    while len(rows) < n:
+        kind = rng.random()
+        if kind < 0.4:
+            q, good, _, _ = rng.choice(FACTS)
+            question, answer = q, good
+        elif kind < 0.8:
+            a, b = rng.randint(10, 99), rng.randint(10, 99)
+            question, answer = f"What is {a} + {b}?", str(a + b)
+        else:
+            start, count = rng.randint(1, 30), rng.randint(3, 6)
+            question = f"Count from {start} to {start + count - 1}." if start > 1 else \
+                f"Count to {count}."
+            answer = ", ".join(str(i) for i in range(start, start + count)) + "."
+        if question in seen:
+            continue
+        seen.add(question)
+        rows.append({"prompt": [{"role": "user", "content": question}],
+                     "chosen": [{"role": "assistant", "content": answer + PREFERENCE_ENDING}],
+                     "rejected": [{"role": "assistant", "content": answer}]})
+    return rows
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> None:
     with open(path, "w", encoding="utf-8", newline="\n") as f:
         for row in rows:
@@ -236,7 +268,9 @@ def main(argv=None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     write_jsonl(args.out / "stories.jsonl", stories())
     write_jsonl(args.out / "rated_completions.jsonl", rated_completions())
-    print(f"wrote {args.out / 'stories.jsonl'} and {args.out / 'rated_completions.jsonl'}")
+    write_jsonl(args.out / "preferences.jsonl", preferences())
+    print(f"wrote {args.out / 'stories.jsonl'}, {args.out / 'rated_completions.jsonl'} and "
+          f"{args.out / 'preferences.jsonl'}")
 
 
 if __name__ == "__main__":

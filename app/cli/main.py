@@ -117,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ctx", type=int, default=None,
                    help="context in tokens (default 512, capped at the model's)")
     p.add_argument("--format", default="auto",
-                   choices=["auto", "text", "completion", "chat", "alpaca", "sharegpt"])
+                   choices=["auto", "text", "completion", "chat", "alpaca", "sharegpt",
+                            "preference", "kto"])
     p.add_argument("--overflow", default="truncate", choices=["truncate", "split", "drop"],
                    help="rows longer than the context (default truncate)")
     p.add_argument("--weights", help="reward weights file (numbers, or JSONL with ids)")
@@ -344,14 +345,22 @@ def cmd_lint(args) -> int:
     from app.engine.data.dataset import DataConfig
     from app.engine.data.lint import lint_file
 
-    config = DataConfig(format=args.format, overflow=args.overflow, weights_path=args.weights,
+    sft_format = "auto" if args.format in ("preference", "kto") else args.format
+    config = DataConfig(format=sft_format, overflow=args.overflow, weights_path=args.weights,
                         normalize=args.normalize, clip_range=tuple(args.clip) if args.clip else None,
                         allow_negative_weights=args.allow_negative,
                         completion_as_chat=args.completion_as_chat,
                         parse_special=args.parse_special)
-    report = lint_file(args.data, args.model, config, context=args.ctx)
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="replace")   # dataset text on a console that lacks its characters
+    if args.format in ("auto", "preference", "kto"):   # chosen/rejected pairs, KTO rows
+        from app.engine.data.preferences import lint_preference_file
+
+        found = lint_preference_file(args.data, args.model, config, args.ctx, args.format)
+        if found is not None:
+            print(json.dumps(found, ensure_ascii=False) if args.json else found["text"])
+            return 0 if found["trains"] else 1
+    report = lint_file(args.data, args.model, config, context=args.ctx)
     print(json.dumps(report.to_dict(), ensure_ascii=False) if args.json else report.to_text())
     return 0 if report.trains else 1  # like a linter that found problems: nothing to train on
 

@@ -248,10 +248,10 @@ def dataset_report(ds: Dataset) -> LintReport:
                         ds.rejections, ds.weights.summary, example)
 
 
-def lint_file(data_path, model_path, config: DataConfig | None = None, *,
-              context: int | None = None) -> LintReport:
-    """Lint with a model file's tokenizer and chat template. `context` (else the config's)
-    is capped at the model's own context length."""
+def lint_tokenizer(model_path, config: DataConfig,
+                   context: int | None) -> tuple[Tokenizer, int, list[str]]:
+    """(the model file's tokenizer, the context to lint with, notes): `context` (else the
+    config's) capped at the model's own context length, said in a note."""
     gguf = read_gguf(model_path)
     try:
         meta = gguf.metadata
@@ -260,12 +260,20 @@ def lint_file(data_path, model_path, config: DataConfig | None = None, *,
         model_ctx = meta.get(f"{arch}.context_length")
     finally:
         gguf.close()
-    config = config or DataConfig()
     ctx = context if context is not None else config.context
     notes = []
     if context is None and isinstance(model_ctx, (int, np.integer)) and 0 < model_ctx < ctx:
         notes.append(f"context lowered from {ctx} to the model's {int(model_ctx)}")
         ctx = int(model_ctx)
+    return tokenizer, ctx, notes
+
+
+def lint_file(data_path, model_path, config: DataConfig | None = None, *,
+              context: int | None = None) -> LintReport:
+    """Lint with a model file's tokenizer and chat template. `context` (else the config's)
+    is capped at the model's own context length."""
+    config = config or DataConfig()
+    tokenizer, ctx, notes = lint_tokenizer(model_path, config, context)
     from dataclasses import replace
 
     report = lint_dataset(data_path, tokenizer, replace(config, context=ctx))

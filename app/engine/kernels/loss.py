@@ -31,7 +31,8 @@ VOCAB_CHUNK = 8192   # vocabulary rows per chunk: each chunk's logits are (T, VO
 class CrossEntropyCache(NamedTuple):
     """What cross_entropy_backward needs, for the N labelled tokens: h (N, C), w_out (V, C) by
     row slices, labels (N,), coef (N,) = w_t / N, lse (N,), lora (A (R, C), B (V, R), scale) or
-    None, ha (N, R) or None, the softcap, the chunk and the tokens (to scatter dh back to T)."""
+    None, ha (N, R) or None, the softcap, the chunk and the tokens (to scatter dh back to T).
+    nll (N,): each labelled token's -log p(label) (`label_log_probs` reads it)."""
 
     h: Any
     w_out: Any
@@ -43,6 +44,7 @@ class CrossEntropyCache(NamedTuple):
     softcap: float
     chunk: int
     tokens: _Tokens
+    nll: Any = None
 
 
 def _chunk_logits(xp, h, w_out, lo, hi, lora, ha):
@@ -93,8 +95,21 @@ def cross_entropy_forward(h, w_out, labels, token_weights=None, lora=None, softc
             parallel_map(merge, blocks, xp)
     lse, loss, stats = run.result(wt, lab)
     cache = CrossEntropyCache(h_act, w_out, lab, wt / max(n, 1), lse, lora, ha, softcap, chunk,
-                              tokens)
+                              tokens, lse - run.label_logit)
     return loss, stats, cache
+
+
+def label_log_probs(cache: CrossEntropyCache):
+    """(T,) log p(label_t) of each labelled token from a cross_entropy_forward cache, 0 where
+    the label is masked: a sequence's log-probability is the sum over its tokens (preference
+    losses), with no (T, V) logits kept."""
+    tokens = cache.tokens
+    xp = tokens.xp
+    if tokens.all_active:
+        return -cache.nll
+    out = xp.zeros(tokens.t, dtype=cache.nll.dtype)                     # (T,)
+    out[tokens.active] = -cache.nll
+    return out
 
 
 def cross_entropy_frozen_head(h, w_out, labels, token_weights=None, softcap: float = 0.0,

@@ -30,7 +30,7 @@ from app.engine.kernels.embedding import (EmbeddingCache, LoraEmbeddingCache, em
 from app.engine.kernels.linear import (Linear, LinearCache, linear_backward_group, linear_forward,
                                        linear_forward_group)
 from app.engine.kernels.loss import (VOCAB_CHUNK, cross_entropy_backward, cross_entropy_forward,
-                                     cross_entropy_frozen_head)
+                                     cross_entropy_frozen_head, label_log_probs)
 from app.engine.kernels.moe import (CombineCache, ExpertsCache, RouterCache, combine_backward,
                                     combine_forward, dispatch_order, experts_backward,
                                     experts_forward, experts_forward_train, router_backward,
@@ -258,15 +258,30 @@ class Model:
     def loss(self, params: Params, tokens, labels, token_weights=None, positions=None,
              segments=None, vocab_chunk: int = VOCAB_CHUNK):
         """(loss, stats) as in loss_and_grads, forward only (evaluation)."""
+        loss, stats, _ = self._loss_forward(params, tokens, labels, token_weights, positions,
+                                            segments, vocab_chunk)
+        return loss, stats
+
+    def label_log_probs(self, params: Params, tokens, labels, positions=None, segments=None,
+                        vocab_chunk: int = VOCAB_CHUNK):
+        """(T,) log p(labels_t | tokens_<=t) through the loss head (forward only, no (T, V)
+        logits kept), 0 where the label is -1: summed over a completion's tokens, its
+        log-probability (preference training)."""
+        _, _, cache = self._loss_forward(params, tokens, labels, None, positions, segments,
+                                         vocab_chunk)
+        return label_log_probs(cache)
+
+    def _loss_forward(self, params: Params, tokens, labels, token_weights, positions, segments,
+                      vocab_chunk: int):
         tokens = self.check_tokens(tokens)
         ctx = ForwardContext.build(self.config, tokens.size, None, positions, segments, self.xp)
         x = self.hidden(tokens, params, ctx)
         h, _ = rmsnorm_forward(x, params.weight("output_norm.weight"), self.config.rms_eps)
         head = self.head_name
-        loss, stats, _ = cross_entropy_forward(h, params.row_view(head), self.xp.asarray(labels),
-                                               token_weights, self._head_lora(params),
-                                               self.config.final_logit_softcap, vocab_chunk)
-        return loss, {**stats, "routing": ctx.routing}
+        loss, stats, cache = cross_entropy_forward(
+            h, params.row_view(head), self.xp.asarray(labels), token_weights,
+            self._head_lora(params), self.config.final_logit_softcap, vocab_chunk)
+        return loss, {**stats, "routing": ctx.routing}, cache
 
     def loss_and_grads(self, params: Params, tokens, labels, token_weights=None,
                        positions=None, segments=None, checkpoint_interval: int = 0,
