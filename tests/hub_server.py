@@ -42,6 +42,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import gguf
 import numpy as np
+import pytest
 
 GOLDEN = Path(__file__).parent / "data" / "golden"
 TOKEN = "hf_test_token_0123456789"          # the only token the gated repository accepts
@@ -156,7 +157,8 @@ class FakeHub:
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self._thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,),
+                                        daemon=True)
 
     def __enter__(self) -> "FakeHub":
         self._thread.start()
@@ -344,3 +346,27 @@ class _Handler(BaseHTTPRequestHandler):
             self.connection.shutdown(2)     # the peer sees the body end early
             return
         self.wfile.write(body)
+
+
+def point_at(monkeypatch, hub: FakeHub, home: Path) -> None:
+    """The engine's Hub settings for a test: HF_ENDPOINT at `hub`, HF_HOME at `home`, no token,
+    online (whatever the developer's shell says)."""
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setenv("HF_HOME", str(home))
+    for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_TOKEN_PATH", "HF_HUB_OFFLINE",
+                "TRANSFORMERS_OFFLINE", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        monkeypatch.delenv(var, raising=False)
+
+
+# Fixtures: a test module takes them with `from tests.hub_server import hub, hub_repos`.
+@pytest.fixture(scope="session")
+def hub_repos(tmp_path_factory):
+    return build_repos(tmp_path_factory.mktemp("hub-repos"))
+
+
+@pytest.fixture
+def hub(hub_repos, tmp_path, monkeypatch):
+    """A fresh local Hub (faults cleared) and an empty HF_HOME, the engine pointed at both."""
+    with FakeHub(hub_repos) as server:
+        point_at(monkeypatch, server, tmp_path / "hf-home")
+        yield server

@@ -1,0 +1,759 @@
+"""Search, list and download GGUF models on the Hugging Face Hub, through `huggingface_hub`.
+
+Settings are read at each call (`hub_settings()`): HF_ENDPOINT, HF_HOME / HF_HUB_CACHE,
+HF_HUB_OFFLINE and the token (HF_TOKEN, else the file `huggingface_hub`'s login writes,
+HF_TOKEN_PATH or `<HF_HOME>/token`), and handed to the client explicitly (endpoint=,
+cache_dir=, token=): the client reads its own copies of them once, at import, so a process
+that changes them later (the tests, a window whose user logs in) would otherwise talk to the
+old endpoint.
+
+Search and listing are the client's (`HfApi.list_models`, `list_repo_tree`); a file's metadata
+(the commit, the ETag that is the LFS sha256, the size) is its `get_hf_file_metadata`. The bytes
+come through the client's HTTP session with our own Range requests into a kept partial file,
+`blobs/<sha256>.workbench.incomplete` in the cache, because the client deletes its partial file
+when a download fails and resumes across nothing (huggingface_hub 2.4.0): a dropped connection
+is resumed from the byte it stopped at (`retries` times in one call, then the partial waits for
+the next call), a cancel or a full disk keeps it for the next call too. A finished file is
+checked against the Hub's sha256 and placed the client's way (blobs/<sha256>, a relative link in
+snapshots/<commit>/, refs/<revision>), under the client's own lock file for that blob, so
+`hf_hub_download(..., local_files_only=True)`, llama.cpp's `-hf`-style tools and a second
+`models get` find it. Nothing is ever written under snapshots/ but a whole, verified file.
+(hf-xet is not used for the transfer: the Hub serves Xet-stored files on the same resolve URL.)
+
+The token goes in the Authorization header of the requests and nowhere else: no message, log or
+run folder holds it.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import shutil
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from app.engine.errors import Cancelled, ConfigError, EngineError
+from app.engine.hub.names import (ModelSpec, is_gguf, quant_of, split_part)
+from app.engine.runtime.files import DiskFullError, storage_error
+
+CHUNK = 1 << 20
+HEADER_FIRST_FETCH = 1 << 20          # the first ranged read of a header; doubled until whole
+METADATA_TIMEOUT_S = 10.0
+READ_TIMEOUT_S = 30.0
+PARTIAL_SUFFIX = ".workbench.incomplete"
+
+Progress = Callable[[int, int, str], None]     # (bytes done, bytes in all, file name)
+
+
+class HubError(EngineError):
+    """The Hub could not answer what was asked (not found, a server error, a bad answer)."""
+
+    kind = "hub"
+
+
+class HubAuthError(HubError):
+    """A gated or private repository without a token that may read it."""
+
+    kind = "hub_auth"
+
+
+class HubOfflineError(HubError):
+    """No network, or HF_HUB_OFFLINE=1: only the cache can answer."""
+
+    kind = "hub_offline"
+
+
+class ChecksumError(HubError):
+    kind = "checksum"
+
+
+# ---------------------------------------------------------------- settings, read at each call
+@dataclass(frozen=True)
+class HubSettings:
+    endpoint: str
+    cache_dir: Path
+    offline: bool
+    token: str | None = field(repr=False, default=None)
+
+
+def _hf_home() -> Path:
+    home = os.environ.get("HF_HOME")
+    if home:
+        return Path(os.path.expandvars(home)).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "huggingface"
+
+
+def _token() -> str | None:
+    token = os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN")
+    if not token:
+        path = os.environ.get("HF_TOKEN_PATH") or str(_hf_home() / "token")
+        try:
+            token = Path(os.path.expandvars(path)).expanduser().read_text().strip()
+        except (OSError, UnicodeDecodeError):
+            token = None
+    token = (token or "").strip()
+    return token or None
+
+
+def hub_settings() -> HubSettings:
+    cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    offline = (os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or "")
+    return HubSettings(
+        endpoint=(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/"),
+        cache_dir=Path(cache).expanduser() if cache else _hf_home() / "hub",
+        offline=offline.strip().upper() in ("1", "ON", "YES", "TRUE"),
+        token=_token())
+
+
+def _require_online(s: HubSettings, what: str) -> None:
+    if s.offline:
+        raise HubOfflineError(
+            f"Cannot {what}: HF_HUB_OFFLINE is set, so the Hub is not asked.",
+            "Unset HF_HUB_OFFLINE to reach the Hub; `workbench models list` shows the models "
+            "already downloaded.")
+
+
+# ---------------------------------------------------------------- errors, the client's -> ours
+def _page(s: HubSettings, repo_id: str) -> str:
+    return f"{s.endpoint}/{repo_id}"
+
+
+def hub_error(e: BaseException, s: HubSettings, repo_id: str = "", what: str = "") -> EngineError:
+    """The EngineError for an exception of the client or of its HTTP layer (never naming the
+    token)."""
+    import httpx2
+    from huggingface_hub import errors as hf
+
+    where = f" {repo_id}" if repo_id else ""
+    status = getattr(getattr(e, "response", None), "status_code", None)
+    if isinstance(e, hf.GatedRepoError):       # before RepositoryNotFoundError: its subclass
+        if status == 401 or not s.token:
+            return HubAuthError(
+                f"{repo_id} is gated: the Hub wants a token that has accepted its terms.",
+                f"Accept the terms on {_page(s, repo_id)}, then log in (`hf auth login`) or set "
+                "HF_TOKEN to a token of that account.")
+        return HubAuthError(
+            f"{repo_id} is gated and your token has no access to it (HTTP {status}).",
+            f"Ask for access on {_page(s, repo_id)} with the account of your token, or use a "
+            "token of an account that has it (HF_TOKEN).")
+    if isinstance(e, hf.RepositoryNotFoundError):
+        if status == 401 and not s.token:
+            return HubAuthError(
+                f"{repo_id} was not found, or it is private and needs a token (HTTP 401).",
+                "Check the name; for a private repository log in (`hf auth login`) or set "
+                "HF_TOKEN.")
+        return HubError(f"No repository {repo_id} on {s.endpoint} (HTTP {status}).",
+                        "Check the name (owner/name); `workbench models search` finds models.")
+    if isinstance(e, hf.RevisionNotFoundError):
+        return HubError(f"{repo_id} has no such revision.", "Use the main branch.")
+    if isinstance(e, (hf.RemoteEntryNotFoundError, hf.EntryNotFoundError)):
+        return HubError(f"{repo_id} has no file {what or ''} (HTTP {status}).".replace("  ", " "),
+                        f"`workbench models files {repo_id}` lists its GGUF files.")
+    if isinstance(e, hf.OfflineModeIsEnabled):
+        return HubOfflineError(f"Cannot {what or 'reach the Hub'}: offline mode is on.",
+                               "Unset HF_HUB_OFFLINE.")
+    if isinstance(e, hf.HfHubHTTPError):
+        if status == 401:
+            return HubAuthError(
+                f"The Hub refused the token (HTTP 401) for{where}.",
+                "The token is invalid or expired: log in again (`hf auth login`) or fix "
+                "HF_TOKEN.")
+        if status is not None and status >= 500:
+            return HubError(f"The Hub answered HTTP {status} for{where or ' the request'}: a "
+                            "server error.", "Try again later.")
+        return HubError(f"The Hub answered HTTP {status} for{where or ' the request'}.",
+                        "Check the name and try again.")
+    if isinstance(e, httpx2.TransportError):
+        reason = type(e).__name__ + (f": {e}" if str(e) else "")
+        return HubOfflineError(
+            f"Cannot reach {s.endpoint} ({reason}).",
+            "Check the network (or HF_ENDPOINT). Downloaded models still work: "
+            "`workbench models list`.")
+    if isinstance(e, (ValueError, TypeError, KeyError, AttributeError)):
+        return HubError(f"{s.endpoint} gave an answer the workbench does not understand"
+                        f"{' for ' + repo_id if repo_id else ''} ({type(e).__name__}).",
+                        "Check HF_ENDPOINT; if it is the Hub, try again later.")
+    if isinstance(e, OSError):
+        return HubError(f"Talking to {s.endpoint} failed: {e}.", "Try again.")
+    raise e
+
+
+_CLIENT_ERRORS: tuple[type[BaseException], ...] = (OSError, ValueError, TypeError, KeyError,
+                                                   AttributeError)
+
+
+def _client_errors() -> tuple[type[BaseException], ...]:
+    import httpx2
+
+    return (*_CLIENT_ERRORS, httpx2.HTTPError)
+
+
+def _api(s: HubSettings):
+    from huggingface_hub import HfApi
+
+    return HfApi(endpoint=s.endpoint, token=s.token or False)
+
+
+# ---------------------------------------------------------------- search and listing
+@dataclass(frozen=True)
+class RepoHit:
+    repo_id: str
+    downloads: int
+    likes: int
+    gated: bool
+    updated: str
+
+    def to_dict(self) -> dict:
+        return {"repo": self.repo_id, "downloads": self.downloads, "likes": self.likes,
+                "gated": self.gated, "updated": self.updated}
+
+
+SORTS = ("downloads", "likes")
+
+
+def search(query: str = "", author: str | None = None, sort: str = "downloads",
+           limit: int = 50) -> list[RepoHit]:
+    """Repositories with GGUF files (the Hub's "gguf" tag) matching `query`, by `author`,
+    most downloaded (or liked) first."""
+    if sort not in SORTS:
+        raise ConfigError(f"Unknown sort {sort!r}.", f"Use one of: {', '.join(SORTS)}.")
+    s = hub_settings()
+    _require_online(s, "search the Hub")
+    try:
+        hits = []
+        for m in _api(s).list_models(search=query or None, author=author or None,
+                                     filter="gguf", sort=sort, limit=limit):
+            hits.append(RepoHit(str(m.id), int(m.downloads or 0), int(m.likes or 0),
+                                bool(m.gated), m.last_modified.date().isoformat()
+                                if m.last_modified else ""))
+        return hits
+    except _client_errors() as e:
+        raise hub_error(e, s, author or "", "search") from None
+
+
+@dataclass(frozen=True)
+class HubFile:
+    path: str
+    size: int
+    sha256: str | None            # the LFS oid, None for a file stored in git
+
+
+@dataclass(frozen=True)
+class HubModel:
+    """One GGUF model of a repository: a file, or the parts of a split model in order."""
+
+    repo_id: str
+    files: tuple[HubFile, ...]
+    quant: str
+
+    @property
+    def name(self) -> str:
+        part = split_part(self.files[0].path)
+        return f"{part[0]}.gguf" if part else self.files[0].path
+
+    @property
+    def size(self) -> int:
+        return sum(f.size for f in self.files)
+
+    @property
+    def is_split(self) -> bool:
+        return len(self.files) > 1 or split_part(self.files[0].path) is not None
+
+    def to_dict(self) -> dict:
+        return {"repo": self.repo_id, "name": self.name, "quant": self.quant, "size": self.size,
+                "split": self.is_split, "files": [
+                    {"path": f.path, "size": f.size, "sha256": f.sha256} for f in self.files]}
+
+
+def group_models(repo_id: str, files: Iterable[HubFile]) -> list[HubModel]:
+    """The GGUF models among `files`: each unsplit .gguf alone, the parts `-0000k-of-0000n`
+    of one name together (in order; an incomplete set is still listed, its missing parts
+    named when it is downloaded)."""
+    single, parts = [], {}
+    for f in files:
+        if not is_gguf(f.path):
+            continue
+        sp = split_part(f.path.rsplit("/", 1)[-1])
+        if sp is None:
+            single.append(HubModel(repo_id, (f,), quant_of(f.path)))
+        else:
+            folder = f.path.rsplit("/", 1)[0] + "/" if "/" in f.path else ""
+            parts.setdefault((folder + sp[0], sp[2]), []).append((sp[1], f))
+    for (_stem, _count), found in parts.items():
+        ordered = tuple(f for _k, f in sorted(found, key=lambda kf: kf[0]))
+        single.append(HubModel(repo_id, ordered, quant_of(ordered[0].path)))
+    return sorted(single, key=lambda m: (m.size, m.name))
+
+
+def list_models(repo_id: str, revision: str = "main") -> list[HubModel]:
+    """The GGUF models of a repository with their sizes and quant types (from the names)."""
+    s = hub_settings()
+    _require_online(s, f"list the files of {repo_id}")
+    try:
+        from huggingface_hub.hf_api import RepoFile
+
+        files = [HubFile(e.path, int(e.size), e.lfs.sha256 if e.lfs else None)
+                 for e in _api(s).list_repo_tree(repo_id, recursive=True, revision=revision)
+                 if isinstance(e, RepoFile)]
+    except _client_errors() as e:
+        raise hub_error(e, s, repo_id) from None
+    return group_models(repo_id, files)
+
+
+def choose(models: list[HubModel], spec: ModelSpec) -> HubModel:
+    """The model `spec.select` names: a file name (any part of a split model), a quant type
+    (case-insensitive), or nothing when the repository holds one GGUF model."""
+    if not models:
+        raise HubError(f"{spec.repo_id} holds no GGUF file.", "Search for a GGUF repository: "
+                       "`workbench models search NAME`.")
+    want = spec.select.strip()
+    if want:
+        for m in models:
+            if any(f.path == want or f.path.rsplit("/", 1)[-1] == want for f in m.files):
+                return m
+        hits = [m for m in models if m.quant and m.quant.upper() == want.upper()]
+        if len(hits) == 1:
+            return hits[0]
+        if len(hits) > 1:
+            names = ", ".join(m.name for m in hits)
+            raise ConfigError(f"{spec.repo_id} has {len(hits)} {want.upper()} models: {names}.",
+                              f"Name the file: {spec.repo_id}:{hits[0].files[0].path}.")
+    elif len(models) == 1:
+        return models[0]
+    quants = ", ".join(sorted({m.quant or m.name for m in models}))
+    what = f"no {want!r} model" if want else f"{len(models)} GGUF models"
+    raise ConfigError(f"{spec.repo_id} has {what}; it has: {quants}.",
+                      f"Pick one: {spec.repo_id}:QUANT or {spec.repo_id}:FILE.")
+
+
+# ---------------------------------------------------------------- the cache
+def _storage(s: HubSettings, repo_id: str) -> Path:
+    return s.cache_dir / ("models--" + repo_id.replace("/", "--"))
+
+
+def cached_file(repo_id: str, filename: str, revision: str = "main") -> Path | None:
+    """The cached file of `filename` at `revision` (the client's lookup), else None."""
+    from huggingface_hub import try_to_load_from_cache
+
+    s = hub_settings()
+    try:
+        found = try_to_load_from_cache(repo_id, filename, cache_dir=s.cache_dir,
+                                       revision=revision)
+    except (ValueError, OSError):
+        return None
+    return Path(found) if isinstance(found, str) else None
+
+
+@dataclass(frozen=True)
+class CachedModel:
+    repo_id: str
+    path: Path                 # the snapshot's file (the first part of a split model)
+    name: str
+    quant: str
+    size: int
+    revision: str
+
+
+def cached_models() -> list[CachedModel]:
+    """GGUF models in the Hugging Face cache (every snapshot; split models once, complete
+    sets only). Reads the folders: no network."""
+    s = hub_settings()
+    out: list[CachedModel] = []
+    try:
+        repos = sorted(p for p in s.cache_dir.iterdir() if p.name.startswith("models--"))
+    except OSError:
+        return out
+    for repo_dir in repos:
+        repo_id = repo_dir.name[len("models--"):].replace("--", "/", 1)
+        snapshots = repo_dir / "snapshots"
+        try:
+            commits = sorted(snapshots.iterdir())
+        except OSError:
+            continue
+        for commit in commits:
+            files = []
+            for root, _dirs, names in os.walk(commit):
+                for n in names:
+                    p = Path(root) / n
+                    if is_gguf(n) and p.is_file():
+                        files.append(HubFile(p.relative_to(commit).as_posix(), p.stat().st_size,
+                                             None))
+            for m in group_models(repo_id, files):
+                part = split_part(m.files[0].path.rsplit("/", 1)[-1])
+                if part and len(m.files) != part[2]:
+                    continue                        # an incomplete split model
+                out.append(CachedModel(repo_id, commit / m.files[0].path, m.name, m.quant,
+                                       m.size, commit.name))
+    return out
+
+
+def find_cached(spec: ModelSpec) -> Path | None:
+    """The cached model `spec` names (in the snapshot main points at first, then the others),
+    else None. No network."""
+    s = hub_settings()
+    main = _read_ref(s, spec.repo_id, "main")
+    found: dict[str, CachedModel] = {}
+    for c in sorted((c for c in cached_models() if c.repo_id == spec.repo_id),
+                    key=lambda c: c.revision != main):
+        found.setdefault(c.name, c)
+    if not found:
+        return None
+    cached = list(found.values())
+    models = [HubModel(c.repo_id, (HubFile(c.path.relative_to(
+        _storage(s, c.repo_id) / "snapshots" / c.revision).as_posix(), c.size, None),), c.quant)
+        for c in cached]
+    try:
+        return cached[models.index(choose(models, spec))].path
+    except (ConfigError, HubError):
+        return None
+
+
+def _read_ref(s: HubSettings, repo_id: str, revision: str) -> str | None:
+    try:
+        return (_storage(s, repo_id) / "refs" / revision).read_text().strip() or None
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _place(s: HubSettings, repo_id: str, revision: str, commit: str, filename: str,
+           etag: str, blob: Path) -> Path:
+    """Put a whole, verified blob where the client keeps it and link the snapshot to it."""
+    storage = _storage(s, repo_id)
+    target = storage / "snapshots" / commit / filename
+    target.parent.mkdir(parents=True, exist_ok=True)
+    final_blob = storage / "blobs" / etag
+    os.replace(blob, final_blob)
+    tmp = target.with_name(target.name + ".workbench-link")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.symlink(os.path.relpath(final_blob, target.parent), tmp)
+    except OSError:                     # no symlinks here (Windows without the right): a copy
+        shutil.copyfile(final_blob, tmp)
+    os.replace(tmp, target)
+    if revision != commit:
+        ref = storage / "refs" / revision
+        ref.parent.mkdir(parents=True, exist_ok=True)
+        ref.write_text(commit)
+    return target
+
+
+# ---------------------------------------------------------------- downloads
+@dataclass(frozen=True)
+class RemoteFile:
+    repo_id: str
+    filename: str
+    url: str
+    commit: str
+    etag: str
+    size: int
+
+
+def _metadata(s: HubSettings, repo_id: str, filename: str, revision: str) -> RemoteFile:
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+
+    url = hf_hub_url(repo_id, filename, revision=revision, endpoint=s.endpoint)
+    try:
+        meta = get_hf_file_metadata(url, token=s.token or False, timeout=METADATA_TIMEOUT_S,
+                                    endpoint=s.endpoint)
+    except _client_errors() as e:
+        raise hub_error(e, s, repo_id, filename) from None
+    if not meta.commit_hash or not meta.etag or meta.size is None:
+        raise HubError(f"{s.endpoint} did not say the commit, checksum and size of "
+                       f"{repo_id}/{filename}.", "Check HF_ENDPOINT: it does not answer like "
+                       "the Hub.")
+    if not all(c in "0123456789abcdef" for c in meta.etag.lower()) or "/" in meta.etag:
+        raise HubError(f"The Hub's checksum of {filename} ({meta.etag[:80]!r}) is not one.",
+                       "Check HF_ENDPOINT.")
+    return RemoteFile(repo_id, filename, meta.location or url, meta.commit_hash, meta.etag,
+                      int(meta.size))
+
+
+def _headers(s: HubSettings, extra: dict[str, str] | None = None) -> dict[str, str]:
+    from huggingface_hub.utils import build_hf_headers
+
+    headers = build_hf_headers(token=s.token or False, library_name="gguf-workbench")
+    headers["Accept-Encoding"] = "identity"
+    headers.update(extra or {})
+    return headers
+
+
+def fetch_range(s: HubSettings, remote: RemoteFile, start: int, end: int) -> bytes:
+    """Bytes [start, end) of a remote file (one ranged GET)."""
+    import httpx2
+    from huggingface_hub.utils import get_session, hf_raise_for_status
+
+    try:
+        r = get_session().get(remote.url, headers=_headers(s, {"Range": f"bytes={start}-{end - 1}"}),
+                              follow_redirects=True,
+                              timeout=httpx2.Timeout(METADATA_TIMEOUT_S, read=READ_TIMEOUT_S))
+        hf_raise_for_status(r)
+    except _client_errors() as e:
+        raise hub_error(e, s, remote.repo_id, remote.filename) from None
+    body = r.content
+    if r.status_code == 200:                 # the server ignored the range
+        body = body[start:end]
+    return body
+
+
+def read_header(repo_id: str, filename: str, revision: str = "main") -> tuple[bytes, int]:
+    """(the GGUF header of a remote file, its file size), by ranged reads: 1 MiB, doubled until
+    the header is whole."""
+    from app.engine.hub.header import MAX_HEADER, header_length
+
+    s = hub_settings()
+    _require_online(s, f"read the header of {filename}")
+    remote = _metadata(s, repo_id, filename, revision)
+    data = b""
+    want = min(HEADER_FIRST_FETCH, remote.size)
+    while True:
+        if want > len(data):
+            data += fetch_range(s, remote, len(data), want)
+        n = header_length(data)
+        if n is not None:
+            return data[:n], remote.size
+        if len(data) < want or want >= remote.size or want >= MAX_HEADER:
+            raise HubError(f"The header of {filename} does not end within its first "
+                           f"{len(data):,} bytes.", "The file is not a GGUF model.")
+        want = min(want * 2, remote.size, MAX_HEADER)
+
+
+def what_fits(model: HubModel, rank: int = 16, context: int = 512):
+    """app.engine.hub.header.Fit of a remote model, from its header (weights not fetched). A
+    split model: the architecture of its first part, no estimate (training reads one file)."""
+    from app.engine.hub.header import Fit, fits_here
+
+    first = model.files[0].path
+    header, size = read_header(model.repo_id, first)
+    if model.is_split:
+        fit = fits_here(header, size, first, rank, context)
+        return Fit(fit.architecture, False, None, None,
+                   f"split into {len(model.files)} files: the workbench trains one-file GGUF "
+                   "models (merge the parts with llama-gguf-split --merge)")
+    return fits_here(header, size, first, rank, context)
+
+
+def download(model: HubModel, progress: Progress | None = None, cancel=None,
+             retries: int = 3, revision: str = "main") -> Path:
+    """Every file of `model` into the cache (see the module docstring); the local path of its
+    first file. `cancel` (anything with is_set()) stops between chunks with Cancelled, the
+    partial kept."""
+    total = model.size
+    done_before = 0
+    first = None
+    for f in model.files:
+        def shifted(done: int, _total: int, name: str, base=done_before) -> None:
+            if progress is not None:
+                progress(base + done, total, name)
+        path = download_file(model.repo_id, f.path, shifted, cancel, retries, revision)
+        first = first or path
+        done_before += f.size
+    assert first is not None
+    return first
+
+
+def download_file(repo_id: str, filename: str, progress: Progress | None = None, cancel=None,
+                  retries: int = 3, revision: str = "main") -> Path:
+    """One file into the cache, resumed from a kept partial, verified; its snapshot path."""
+    from filelock import FileLock, Timeout
+
+    s = hub_settings()
+    if s.offline:
+        found = cached_file(repo_id, filename, revision)
+        if found is not None:
+            return found
+        _require_online(s, f"download {repo_id}/{filename}")
+    remote = _metadata(s, repo_id, filename, revision)
+    target = _storage(s, repo_id) / "snapshots" / remote.commit / filename
+    blob = _storage(s, repo_id) / "blobs" / remote.etag
+    if target.is_file() and blob.is_file() and blob.stat().st_size == remote.size:
+        if progress is not None:
+            progress(remote.size, remote.size, filename)
+        return target
+    lock_path = s.cache_dir / ".locks" / _storage(s, repo_id).name / f"{remote.etag}.lock"
+    try:
+        lock_path.parent.mkdir(parents=True, exist_ok=True)
+        blob.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise storage_error(e, blob, "download") from None
+    lock = FileLock(str(lock_path))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        raise HubError(f"{filename} is being downloaded by another process.",
+                       "Wait for it to finish, then run this again.") from None
+    try:
+        partial = blob.with_name(blob.name + PARTIAL_SUFFIX)
+        if not blob.is_file() or blob.stat().st_size != remote.size:
+            _fetch_into(s, remote, partial, progress, cancel, retries)
+            os.replace(partial, blob)
+        return _place(s, repo_id, revision, remote.commit, filename, remote.etag, blob)
+    except OSError as e:
+        raise storage_error(e, blob, "download") from None
+    finally:
+        lock.release()
+
+
+def _hash_file(path: Path, upto: int) -> Any:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        left = upto
+        while left > 0:
+            chunk = f.read(min(CHUNK, left))
+            if not chunk:
+                break
+            h.update(chunk)
+            left -= len(chunk)
+    return h
+
+
+def _fetch_into(s: HubSettings, remote: RemoteFile, partial: Path, progress: Progress | None,
+                cancel, retries: int) -> None:
+    """Fill `partial` up to remote.size with Range requests (resuming from its length), then
+    check the sha256 (LFS files; a git blob's id for the others). A dropped connection is
+    resumed `retries` times here; after that, and on a cancel or a full disk, the partial stays
+    for the next call. A wrong checksum or a longer body than announced removes it."""
+    import httpx2
+
+    have = partial.stat().st_size if partial.exists() else 0
+    if have > remote.size:
+        partial.unlink()
+        have = 0
+    sha = _hash_file(partial, have) if have else hashlib.sha256()
+    tries = 0
+    while have < remote.size:
+        if cancel is not None and cancel.is_set():
+            raise _cancelled(remote, have)
+        try:
+            have, sha = _stream(s, remote, partial, have, sha, progress, cancel)
+        except httpx2.TransportError as e:
+            tries += 1
+            have = partial.stat().st_size
+            sha = _hash_file(partial, have)
+            if tries > retries:
+                raise HubError(
+                    f"The download of {remote.filename} was interrupted ({type(e).__name__}) "
+                    f"at {have:,} of {remote.size:,} bytes, {tries} times.",
+                    "Run the same command again: it resumes from there.") from None
+    if progress is not None:
+        progress(have, remote.size, remote.filename)
+    if len(remote.etag) == 64:
+        got = sha.hexdigest()
+    else:                                    # a file in git: the ETag is its git blob id
+        got = hashlib.sha1(b"blob %d\0" % remote.size + partial.read_bytes()).hexdigest()
+    if got != remote.etag:
+        partial.unlink(missing_ok=True)
+        raise ChecksumError(
+            f"{remote.filename} does not match the Hub's checksum (got {got[:12]}..., "
+            f"expected {remote.etag[:12]}...): the bytes were damaged on the way.",
+            "Run the command again: it downloads the file anew.")
+
+
+def _cancelled(remote: RemoteFile, have: int) -> Cancelled:
+    return Cancelled(f"Download of {remote.filename} cancelled at {have:,} of {remote.size:,} "
+                     "bytes.", "The part downloaded is kept: get the model again to resume.")
+
+
+def _stream(s: HubSettings, remote: RemoteFile, partial: Path, have: int, sha, progress,
+            cancel) -> tuple[int, Any]:
+    """One GET from byte `have` appended to `partial`; (bytes now held, the hash of them)."""
+    import httpx2
+    from huggingface_hub.utils import get_session, hf_raise_for_status
+
+    headers = _headers(s, {"Range": f"bytes={have}-"} if have else None)
+    timeout = httpx2.Timeout(METADATA_TIMEOUT_S, read=READ_TIMEOUT_S)
+    try:
+        with get_session().stream("GET", remote.url, headers=headers, follow_redirects=True,
+                                  timeout=timeout) as r:
+            if r.status_code == 416 and have >= remote.size:
+                return have, sha
+            if r.status_code >= 400:
+                r.read()
+                hf_raise_for_status(r)
+            if have and r.status_code != 206:           # the range was not honoured
+                have, sha = 0, hashlib.sha256()
+            elif have:
+                start = (r.headers.get("Content-Range", "").partition(" ")[2]
+                         .partition("-")[0])
+                if start != str(have):
+                    raise HubError(f"The Hub sent {remote.filename} from the wrong byte "
+                                   f"({start or 'unknown'} instead of {have}).", "Try again.")
+            with open(partial, "r+b" if have else "wb") as f:
+                f.seek(have)
+                f.truncate()
+                for chunk in r.iter_bytes():      # as it arrives: a drop loses nothing
+                    if have + len(chunk) > remote.size:
+                        f.close()
+                        partial.unlink(missing_ok=True)
+                        raise HubError(
+                            f"The Hub sent more of {remote.filename} than its announced size "
+                            f"({remote.size:,} bytes).", "Try again later; the partial file "
+                            "was removed.")
+                    try:
+                        _write(f, chunk)
+                    except OSError as e:
+                        f.truncate(have)                 # keep whole, hashed bytes only
+                        raise _write_error(e, partial, remote, have) from None
+                    sha.update(chunk)
+                    have += len(chunk)
+                    if progress is not None:
+                        progress(have, remote.size, remote.filename)
+                    if cancel is not None and cancel.is_set():
+                        raise _cancelled(remote, have)
+    except httpx2.TransportError:
+        raise
+    except _client_errors() as e:
+        if isinstance(e, OSError) and not isinstance(e, httpx2.HTTPError):
+            raise storage_error(e, partial, "download") from None
+        raise hub_error(e, s, remote.repo_id, remote.filename) from None
+    if have < remote.size:                   # the body ended early without an error
+        raise httpx2.RemoteProtocolError("the body ended before the announced size")
+    return have, sha
+
+
+def _write(f, chunk: bytes) -> None:
+    """The write boundary of a download (the tests put a full disk here)."""
+    f.write(chunk)
+    f.flush()
+
+
+def _write_error(e: OSError, partial: Path, remote: RemoteFile, have: int) -> EngineError:
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DiskFullError(
+            f"The disk is full: {remote.filename} ({remote.size:,} bytes) does not fit in "
+            f"{partial.parent} ({have:,} bytes written).",
+            "Free some space (or move the cache with HF_HOME), then get the model again: the "
+            "download resumes where it stopped.")
+    return storage_error(e, partial, "download")
+
+
+def copy_to(path: Path, folder: str | os.PathLike, link: bool = False) -> Path:
+    """A model's file(s) copied (or hard-linked, else symlinked, with `link`) into `folder`;
+    the new path of `path`. The parts of a split model go along."""
+    folder = Path(folder).expanduser()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise storage_error(e, folder / path.name, "create") from None
+    part = split_part(path.name)
+    sources = sorted(path.parent.glob(f"{part[0]}-*-of-{part[2]:05d}.gguf")) if part else [path]
+    for src in sources:
+        dst = folder / src.name
+        tmp = dst.with_name(dst.name + ".workbench-copy")
+        try:
+            tmp.unlink(missing_ok=True)
+            if link:
+                try:
+                    os.link(os.path.realpath(src), tmp)
+                except OSError:
+                    os.symlink(os.path.realpath(src), tmp)
+            else:
+                shutil.copyfile(src, tmp)
+            os.replace(tmp, dst)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise storage_error(e, dst, "copy") from None
+    return folder / path.name
