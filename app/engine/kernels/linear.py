@@ -1,5 +1,9 @@
 """Linear layers with an optional LoRA term: y = x W^T (+ b) + s * (x A^T) B^T.
 
+A frozen base weight may come as a Bf16Weight (--precision bf16): its two products, x W^T and
+dY W, then run in bf16 with float32 accumulation (app.engine.runtime.bf16.product); the LoRA
+branch, the bias and every gradient stay float32.
+
 Every output row depends on its input row only, so a layer runs as blocks of rows on the
 engine's threads (`product_row_blocks`), with its LoRA branch inside each block: the branch's
 skinny GEMMs (rank columns) run at a fraction of the BLAS rate and, serial, were a fifth of a
@@ -15,6 +19,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple, Sequence
 
 from app.engine.runtime.backend import get_array_module
+from app.engine.runtime.bf16 import product
 from app.engine.runtime.parallel import (parallel_map, product_column_blocks,
                                          product_row_blocks)
 
@@ -77,7 +82,7 @@ def linear_forward_group(x, layers: Sequence[Linear]) -> list[tuple[Any, LinearC
     def rows(piece: tuple[int, slice]) -> None:
         i, r = piece
         layer, y, xa = layers[i], ys[i], xas[i]
-        xp.matmul(base_ins[i][r], layer.w.T, out=y[r])              # (t_r, out)
+        product(base_ins[i][r], layer.w, True, y[r], xp)             # (t_r, out)
         if layer.bias is not None:
             y[r] += layer.bias
         if layer.lora is not None:
@@ -136,7 +141,7 @@ def linear_backward_group(douts: Sequence, caches: Sequence[LinearCache],
     def rows(i: int, block: int) -> None:
         r, dout, cache = blocks[i][block], douts[i], caches[i]
         dx = dxs[i][r]                                                 # (t_r, in)
-        xp.matmul(dout[r], cache.w, out=dx)
+        product(dout[r], cache.w, False, dx, xp)
         if cache.lora is not None:
             a, b, scale = cache.lora
             dxa = dout[r] @ b

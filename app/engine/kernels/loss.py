@@ -14,6 +14,9 @@ Gemma 3's 262,144-token vocabulary, 172 GFLOP of a 800 GFLOP step at context 512
 
 `w_out` is anything with `.shape == (V, C)` whose row slices `w_out[lo:hi]` are float arrays
 (a lazily dequantizing view of a quantized matrix works); it is only ever read by row slices.
+A frozen head may be a Bf16Weight (--precision bf16, app.engine.runtime.bf16): its two
+products, the logits h W^T and dh = dz W, then run in bf16 with float32 accumulation; the
+softmax, the running statistics and the loss stay float32.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from app.engine.runtime.backend import get_array_module
-from app.engine.runtime.parallel import matmul, parallel_map, row_blocks, thread_count
+from app.engine.runtime.bf16 import is_packed, matmul as bf16_matmul, product
+from app.engine.runtime.parallel import (matmul, parallel_map, product_row_blocks, row_blocks,
+                                         thread_count)
 
 VOCAB_CHUNK = 8192   # vocabulary rows per chunk: each chunk's logits are (T, VOCAB_CHUNK)
 
@@ -47,12 +52,31 @@ class CrossEntropyCache(NamedTuple):
     nll: Any = None
 
 
+def _head_product(h, w, transpose: bool):
+    """h @ w^T (transpose) or h @ w on the engine's threads: matmul's column blocks in float32,
+    blocks of rows for a Bf16Weight (its rows are the vocabulary: a block of them would cut
+    the chunk's bf16 weight into strided pieces)."""
+    if not is_packed(w):
+        return matmul(h, w.T if transpose else w)
+    n_out = w.shape[0] if transpose else w.shape[1]
+    out = np.empty((h.shape[0], n_out), np.float32)
+    parallel_map(lambda r: bf16_matmul(h[r], w, transpose, out=out[r]),
+                 product_row_blocks(h.shape[0], h.shape[1], n_out))
+    return out
+
+
+def _rows_of(w_chunk, cols):
+    """Rows `cols` of a chunk as float32 (a Bf16Weight's widened: the values its products
+    used)."""
+    return w_chunk[cols].widened() if is_packed(w_chunk) else w_chunk[cols]
+
+
 def _chunk_logits(xp, h, w_out, lo, hi, lora, ha):
     """Uncapped logits of vocabulary rows lo:hi for the active tokens: (z (n, hi - lo), the
     rows read from w_out). The GEMM runs on the engine's threads; the softcap is applied per
     row block by the caller."""
     w_chunk = w_out[lo:hi]                                              # (v, C)
-    z = matmul(h, w_chunk.T)                                            # (n, v)
+    z = _head_product(h, w_chunk, True)                                 # (n, v)
     if lora is not None:
         z += (lora[2] * ha) @ lora[1][lo:hi].T                          # (n, v)
     return z, w_chunk
@@ -138,7 +162,7 @@ def cross_entropy_frozen_head(h, w_out, labels, token_weights=None, softcap: flo
             w_chunk = w_out[lo:hi]                                      # (v, C)
 
             def accumulate(r: slice) -> None:
-                zr = h_act[r] @ w_chunk.T                               # (n_r, v) logits
+                zr = product(h_act[r], w_chunk, True, xp=xp)            # (n_r, v) logits
                 slope = None
                 if softcap > 0.0:
                     _softcap(xp, zr, softcap)
@@ -147,14 +171,14 @@ def cross_entropy_frozen_head(h, w_out, labels, token_weights=None, softcap: flo
                     xp.subtract(1.0, slope, out=slope)                  # 1 - tanh^2 (n_r, v)
                 rescale, inside = run.merge(zr, r, lab[r], lo, hi)      # zr = exp(z - m_new)
                 cols = lab[r][inside] - lo                              # (n_in,)
-                rows = w_chunk[cols]                                    # (n_in, C) w_label
+                rows = _rows_of(w_chunk, cols)                          # (n_in, C) w_label
                 if slope is not None:
                     zr *= slope
                     rows = rows * slope[inside, cols][:, None]
                 label_rows[r][inside] = rows
                 acc_r = acc[r]                                          # (n_r, C)
                 acc_r *= rescale[:, None]
-                acc_r += zr @ w_chunk
+                acc_r += product(zr, w_chunk, False, xp=xp)
             parallel_map(accumulate, blocks, xp)
     wt = tokens.weights
     _, loss, stats = run.result(wt, lab)
@@ -288,7 +312,7 @@ def cross_entropy_backward(cache, need_dw: bool = False):
                     capped *= capped
                     zr *= 1.0 - capped
             parallel_map(softmax_grad, blocks, xp)
-            dh_rows += matmul(dz, w_chunk)                              # (N, C)
+            dh_rows += _head_product(dz, w_chunk, False)                # (N, C)
             if need_dw:
                 matmul(dz.T, h, out=dw_out[lo:hi])                      # (v, C)
             if lora is not None:

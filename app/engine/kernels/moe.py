@@ -31,6 +31,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from app.engine.runtime.backend import get_array_module
+from app.engine.runtime.bf16 import product
 from app.engine.kernels.activations import gelu_tanh, gelu_tanh_grad, glu_forward, sigmoid
 from app.engine.kernels.linear import linear_forward
 from app.engine.runtime.parallel import parallel_map, row_blocks
@@ -253,15 +254,15 @@ def experts_forward_train(x, order, offsets, token_of, w_gate, w_up, w_down, act
         lo, hi = host_offsets[e], host_offsets[e + 1]
         xe = xs[lo:hi]                                                  # (n, C)
         ge, ue = g_all[lo:hi], u_all[lo:hi]
-        xp.matmul(xe, _expert(w_gate, e, 0).T, out=ge)                  # (n, F)
-        xp.matmul(xe, _expert(w_up, e, 1).T, out=ue)                    # (n, F)
+        product(xe, _expert(w_gate, e, 0), True, ge, xp)                # (n, F)
+        product(xe, _expert(w_up, e, 1), True, ue, xp)                  # (n, F)
         for (lora, acts, out) in ((loras[0], lora_acts[0], ge), (loras[1], lora_acts[1], ue)):
             if lora is not None:
                 xa = xp.matmul(xe, lora[0][e].T, out=acts[lo:hi])       # (n, R)
                 out += (lora[2] * xa) @ lora[1][e].T                    # (n, F)
         a = _glu_act(act, ge)                                           # (n, F)
         a *= ue                                                         # h (n, F)
-        ye = xp.matmul(a, _expert(w_down, e, 2).T, out=ys[lo:hi])       # (n, C)
+        ye = product(a, _expert(w_down, e, 2), True, ys[lo:hi], xp)     # (n, C)
         if loras[2] is not None:
             ha = xp.matmul(a, loras[2][0][e].T, out=lora_acts[2][lo:hi])  # (n, R)
             ye += (loras[2][2] * ha) @ loras[2][1][e].T                 # (n, C)
@@ -316,7 +317,7 @@ def experts_backward(dys, cache, need_dw=(False, False, False), dw_out=None):
         dy, xe = dys[lo:hi], xs[lo:hi]                                  # (n, C)
         # down projection: y = h Wd^T + s (h Ad^T) Bd^T
         wd = _expert(w_down, e, 2)                                      # (C, F)
-        dh = dy @ wd                                                    # (n, F)
+        dh = product(dy, wd, False, xp=xp)                              # (n, F)
         if loras[2] is not None:
             a_d, b_d, s_d = loras[2][0][e], loras[2][1][e], loras[2][2]
             dha = dy @ b_d                                              # (n, R)
@@ -330,8 +331,8 @@ def experts_backward(dys, cache, need_dw=(False, False, False), dw_out=None):
             xp.matmul(dy.T, lora_acts[2][lo:hi], out=dloras[2][1][e])   # (C, R)
             dloras[2][1][e] *= s_d
         # gate and up projections: dx = dg Wg + du Wu (+ LoRA terms)
-        dxe = xp.matmul(dg, _expert(w_gate, e, 0), out=dxs[lo:hi])      # (n, C)
-        dxe += du @ _expert(w_up, e, 1)                                 # (n, C)
+        dxe = product(dg, _expert(w_gate, e, 0), False, dxs[lo:hi], xp)  # (n, C)
+        dxe += product(du, _expert(w_up, e, 1), False, xp=xp)           # (n, C)
         for i, dz in ((0, dg), (1, du)):
             if dws[i] is not None:
                 xp.matmul(dz.T, xe, out=dws[i][e])                      # (F, C)

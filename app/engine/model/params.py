@@ -23,7 +23,8 @@ import numpy as np
 
 from app.engine.kernels.act_quants import quantize_activations
 from app.engine.model.lora import LoraAdapter
-from app.engine.model.weights import WeightStore
+from app.engine.model.weights import PackedExperts, WeightStore
+from app.engine.runtime.bf16 import FP32, Precision
 
 TRAINABLE_TYPES = (0, 1, 30)  # F32, F16, BF16: quantized tensors stay frozen (stop-gradient)
 
@@ -56,6 +57,9 @@ class Params:
         self.llamacpp_numerics = llamacpp_numerics  # see base_input
         self.lora_dropout = 0.0
         self.dropout_seed: tuple[int, ...] = (0,)  # set per micro-batch by the trainer
+        # The frozen base's products in bf16 or float32 (app.engine.runtime.bf16): set by the
+        # trainer from the run's `precision`; inference stays float32.
+        self.precision: Precision = FP32
 
     def has(self, name: str) -> bool:
         return name in self.full or name in self.store
@@ -68,9 +72,24 @@ class Params:
             return self.full[name]
         return self.store.get(name).astype(self.dtype, copy=False)
 
+    def _in_bf16(self, name: str) -> bool:
+        """A frozen base weight whose products run in bf16: under precision bf16, every matrix
+        read from the file but the router's (its logits pick the experts: float32)."""
+        return (self.precision.bf16 and name not in self.full
+                and "ffn_gate_inp" not in name and len(self.store.shape(name)) >= 2)
+
+    def base_weight(self, name: str):
+        """`weight(name)` for a linear layer's base product (app.engine.kernels.linear): a
+        Bf16Weight where `_in_bf16`, else the float32 array."""
+        if self._in_bf16(name):
+            return self.store.packed(name, self.precision.backend)
+        return self.weight(name)
+
     def experts(self, name: str):
         if name in self.full:
             return self.full[name]
+        if self._in_bf16(name):
+            return PackedExperts(self.store, name, self.precision.backend)
         view = self.store.experts(name)
         return view if self.dtype == np.float32 else _Cast(view, self.dtype)
 
@@ -78,6 +97,8 @@ class Params:
         """A 2-D tensor read by row slices (the loss head): see WeightStore.row_view."""
         if name in self.full:
             return self.full[name]
+        if self._in_bf16(name):
+            return self.store.packed(name, self.precision.backend)
         view = self.store.row_view(name)
         if isinstance(view, np.ndarray):
             return view.astype(self.dtype, copy=False)

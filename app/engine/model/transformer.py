@@ -423,7 +423,7 @@ class Model:
             bias_name = name + ".bias"
             lora = params.lora(name + ".weight")
             layers.append(Linear(
-                params.weight(name + ".weight"),
+                params.base_weight(name + ".weight"),
                 params.weight(bias_name) if params.has(bias_name) else None, lora,
                 None if lora is None else params.dropout_mask(name, x.shape, x.dtype),
                 params.base_input(name + ".weight", x)))
@@ -441,7 +441,7 @@ class Model:
         """The summed input gradient of layers that read the same x (in the order given); their
         weight, bias and LoRA gradients go to `grads`."""
         wnames = [lcache.name + ".weight" for lcache in lcaches]
-        caches = [lcache.linear._replace(w=params.weight(wname))
+        caches = [lcache.linear._replace(w=params.base_weight(wname))
                   for lcache, wname in zip(lcaches, wnames)]
         dx, layer_grads = linear_backward_group(dys, caches,
                                                 [params.trains(wname) for wname in wnames])

@@ -22,6 +22,7 @@ from math import prod
 
 import numpy as np
 
+from app.engine.runtime import bf16
 from app.engine.runtime.backend import device_memory
 from app.engine.io.gguf import GGUFFile, dequantize
 
@@ -80,6 +81,30 @@ class WeightStore:
             return self._cached(name, lambda: self.xp.array(self.gguf.array(name)))
         return self._cached(name, lambda: self._dequantize(self.gguf.raw(name),
                                                            info.ggml_type).reshape(info.shape))
+
+    def _float32(self, name: str):
+        """The whole tensor as float32, not cached (what `packed` rounds)."""
+        info = self.gguf.tensors[name]
+        if info.ggml_type == 0:
+            return self.gguf.array(name)      # read once, right away, by the rounding
+        return self._dequantize(self.gguf.raw(name), info.ggml_type).reshape(info.shape)
+
+    def packed(self, name: str, backend: str) -> "bf16.Bf16Weight":
+        """A frozen 2-D weight in bf16 for the base's products (app.engine.runtime.bf16.pack):
+        what the cache holds under --precision bf16, half the float32 bytes. Its float32
+        dequantization is not kept."""
+        return self._cached((name, "bf16"), lambda: bf16.pack(self._float32(name), backend))
+
+    def packed_expert(self, name: str, e: int, backend: str) -> "bf16.Bf16Weight":
+        """Expert e of a 3-D (E, out, in) tensor in bf16 (out, in), cached one expert at a
+        time as `expert` is."""
+        info = self.gguf.tensors[name]
+
+        def make():
+            if info.ggml_type == 0:
+                return bf16.pack(self.gguf.array(name)[e], backend)
+            return bf16.pack(self._dequantize(self.gguf.raw(name)[e], info.ggml_type), backend)
+        return self._cached((name, e, "bf16"), make)
 
     def rows(self, name: str, index: np.ndarray) -> np.ndarray:
         """Rows `index` of a 2-D tensor as float32: (len(index), n_cols)."""
@@ -150,6 +175,25 @@ class ExpertView:
     def tile(self, e: int, slot: int) -> np.ndarray:
         """Expert e, possibly in this thread's reused buffer `slot` (WeightStore.expert_tile)."""
         return self.store.expert_tile(self.name, int(e), slot)
+
+
+class PackedExperts:
+    """ExpertView's bf16 twin: experts as Bf16Weight (WeightStore.packed_expert); `tile` gives
+    the same (a packed expert is half a float32 one, so the cache keeps it whenever
+    budgeted)."""
+
+    def __init__(self, store: WeightStore, name: str, backend: str):
+        self.store, self.name, self.backend = store, name, backend
+        self.shape = store.shape(name)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, e: int):
+        return self.store.packed_expert(self.name, int(e), self.backend)
+
+    def tile(self, e: int, slot: int):
+        return self[e]
 
 
 class RowView:

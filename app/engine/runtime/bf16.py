@@ -40,12 +40,13 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import numpy as np
 
 PRECISIONS = ("auto", "fp32", "bf16")
+ENV = "WORKBENCH_PRECISION"
 INSTALL_HINT = "pip install -e '.[bf16]'"
 # The bench-dense LoRA step, ctx 256, bf16 against float32 on the AVX512-BF16 machine that
 # measured it (docs/PERFORMANCE.md, "bf16 products"): what the reason promises a user without
@@ -162,9 +163,15 @@ def detect(flags: frozenset[str] | None = None, library: bool | None = None,
 
 
 def choose(requested: str = "auto", device: Device | None = None) -> Precision:
-    """`precision` (auto|fp32|bf16) on this device (detect() unless given) -> Precision."""
+    """`precision` (auto|fp32|bf16) on this device (detect() unless given) -> Precision.
+    WORKBENCH_PRECISION=fp32|bf16 in the environment decides what auto means (the test suite
+    sets fp32, so its float32 expectations hold on every CPU: tests/conftest.py)."""
     if requested not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {requested!r}")
+    forced = os.environ.get(ENV, "").strip().lower()
+    if requested == "auto" and forced in ("fp32", "bf16"):
+        chosen = choose(forced, device)
+        return replace(chosen, reason=f"{chosen.reason} ({ENV}={forced})")
     if requested == "fp32":
         return Precision("fp32", None, "float32: asked for (--precision fp32)")
     device = detect() if device is None else device
@@ -181,6 +188,17 @@ def choose(requested: str = "auto", device: Device | None = None) -> Precision:
         return Precision("fp32", None, "float32: this CPU has no bf16 unit")
     return Precision("fp32", None, f"float32: install the bf16 extra: {INSTALL_HINT} "
                                    f"(measured {MEASURED_GAIN} on an {device.unit} CPU)")
+
+
+def choose_precision(requested: str, xp=np) -> Precision:
+    """`choose` for a run computing on `xp`: on a GPU (CuPy) the products stay float32 and say
+    so (bf16 on the GPU's tensor cores is not built yet: docs/PERFORMANCE.md)."""
+    if xp is np:
+        return choose(requested)
+    if requested not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {requested!r}")
+    return Precision("fp32", None, "float32: the GPU path computes in float32 (bf16 on its "
+                                   "tensor cores is not built yet)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,7 +249,9 @@ class Bf16Weight:
 
     def __getitem__(self, rows):
         bits = self.bits[rows]
-        return Bf16Weight(bits, None if self.tensor is None else self.tensor[rows])
+        if self.tensor is None or not isinstance(rows, slice):
+            return Bf16Weight(bits)       # a gather (the labels' rows): read as bits only
+        return Bf16Weight(bits, self.tensor[rows])
 
     def widened(self) -> np.ndarray:
         """The float32 values (a new array): the emulation's operand, and for tests."""
@@ -240,6 +260,15 @@ class Bf16Weight:
 
 def is_packed(w) -> bool:
     return isinstance(w, Bf16Weight)
+
+
+def product(x, w, transpose: bool = True, out=None, xp=np):
+    """x @ w^T (transpose) or x @ w, for a frozen base weight: in bf16 (`matmul`) when w is a
+    Bf16Weight, else xp.matmul in w's own dtype. The kernels call this for the base's
+    products."""
+    if isinstance(w, Bf16Weight):
+        return matmul(x, w, transpose, out)
+    return xp.matmul(x, w.T if transpose else w, out=out)
 
 
 _torch = None

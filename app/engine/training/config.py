@@ -84,6 +84,9 @@ class TrainConfig:
     seed: int = 0
     device: str = "cpu"             # "cpu" (NumPy) or "cuda" (CuPy): where the step computes
     weight_cache_mb: int | None = None  # dequantized weights kept (None: run_cache_budget)
+    # The frozen base's products: "auto" (bf16 where the CPU has a bf16 unit and the bf16 extra
+    # is installed, else float32), "fp32" or "bf16" (app/engine/runtime/bf16.py)
+    precision: str = "auto"
 
     SCHEMA_RULES: ClassVar[dict] = dict(  # app.engine.runtime.schema: what the types cannot say
         mode=TRAIN_MODES, lora_rank=RANK, expert_rank=RANK, lora_alpha=POSITIVE,
@@ -95,7 +98,7 @@ class TrainConfig:
         warmup_fraction=FRACTION, min_lr=AT_LEAST_0,
         max_steps=AT_LEAST_1, grad_accum=AT_LEAST_1, checkpoint_interval=AT_LEAST_0,
         vocab_chunk=AT_LEAST_1, seed=AT_LEAST_0, device=("cpu", "cuda"),
-        weight_cache_mb=AT_LEAST_0)
+        weight_cache_mb=AT_LEAST_0, precision=("auto", "fp32", "bf16"))
 
     @property
     def cache_budget(self) -> int | None:

@@ -22,6 +22,7 @@ import numpy as np
 
 from app.engine.data.batches import Batch
 from app.engine.runtime.backend import to_host
+from app.engine.runtime.bf16 import choose_precision
 from app.engine.model.params import TRAINABLE_TYPES
 from app.engine.training.config import TrainConfig
 from app.engine.training.communicator import Communicator, SingleProcess
@@ -98,6 +99,8 @@ class TrainSession:
         self.params = model.params(self.adapter, full=self.full, training=True)
         self.params.lora_dropout = config.lora_dropout
         self.eval_params = model.params(self.adapter, full=self.full, training=True)  # no dropout
+        self.precision = choose_precision(config.precision, xp)   # the base's products
+        self.params.precision = self.eval_params.precision = self.precision
         self.trainable = {**(adapter_parameters(self.adapter) if self.adapter else {}), **self.full}
         self.schedule = make_schedule(config.schedule, config.lr, config.max_steps,
                                       config.warmup_steps, config.min_lr)
