@@ -72,6 +72,12 @@ class LintReport:
         return self.trained_tokens > 0
 
     @property
+    def training_rows(self) -> int:
+        """The rows that train: accepted and not dropped by the overflow rule (a dropped row is
+        accepted, being a good row, and trains nothing)."""
+        return self.accepted - self.dropped
+
+    @property
     def trained_token_fraction(self) -> float:
         return self.trained_tokens / self.positions if self.positions else 0.0
 
@@ -86,7 +92,7 @@ class LintReport:
             "dropped": self.dropped, "tokens": self.tokens, "positions": self.positions,
             "trained_tokens": self.trained_tokens,
             "trained_token_fraction": round(self.trained_token_fraction, 6),
-            "trains": self.trains,
+            "trains": self.trains, "training_rows": self.training_rows,
             "weights": self.weights, "example": self.example, "notes": self.notes,
         }
 
@@ -310,7 +316,7 @@ def _text_lines(r: LintReport) -> list[str]:
     out = [f"{name}: {r.format} format ({how}), context {r.context} positions "
            f"(rows of up to {r.context + 1} tokens fit), overflow: {r.overflow}",
            # a row the overflow rule drops is not accepted: it trains nothing
-           f"rows: {r.accepted - r.dropped} accepted, "
+           f"rows: {r.training_rows} accepted, "
            + (f"{r.dropped} dropped as longer than the context, " if r.dropped else "")
            + f"{r.rejected_count} rejected (of {r.rows})"]
     if r.rejected:

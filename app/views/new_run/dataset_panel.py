@@ -264,7 +264,10 @@ class DatasetPanel(QWidget):
         self.format_label.show()
         weights = r.weights.get("source", "none")
         norm = r.weights.get("normalization", {}).get("method", "none")
-        parts = [f"{r.rows:,} rows: {r.accepted:,} accepted, {r.rejected_count:,} rejected",
+        # as `lint` says it: accepted are the rows that train (a dropped row trains nothing)
+        dropped = (f"{r.dropped:,} dropped as longer than the context, " if r.dropped else "")
+        parts = [f"{r.rows:,} rows: {r.training_rows:,} accepted, {dropped}"
+                 f"{r.rejected_count:,} rejected",
                  f"{r.trained_tokens:,} trained tokens of {r.positions:,} "
                  f"({100 * r.trained_token_fraction:.0f}%)",
                  f"{r.histogram.get('over_context', 0)} longer than the context "

@@ -415,13 +415,13 @@ class SettingsForm(FormBase):
     def set_lint_report(self, report: LintReport | None) -> None:
         """The dataset's linter report: its windows estimate the run's steps (warmup's note).
         Packed rows share windows of `context` positions; otherwise one row is one window."""
-        if report is None or not report.accepted:
+        if report is None or not report.training_rows:
             self.train_windows = None
         else:
             split = 1 - self.fields["val_split"].value()
             windows = (math.ceil(report.positions / max(report.context, 1))
                        if self.fields["packing"].currentData() == "pack"
-                       else report.accepted + report.split)
+                       else report.training_rows + report.split)   # dropped rows: no window
             self.train_windows = max(1, round(windows * split))
         self._update_warmup()
 

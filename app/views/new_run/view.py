@@ -379,6 +379,10 @@ class NewRunView(QWidget):
                         getattr(self.dataset.error, "message", str(self.dataset.error))))
         elif self.dataset.report is not None and self.dataset.report.accepted == 0:
             out.append(("dataset", "No row of the dataset can be used (see rejected rows)."))
+        elif self.dataset.report is not None and self.dataset.report.training_rows == 0:
+            out.append(("dataset", "No row of the dataset fits the context: all "
+                                   f"{self.dataset.report.dropped:,} are longer and dropped "
+                                   "(Rows longer than context)."))
         for key, msg in self.form.errors().items():
             out.append(("training", f"{key.replace('_', ' ')}: {msg}"))
         name = self.name_field.text().strip()
@@ -456,21 +460,25 @@ class NewRunView(QWidget):
         return True
 
     def _confirm_rejected_rows(self) -> bool:
-        """Ask before training on a dataset whose rows are mostly rejected (more than half),
-        naming the rejected lines and why (the Dataset tab's report). False when the user
-        says No."""
+        """Ask before training on a dataset whose rows mostly cannot train (more than half
+        rejected, or dropped as longer than the context), naming the rejected lines and why
+        and the dropped rows' count (the Dataset tab's report). False when the user says No."""
         r = self.dataset.report
-        if r is None or r.rejected_count * 2 <= r.rows:
+        if r is None or (r.rows - r.training_rows) * 2 <= r.rows:   # rejected or dropped
             return True
         shown = r.rejected[:MAX_REJECTIONS_ASKED]
-        lines = "\n".join(f"line {x.line}: {x.reason}" for x in shown)
+        lines = [f"line {x.line}: {x.reason}" for x in shown]
         more = r.rejected_count - len(shown)
         if more > 0:
-            lines += f"\n... and {more:,} more (Dataset tab)"
+            lines.append(f"... and {more:,} more (Dataset tab)")
+        if r.dropped:
+            lines.append(f"{r.dropped:,} longer than the context ({r.context} positions), "
+                         "dropped (Rows longer than context)")
         answer = QMessageBox.question(
             self, "Train on the few rows left?",
-            f"{r.rejected_count:,} of the {r.rows:,} rows of {os.path.basename(r.path)} cannot be "
-            f"used; the run would train on {r.accepted:,}.\n\n{lines}\n\nStart anyway?",
+            f"{r.rows - r.training_rows:,} of the {r.rows:,} rows of {os.path.basename(r.path)} "
+            f"cannot be used; the run would train on {r.training_rows:,}.\n\n"
+            + "\n".join(lines) + "\n\nStart anyway?",
             QMessageBox.Yes | QMessageBox.No, QMessageBox.No)
         return answer == QMessageBox.Yes
 
@@ -502,7 +510,9 @@ class NewRunView(QWidget):
             parts.append("GRPO: " + self.grpo_panel.summary())
         elif self.data_path():
             name = os.path.basename(self.data_path())
-            parts.append(f"{name} ({r.accepted:,} rows, {r.format})" if r else name)
+            dropped = f", {r.dropped:,} dropped for overflow" if r and r.dropped else ""
+            parts.append(f"{name} ({r.training_rows:,} rows{dropped}, {r.format})" if r
+                         else name)
         mode = self.form.mode()
         if mode != "full":
             parts.append(f"{'LoRA' if mode == 'lora' else 'hybrid'} rank "

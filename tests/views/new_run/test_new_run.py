@@ -225,6 +225,45 @@ def test_settings_change_the_lint(qtbot, view):
     assert view.dataset.histogram_heights()[-1] == report.histogram["over_context"]
 
 
+def test_rows_dropped_for_overflow_are_not_counted_as_training_rows(qtbot, view,
+                                                                    monkeypatch):
+    """Issue 29 item 3: with overflow 'drop', rows longer than the context train nothing; the
+    Dataset tab, the summary, the steps estimate and the mostly-unusable question counted them
+    as accepted rows (the linter's own text says 'N accepted, M dropped')."""
+    from PySide6.QtWidgets import QMessageBox
+    form = view.form
+    form["overflow"].setCurrentIndex(form["overflow"].findData("drop"))
+    form["packing"].setCurrentIndex(form["packing"].findData("none"))
+    form["context"].setValue(64)
+    wait_lint(qtbot, view)
+    r = view.dataset.report
+    assert r.overflow == "drop" and 0 < r.dropped < r.accepted
+    assert r.training_rows == r.accepted - r.dropped == r.to_dict()["training_rows"]
+    assert (f"{r.rows:,} rows: {r.training_rows:,} accepted, {r.dropped:,} dropped as longer "
+            f"than the context, 0 rejected") in view.dataset.summary_label.text()
+    assert (f"chat.jsonl ({r.training_rows:,} rows, {r.dropped:,} dropped for overflow, chat)"
+            in view.summary_label.text())
+    assert form.train_windows == max(1, round(r.training_rows * (1 - form["val_split"].value())))
+
+    form["context"].setValue(32)                     # now most rows are dropped: Start asks
+    wait_lint(qtbot, view)
+    r = view.dataset.report
+    assert r.dropped * 2 > r.rows and r.rejected_count == 0
+    asked = []
+    monkeypatch.setattr(QMessageBox, "question",
+                        lambda *a, **k: asked.append(a[2]) or QMessageBox.No)
+    assert view.create_run() is None and asked
+    assert (f"{r.dropped:,} of the {r.rows:,} rows of chat.jsonl cannot be used; the run would "
+            f"train on {r.training_rows:,}") in asked[0]
+    assert f"{r.dropped:,} longer than the context (32 positions), dropped" in asked[0]
+
+    form["context"].setValue(16)                     # every row dropped: Start cannot start
+    wait_lint(qtbot, view)
+    assert view.dataset.report.training_rows == 0 and not view.start_button.isEnabled()
+    assert ("dataset", "No row of the dataset fits the context: all 300 are longer and "
+            "dropped (Rows longer than context).") in view.problems()
+
+
 def test_lint_runs_off_the_gui_thread(qtbot, ctx):
     release = threading.Event()
     threads = []
