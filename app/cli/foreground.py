@@ -104,9 +104,14 @@ def add_optimizer_options(group, optimizers: tuple[str, ...], lr_help: str) -> N
 
 
 def add_compute_options(group) -> None:
-    """--device and --weight-cache-mb (TrainConfig.device, .weight_cache_mb): train and grpo."""
+    """--device, --precision and --weight-cache-mb (TrainConfig.device, .precision,
+    .weight_cache_mb): train and grpo."""
     group.add_argument("--device", choices=("cpu", "cuda"),
                        help="where the step computes: cpu (NumPy, default) or cuda (CuPy)")
+    group.add_argument("--precision", choices=("auto", "fp32", "bf16"),
+                       help="the frozen base's products: auto (default: bf16 where the CPU has "
+                       "a bf16 unit, AMX or AVX512-BF16, and the bf16 extra is installed, else "
+                       "float32), fp32, or bf16 (emulated, slower, where there is no unit)")
     group.add_argument("--weight-cache-mb", type=int, help="dequantized weights kept in memory "
                        "(default: 40%% of RAM, less where the run would pass two thirds of it; 0: "
                        "dequantize at every use, least memory)")

@@ -123,7 +123,8 @@ def grpo_config_from_args(args):
                      "warmup_fraction": args.warmup_fraction, "gclip": args.gclip,
                      "max_grad_norm": args.max_grad_norm, "weight_decay": args.weight_decay,
                      "checkpoint_interval": args.checkpoint_interval, "seed": args.seed,
-                     "device": args.device, "weight_cache_mb": args.weight_cache_mb,
+                     "device": args.device, "precision": args.precision,
+                     "weight_cache_mb": args.weight_cache_mb,
                      "lora_targets": targets(args.targets) if args.targets else None}
     train.update({k: v for k, v in train_options.items() if v is not None})
     return build_grpo_config(base)

@@ -117,7 +117,7 @@ def run_config_from_args(args):
                "warmup_fraction": args.warmup_fraction, "gclip": args.gclip,
                "max_grad_norm": args.max_grad_norm,
                "weight_decay": args.weight_decay, "checkpoint_interval": args.checkpoint_interval,
-               "seed": args.seed, "device": args.device,
+               "seed": args.seed, "device": args.device, "precision": args.precision,
                "weight_cache_mb": args.weight_cache_mb,
                "lora_targets": targets(args.targets) if args.targets else None,
                "full_targets": targets(args.full_targets) if args.full_targets else None}

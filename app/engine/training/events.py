@@ -71,8 +71,11 @@ TRAIN_STEP = ("step", "total_steps", "epoch", "epochs", "loss", "accuracy", "lr"
 
 # ---- supervised runs (app.engine.training.sft) -------------------------------------------------
 
+# precision: what the frozen base's products compute in and why (app.engine.runtime.bf16:
+# Precision.reason, e.g. "bf16: AVX512-BF16 via oneDNN (PyTorch)"); status.json keeps it.
 SFT_START = EventSchema(START, ("total_steps", "epochs", "steps_per_epoch", "trainable",
-                                "train_rows", "val_rows", "skipped_rows", "resumed_at"))
+                                "train_rows", "val_rows", "skipped_rows", "resumed_at"),
+                        optional=("precision",))
 SFT_STEP = EventSchema(STEP, TRAIN_STEP + ("epoch_loss", "epoch_loss_se", "epoch_accuracy",
                                            "epoch_accuracy_se"))
 SFT_EVAL = EventSchema(EVAL, ("step", "loss", "accuracy", "perplexity", "best"))
@@ -84,7 +87,7 @@ SFT_DONE = EventSchema(DONE, ("step", "reason", "best_step", "best_loss", "skipp
 GRPO_START = EventSchema(START, ("total_steps", "epochs", "trainable", "prompt_rows",
                                  "train_prompts", "val_prompts", "skipped_rows", "group_size",
                                  "prompts_per_step", "advantage", "kl", "rewards", "resumed_at"),
-                         run_kind=GRPO_RUN)
+                         optional=("precision",), run_kind=GRPO_RUN)
 GRPO_STEP = EventSchema(STEP, TRAIN_STEP + (
     "reward_mean", "reward_std", "rewards", "zero_spread_fraction", "completion_len_mean",
     "completion_len_min", "completion_len_max", "completion_clipped_fraction", "advantage_mean",
@@ -150,4 +153,6 @@ def describe(event: dict) -> str | None:
         return None
     if kind == START and event.get("resumed_at"):
         text += f", resumed at step {event['resumed_at']}"
+    if kind == START and event.get("precision"):
+        text += f"; products in {event['precision']}"
     return text

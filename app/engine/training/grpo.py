@@ -532,7 +532,7 @@ def train_grpo(config: GrpoConfig, report: Report, should_stop: ShouldStop,
             advantage=config.advantage, kl=config.kl, epochs=math.ceil(total / per_epoch),
             rewards=[{"name": n, "kind": s.kind, "weight": s.weight}
                      for n, s in zip(names, config.rewards)],
-            resumed_at=session.step_count))
+            resumed_at=session.step_count, precision=session.precision.reason))
 
         def save(tag: str = "") -> None:
             if ckpt_dir is None:

@@ -242,7 +242,8 @@ def train(config: RunConfig, report: Report, should_stop: ShouldStop,
     report(events.SFT_START(total_steps=total, epochs=n_epochs, steps_per_epoch=steps_per_epoch,
                             trainable=session.n_trainable, train_rows=stats.train_rows,
                             val_rows=stats.val_rows, skipped_rows=stats.rejected,
-                            resumed_at=session.step_count))
+                            resumed_at=session.step_count,
+                            precision=session.precision.reason))
     has_val = bool(dataset.val_batches())
 
     def save(tag: str = "") -> None:
