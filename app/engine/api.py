@@ -16,6 +16,8 @@ from app.engine.export.exporter import (ExportTargetExists, export, source_from_
 from app.engine.export.exporter import expected_export_size  # the size before writing
 from app.engine.export.verify import llamacpp_python  # can the llama.cpp cross-check run
 from app.engine.export.evaluate import compare_perplexity  # perplexity as llama-perplexity
+from app.engine.hub import client as hub  # models from the Hugging Face Hub (Get a model...)
+from app.engine.hub.local import FoundModel, discover_models, model_folders
 from app.engine.model.card import (ModelCard, describe_model, human_bytes, human_count,
                                    lora_param_count)
 from app.engine.model.lora import TARGET_GROUPS, load_adapter
@@ -62,6 +64,8 @@ __all__ = [
     "ModelCard", "describe_model", "human_bytes", "human_count", "lora_param_count",
     "TARGET_GROUPS", "load_adapter", "load_model", "chat_prompt_ids", "generation_prompt_ids",
     "check_model_targets",
+    # models on this computer and on the Hugging Face Hub (hub.search, hub.list_models, ...)
+    "FoundModel", "discover_models", "model_folders", "hub",
     # configs, the settings-file schema, datasets, memory
     "DataConfig", "GrpoConfig", "RewardSpec", "RunConfig", "TrainConfig", "build_grpo_config",
     "TRUST_SCOPE", "trust_reward_files", "untrusted_reward_files", "check", "read_config_file",

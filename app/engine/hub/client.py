@@ -30,7 +30,7 @@ import errno
 import hashlib
 import os
 import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,18 +79,27 @@ class HubSettings:
     token: str | None = field(repr=False, default=None)
 
 
-def _hf_home() -> Path:
-    home = os.environ.get("HF_HOME")
-    if home:
-        return Path(os.path.expandvars(home)).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "huggingface"
+def _hf_home(home: Path, env: Mapping[str, str]) -> Path:
+    if env.get("HF_HOME"):
+        return Path(os.path.expandvars(env["HF_HOME"])).expanduser()
+    base = Path(env["XDG_CACHE_HOME"]) if env.get("XDG_CACHE_HOME") else home / ".cache"
+    return base / "huggingface"
+
+
+def hf_cache_dir(home: Path, env: Mapping[str, str]) -> Path:
+    """The hub cache `huggingface_hub` uses under these variables (HF_HUB_CACHE, HF_HOME,
+    XDG_CACHE_HOME) and this home folder."""
+    cache = env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE")
+    if cache:
+        return Path(os.path.expandvars(cache)).expanduser()
+    return _hf_home(home, env) / "hub"
 
 
 def _token() -> str | None:
     token = os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN")
     if not token:
-        path = os.environ.get("HF_TOKEN_PATH") or str(_hf_home() / "token")
+        path = os.environ.get("HF_TOKEN_PATH") or str(_hf_home(Path.home(), os.environ)
+                                                       / "token")
         try:
             token = Path(os.path.expandvars(path)).expanduser().read_text().strip()
         except (OSError, UnicodeDecodeError):
@@ -100,11 +109,10 @@ def _token() -> str | None:
 
 
 def hub_settings() -> HubSettings:
-    cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
     offline = (os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or "")
     return HubSettings(
         endpoint=(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/"),
-        cache_dir=Path(cache).expanduser() if cache else _hf_home() / "hub",
+        cache_dir=hf_cache_dir(Path.home(), os.environ),
         offline=offline.strip().upper() in ("1", "ON", "YES", "TRUE"),
         token=_token())
 
@@ -358,13 +366,13 @@ class CachedModel:
     revision: str
 
 
-def cached_models() -> list[CachedModel]:
-    """GGUF models in the Hugging Face cache (every snapshot; split models once, complete
-    sets only). Reads the folders: no network."""
-    s = hub_settings()
+def cached_models(cache_dir: Path | None = None) -> list[CachedModel]:
+    """GGUF models in the Hugging Face cache (`cache_dir`, default the settings'; every
+    snapshot; split models once, complete sets only). Reads the folders: no network."""
+    cache_dir = hub_settings().cache_dir if cache_dir is None else Path(cache_dir)
     out: list[CachedModel] = []
     try:
-        repos = sorted(p for p in s.cache_dir.iterdir() if p.name.startswith("models--"))
+        repos = sorted(p for p in cache_dir.iterdir() if p.name.startswith("models--"))
     except OSError:
         return out
     for repo_dir in repos:

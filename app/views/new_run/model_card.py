@@ -4,24 +4,22 @@
 replaces it when the read finishes. A failed read is not shown here: `load_failed` hands the
 exception to the window's error funnel.
 
-`discover_models()` lists the GGUF models found in the usual places: llama.cpp's cache, LM
-Studio's model folders and Ollama's blobs (named through its manifests).
+`discover_models()` (app.engine.hub.local, through the engine's door, shared with `workbench
+models list`) lists the GGUF models found in the usual places: the Hugging Face cache,
+llama.cpp's cache, LM Studio's model folders and Ollama's blobs.
 """
 
 from __future__ import annotations
 
-import json
 import os
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable
 
 from PySide6.QtCore import QObject, QRunnable, QSettings, Qt, QThreadPool, Signal
 from PySide6.QtWidgets import (QFileDialog, QFrame, QGridLayout, QHBoxLayout, QLabel, QLineEdit,
                                QListWidget, QListWidgetItem, QProgressBar, QPushButton,
                                QScrollArea, QStackedWidget, QVBoxLayout, QWidget)
 
-from app.engine.api import ModelCard, describe_model, human_bytes
+from app.engine.api import FoundModel, ModelCard, describe_model, discover_models, human_bytes
 from app.views.widgets.tooltips import NEW_RUN_TIPS
 
 LABEL_WIDTH = 190                       # long labels wrap rather than push the values right
@@ -202,106 +200,6 @@ class _MessagePage(QWidget):
             bar.setRange(0, 0)
             layout.addWidget(bar, 0, Qt.AlignHCenter)
         layout.addStretch(2)
-
-
-# ---------------------------------------------------------------- models on this computer
-@dataclass(frozen=True)
-class FoundModel:
-    path: str
-    name: str          # what the user knows it as (file name, or Ollama's "name:tag")
-    source: str        # "llama.cpp cache", "LM Studio", "Ollama"
-    size: int
-
-
-MAX_FOUND = 300
-_SKIP_PREFIXES = ("mmproj", "ggml-vocab")      # vision projectors and vocab-only files
-
-
-def model_folders(home: str | os.PathLike | None = None,
-                  env: Mapping[str, str] | None = None) -> list[tuple[str, Path]]:
-    """(source, folder) pairs where llama.cpp, LM Studio and Ollama keep GGUF files."""
-    env = os.environ if env is None else env
-    home = Path(home) if home is not None else Path.home()
-    llama = [Path(env["LLAMA_CACHE"])] if env.get("LLAMA_CACHE") else []
-    llama += [home / ".cache" / "llama.cpp", home / "Library" / "Caches" / "llama.cpp"]
-    if env.get("LOCALAPPDATA"):
-        llama.append(Path(env["LOCALAPPDATA"]) / "llama.cpp")
-    ollama = [Path(env["OLLAMA_MODELS"])] if env.get("OLLAMA_MODELS") else []
-    ollama.append(home / ".ollama" / "models")
-    out = [("llama.cpp cache", p) for p in llama]
-    out += [("LM Studio", home / ".lmstudio" / "models"),
-            ("LM Studio", home / ".cache" / "lm-studio" / "models")]
-    out += [("Ollama", p) for p in ollama]
-    return out
-
-
-def _gguf_files(folder: Path, max_depth: int = 4):
-    base = len(folder.parts)
-    for root, dirs, files in os.walk(folder):
-        if len(Path(root).parts) - base >= max_depth:
-            dirs[:] = []
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        for f in sorted(files):
-            if f.lower().endswith(".gguf") and not f.lower().startswith(_SKIP_PREFIXES):
-                yield Path(root) / f
-
-
-def _ollama_models(folder: Path):
-    """(name:tag, blob path) of Ollama's models: manifests name the blob of the GGUF layer."""
-    manifests = folder / "manifests"
-    if not manifests.is_dir():
-        return
-    for root, _dirs, files in os.walk(manifests):
-        for tag in files:
-            manifest = Path(root) / tag
-            try:
-                layers = json.loads(manifest.read_text(encoding="utf-8")).get("layers", [])
-            except (OSError, ValueError, AttributeError):
-                continue
-            for layer in layers:
-                if not isinstance(layer, dict) or \
-                        layer.get("mediaType") != "application/vnd.ollama.image.model":
-                    continue
-                digest = str(layer.get("digest", "")).replace(":", "-")
-                blob = folder / "blobs" / digest
-                if blob.is_file():
-                    parts = manifest.relative_to(manifests).parts
-                    repo = parts[-2] if len(parts) >= 2 else "model"
-                    if len(parts) >= 3 and parts[-3] not in ("library",):
-                        repo = f"{parts[-3]}/{repo}"
-                    yield f"{repo}:{tag}", blob
-
-
-def discover_models(home: str | os.PathLike | None = None,
-                    env: Mapping[str, str] | None = None) -> list[FoundModel]:
-    """GGUF models in llama.cpp's cache, LM Studio's and Ollama's folders (those that exist)."""
-    found: list[FoundModel] = []
-    seen: set[str] = set()
-
-    def add(path: Path, name: str, source: str) -> None:
-        key = os.path.realpath(path)
-        if key in seen or len(found) >= MAX_FOUND:
-            return
-        seen.add(key)
-        try:
-            size = path.stat().st_size
-        except OSError:
-            return
-        found.append(FoundModel(str(path), name, source, size))
-
-    for source, folder in model_folders(home, env):
-        if not folder.is_dir():
-            continue
-        try:
-            if source == "Ollama":
-                for name, blob in _ollama_models(folder):
-                    add(blob, name, source)
-            else:
-                for path in _gguf_files(folder):
-                    add(path, path.name, source)
-        except OSError:
-            continue
-    return found
 
 
 # ---------------------------------------------------------------- the picker
