@@ -6,6 +6,7 @@ import dataclasses
 import sys
 
 from app.cli.grpo import execute_grpo
+from app.cli.preference import METHODS, resume_preference
 from app.cli.train import execute_sft
 from app.engine.errors import ConfigError
 from app.engine.training.events import GRPO_RUN, SFT_RUN
@@ -30,7 +31,8 @@ def resume_grpo(run_dir, args) -> int:
     return execute_grpo(run_dir, args.json, args.trust_reward_code, args.allow_changed_data)
 
 
-RESUME = {SFT_RUN: resume_sft, GRPO_RUN: resume_grpo}   # by run kind (app.engine.runs.kinds)
+RESUME = {SFT_RUN: resume_sft, GRPO_RUN: resume_grpo,   # by run kind (app.engine.runs.kinds)
+          **{method: resume_preference for method in METHODS if method != SFT_RUN}}
 
 
 def cmd_resume(args) -> int:

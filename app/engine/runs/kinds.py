@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from app.engine.errors import ConfigError
-from app.engine.training import grpo, sft
+from app.engine.training import grpo, preference, sft
 
 
 @dataclass(frozen=True)
@@ -31,16 +31,25 @@ SFT = RunKind(sft.KIND, sft.RunConfig, sft.run_sft_job, label="SFT", title="Supe
               metric="loss", lower_is_better=True)
 GRPO = RunKind(grpo.KIND, grpo.GrpoConfig, grpo.run_grpo_job, label="GRPO",
                title="GRPO (reward-driven)", metric="reward_mean", lower_is_better=False)
-KINDS = {k.name: k for k in (SFT, GRPO)}
+KINDS = {k.name: k for k in (SFT, GRPO)}    # the run types New run offers
+# Preference runs (app.engine.training.preference): one config class, the method is the kind.
+# Their headline is the held-out preference accuracy (the best checkpoint's too). New run does
+# not offer them yet (`workbench train --method` does): they join KINDS with its Method choice.
+PREFERENCE_KINDS = {m: RunKind(m, preference.PreferenceConfig, preference.run_preference_job,
+                               label=m.upper() if m != "simpo" else "SimPO",
+                               title=preference.METHOD_TITLES[m], metric=preference.HEADLINE,
+                               lower_is_better=False)
+                    for m in preference.METHODS}
+RUN_KINDS = {**KINDS, **PREFERENCE_KINDS}   # every kind a run directory may name
 
 
 def kind_of(config: dict, where: str = "config.json") -> RunKind:
     """The kind a run config names (none: "sft"); an unknown kind is a ConfigError."""
     name = config.get("kind", sft.KIND)
-    if not isinstance(name, str) or name not in KINDS:        # a list is unhashable
+    if not isinstance(name, str) or name not in RUN_KINDS:    # a list is unhashable
         raise ConfigError(f"Unknown run kind {name!r} in {where}.",
-                          f"Use one of {', '.join(KINDS)} (no kind: {sft.KIND}).")
-    return KINDS[name]
+                          f"Use one of {', '.join(RUN_KINDS)} (no kind: {sft.KIND}).")
+    return RUN_KINDS[name]
 
 
 def run_job(run_dir, control) -> str:

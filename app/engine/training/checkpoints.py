@@ -304,15 +304,16 @@ def latest_checkpoint(folder: str | os.PathLike) -> Path | None:
 
 def best_checkpoint(folder: str | os.PathLike) -> tuple[int, Path, float] | None:
     """(step, path, metric) of the best kept checkpoint, as the run loop recorded it in its
-    newest readable checkpoint's run state ("best_step" with "best_loss" (supervised) or
-    "best_reward" (GRPO)); None when no evaluation made one (or it is no longer there)."""
+    newest readable checkpoint's run state ("best_step" with "best_loss" (supervised),
+    "best_reward" (GRPO) or "best_accuracy" (preference runs)); None when no evaluation made
+    one (or it is no longer there)."""
     for path in reversed(list_checkpoints(folder)):
         try:
             run = json.loads(read_meta(path / META))["meta"]["run"]
         except (OSError, CheckpointError, ValueError, KeyError, TypeError):
             continue
         step = run.get("best_step")
-        metric = run.get("best_loss", run.get("best_reward"))
+        metric = run.get("best_loss", run.get("best_reward", run.get("best_accuracy")))
         best = Path(folder) / f"step-{step}"
         if step and isinstance(metric, (int, float)) and best in list_checkpoints(folder):
             return step, best, float(metric)
