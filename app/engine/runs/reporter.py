@@ -16,7 +16,8 @@ import traceback
 from app.engine.errors import EngineError
 from app.engine.runs.rundir import RunDir
 from app.engine.runtime import faults
-from app.engine.training.events import START, STATUS_FIELDS, STEP, describe, event_type
+from app.engine.training.events import (EVAL, EVAL_STATUS_FIELDS, START, STATUS_FIELDS, STEP,
+                                        describe, event_type)
 
 FINAL_STATES = ("done", "failed", "cancelled")   # the states that stamp finished_at
 
@@ -45,6 +46,8 @@ class RunReporter:
         ev = record_event(self.run_dir, event)
         if event_type(ev) == START and ev.get("precision"):   # what the products compute in
             self.run_dir.write_status(precision=ev["precision"])
+        if event_type(ev) == EVAL:      # a preference run's held-out headline
+            self._pending.update({k: ev[k] for k in EVAL_STATUS_FIELDS if k in ev})
         if event_type(ev) == STEP:
             self._pending.update({k: ev[k] for k in STATUS_FIELDS if k in ev})
             last = ev.get("total_steps") is not None and ev.get("step") == ev.get("total_steps")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 # The run kinds whose events differ (config.json's "kind"; app.engine.runs.kinds is the registry).
 SFT_RUN, GRPO_RUN = "sft", "grpo"
+PREFERENCE_RUNS = ("dpo", "orpo", "simpo", "kto")   # app.engine.training.preference
 
 # The envelope.
 TYPE, TIME, RUN_KIND = "type", "time", "kind"
@@ -28,6 +29,8 @@ START, STEP, EVAL, SAMPLES, NORMS, ROUTING, CHECKPOINT, LOG, DONE = (
 # The fields of a step event that status.json keeps (app.engine.runs.reporter; reward_mean: GRPO).
 STATUS_FIELDS = ("step", "total_steps", "epoch", "epochs", "loss", "accuracy", "lr",
                  "tokens_per_s", "elapsed_s", "eta_s", "reward_mean")
+# The fields of an eval event that status.json keeps (preference runs' held-out headline).
+EVAL_STATUS_FIELDS = ("eval_rewards/accuracies", "eval_rewards/margins")
 
 
 @dataclass(frozen=True)
@@ -100,10 +103,36 @@ GRPO_EVAL = EventSchema(EVAL, ("step", "prompts", "reward_mean", "reward_std", "
 GRPO_DONE = EventSchema(DONE, ("step", "reason", "skipped_steps", "elapsed_s"),
                         run_kind=GRPO_RUN)
 
+# ---- preference runs (app.engine.training.preference; TRL's metric names) -------------------------
+
+PAIR_METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins",
+                "rewards/accuracies", "logps/chosen", "logps/rejected")
+METHOD_METRICS = {"dpo": ("nll_loss",), "simpo": ("nll_loss",), "kto": ("kl",),
+                  "orpo": ("nll_loss", "log_odds_ratio", "log_odds_chosen")}
+
+
+def preference_schemas(method: str) -> tuple[EventSchema, ...]:
+    """The start, step, eval and done events of a `method` run (they carry "kind": method). A
+    step has the step's rows' metrics (accuracy: rewards/accuracies), an eval the held-out
+    rows' with the eval_ prefix."""
+    extra = METHOD_METRICS[method]
+    return (EventSchema(START, ("total_steps", "epochs", "trainable", "train_rows", "val_rows",
+                                "skipped_rows", "pairs_per_step", "method", "loss_type", "beta",
+                                "reference", "resumed_at"), run_kind=method),
+            EventSchema(STEP, TRAIN_STEP + PAIR_METRICS[1:] + ("rows",), optional=extra,
+                        run_kind=method),
+            EventSchema(EVAL, ("step", "rows", "best", "eval_s")
+                        + tuple("eval_" + m for m in PAIR_METRICS),
+                        optional=tuple("eval_" + m for m in extra), run_kind=method),
+            EventSchema(DONE, ("step", "reason", "best_step", "best_accuracy", "skipped_steps",
+                               "elapsed_s"), run_kind=method))
+
+
 _COMMON = (LOG_EVENT, NORMS_EVENT, ROUTING_EVENT, CHECKPOINT_EVENT)
 SCHEMAS = {run_kind: {s.type: s for s in _COMMON + own} for run_kind, own in (
     (SFT_RUN, (SFT_START, SFT_STEP, SFT_EVAL, SFT_DONE)),
-    (GRPO_RUN, (GRPO_START, GRPO_STEP, GRPO_SAMPLES, GRPO_EVAL, GRPO_DONE)))}
+    (GRPO_RUN, (GRPO_START, GRPO_STEP, GRPO_SAMPLES, GRPO_EVAL, GRPO_DONE)),
+    *((m, preference_schemas(m)) for m in PREFERENCE_RUNS))}
 
 
 def event_type(event: dict) -> str:

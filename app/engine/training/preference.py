@@ -61,7 +61,6 @@ from app.engine.training import events, fingerprints
 from app.engine.training import preference_losses as losses
 from app.engine.training.checkpoints import prune_checkpoints, save_checkpoint
 from app.engine.training.config import TrainConfig
-from app.engine.training.events import EventSchema
 from app.engine.training.grpo import step_prompts
 from app.engine.training.memory import check_run_memory, run_cache_budget
 from app.engine.training.session import TrainSession
@@ -71,17 +70,13 @@ from app.engine.training.sft import (RUN_LENGTHS, before_training, guarded_step,
 Report = Callable[[dict], None]
 ShouldStop = Callable[[], "str | None"]
 
-METHODS = ("dpo", "orpo", "simpo", "kto")
+METHODS = events.PREFERENCE_RUNS
 DEFAULT_BETA = {"dpo": 0.1, "simpo": 2.0, "kto": 0.1, "orpo": 0.1}   # TRL's; SimPO's paper
 USES_REFERENCE = ("dpo", "kto")
 METHOD_TITLES = {"dpo": "DPO (preference pairs)", "orpo": "ORPO (pairs, no reference)",
                  "simpo": "SimPO (pairs, no reference)", "kto": "KTO (good/bad completions)"}
 HEADLINE = "eval_rewards/accuracies"     # what Runs shows and the best checkpoint maximises
 
-PAIR_METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins",
-                "rewards/accuracies", "logps/chosen", "logps/rejected")
-METHOD_METRICS = {"dpo": ("nll_loss",), "simpo": ("nll_loss",), "kto": ("kl",),
-                  "orpo": ("nll_loss", "log_odds_ratio", "log_odds_chosen")}
 
 
 # ---- configuration -------------------------------------------------------------------------------
@@ -193,36 +188,12 @@ def build_preference_config(d: dict) -> PreferenceConfig:
 
 # ---- events ---------------------------------------------------------------------------------------
 
-def event_schemas(method: str) -> dict[str, EventSchema]:
-    """The start, step, eval and done events of a `method` run (they carry "kind": method)."""
-    extra = METHOD_METRICS[method]
-    return {s.type: s for s in (
-        EventSchema(events.START, ("total_steps", "epochs", "trainable", "train_rows",
-                                   "val_rows", "skipped_rows", "pairs_per_step", "method",
-                                   "loss_type", "beta", "reference", "resumed_at"),
-                    run_kind=method),
-        EventSchema(events.STEP, events.TRAIN_STEP + PAIR_METRICS[1:] + ("rows",),
-                    optional=extra, run_kind=method),
-        EventSchema(events.EVAL, ("step", "rows", "best", "eval_s")
-                    + tuple("eval_" + m for m in PAIR_METRICS),
-                    optional=tuple("eval_" + m for m in extra), run_kind=method),
-        EventSchema(events.DONE, ("step", "reason", "best_step", "best_accuracy",
-                                  "skipped_steps", "elapsed_s"), run_kind=method))}
-
-
-SCHEMAS = {m: {**{s.type: s for s in (events.LOG_EVENT, events.NORMS_EVENT,
-                                      events.ROUTING_EVENT, events.CHECKPOINT_EVENT)},
-               **event_schemas(m)} for m in METHODS}
+SCHEMAS = events.SCHEMAS       # by method: app.engine.training.events.preference_schemas
 
 
 def problems(event: dict, method: str) -> list[str]:
     """What is wrong with a recorded event of a `method` run ([] when it fits)."""
-    schema = SCHEMAS[method].get(events.event_type(event))
-    if schema is None:
-        return [f"{events.event_type(event)!r} is not an event of {method} runs"]
-    if event.get(events.RUN_KIND) != schema.run_kind:
-        return [f"a {schema.type} event carries kind {event.get(events.RUN_KIND)!r}"]
-    return schema.problems(event)
+    return events.problems(event, method)
 
 
 # ---- sequences -> micro-batches -------------------------------------------------------------------
