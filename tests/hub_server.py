@@ -15,8 +15,9 @@ Errors come the Hub's way: `X-Error-Code` RepoNotFound / EntryNotFound / GatedRe
 gated repository without a token and 403 with a token that has no access.
 
 Faults (attributes of the server, set by a test): `drop_after[file] = n` closes the connection
-after n bytes of that file's body, once (then the entry is removed); `corrupt` (file names)
-serves a flipped byte under the right checksum; `status[key] = code` answers `code` for a request
+after n bytes of that file's body, once (then the entry is removed), in a download (a GET with
+no Range or an open one, `bytes=N-`; not a header's closed range); `corrupt` (file names)
+serves its last byte flipped under the right checksum; `status[key] = code` answers `code` for a request
 whose path contains `key`; `garbage` (path fragments) answers "{not json" with 200;
 `advertised_size[file] = n` announces a size other than the real one. `requests` records
 (method, path, Range header) of every request, `authorizations` the Authorization headers.
@@ -45,6 +46,7 @@ import numpy as np
 import pytest
 
 GOLDEN = Path(__file__).parent / "data" / "golden"
+SAMPLE = Path(__file__).parent.parent / "sample_data"
 TOKEN = "hf_test_token_0123456789"          # the only token the gated repository accepts
 
 
@@ -118,6 +120,8 @@ def build_repos(folder: Path) -> dict[str, Repo]:
     - `wb-test/tiny-mixtral-GGUF`: tiny-mixtral-Q8_0.gguf and the split
       tiny-mixtral-F32-00001-of-00002.gguf / -00002-of-00002.gguf;
     - `gated-org/tiny-gemma-GGUF` (gated): tiny-gemma-Q8_0.gguf;
+    - `wb-test/tiny-moe-GGUF`: the sample model (sample_data/tiny-moe.gguf), trainable on
+      sample_data/chat.jsonl;
     - `wb-test/tiny-llama` (no GGUF: not a search hit with filter=gguf)."""
     folder.mkdir(parents=True, exist_ok=True)
     shards = write_split_gguf(GOLDEN / "mixtral-f32.gguf", folder, "tiny-mixtral-F32")
@@ -133,6 +137,8 @@ def build_repos(folder: Path) -> dict[str, Repo]:
             **{p.name: p.read_bytes() for p in shards}}, downloads=300, likes=40),
         Repo("gated-org/tiny-gemma-GGUF", {"tiny-gemma-Q8_0.gguf": read("gemma3-q8_0.gguf")},
              downloads=50, likes=2, gated=True),
+        Repo("wb-test/tiny-moe-GGUF", {"tiny-moe.gguf": (SAMPLE / "tiny-moe.gguf").read_bytes()},
+             downloads=10, likes=1),
         Repo("wb-test/tiny-llama", {"config.json": b"{}"}, downloads=9999, likes=99,
              tags=("safetensors",)),
     ]}
@@ -306,7 +312,7 @@ class _Handler(BaseHTTPRequestHandler):
         etag = etag_of(file, data)
         size = hub.advertised_size.get(file, len(data))
         if file in hub.corrupt:
-            data = bytes([data[0] ^ 0xFF]) + data[1:]
+            data = data[:-1] + bytes([data[-1] ^ 0xFF])     # in the weights, not the header
         headers = {"X-Repo-Commit": repo.commit, "ETag": f'"{etag}"', "Accept-Ranges": "bytes"}
         if is_lfs(file):
             headers["X-Linked-Etag"] = f'"{etag}"'
@@ -328,9 +334,10 @@ class _Handler(BaseHTTPRequestHandler):
         if self.command == "HEAD":
             headers["Content-Length"] = size
             return self._send(200, b"", headers, "application/octet-stream")
+        downloading = not rng or rng.endswith("-")       # not a header's closed range
         with hub._lock:
             cut = hub.drop_after.get(file)
-            if cut is not None and start < cut:
+            if cut is not None and start < cut and downloading:
                 del hub.drop_after[file]        # once
             else:
                 cut = None

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from app.cli.models import model_argument
 from app.cli.foreground import (TARGET_ALIASES, TRAINING_DEFAULTS, Progress, add_adapter_options,
                                add_compute_options, add_optimizer_options, add_queue_options,
                                clock, run_in_foreground, show_defaults, start_run)
@@ -98,6 +99,7 @@ def grpo_config_from_args(args):
     base.pop("kind", None)
     check({"model": "", "prompts": "", **base}, GrpoConfig, args.config)
     train = base.setdefault("train", {})
+    args.model = model_argument(args.model, args.rank)   # owner/name:QUANT: through the Hub's
     for key, value in (("model", args.model), ("prompts", args.prompts),
                        ("adapter", args.adapter)):
         if value is not None:

@@ -17,6 +17,7 @@ from app.cli.evaluate import add_eval_parser, cmd_eval
 from app.cli.resume import cmd_resume
 from app.cli.train import add_train_parsers, cmd_train
 from app.cli.grpo import add_grpo_parser, cmd_grpo
+from app.cli.models import add_models_parser, cmd_models
 from app.cli.output import ensure_standard_streams, guarded_output, silence
 from app.engine.errors import ConfigError, EngineError, MissingModuleError
 from app.engine.training import events
@@ -134,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_parsers(sub)
     add_grpo_parser(sub)
     add_eval_parser(sub)
+    add_models_parser(sub)
 
     p = sub.add_parser("new-model", help="write a freshly initialised small model (train from scratch)")
     p.add_argument("--tokenizer", required=True, help="GGUF file whose tokenizer is copied")
@@ -640,7 +642,8 @@ def cmd_export(args) -> int:
 COMMANDS = {"lint": cmd_lint, "info": cmd_info, "generate": cmd_generate, "logits": cmd_logits,
             "tokenize": cmd_tokenize, "new-model": cmd_new_model,
             "queue": cmd_queue, "cluster": cmd_cluster, "runs": cmd_runs, "train": cmd_train,
-            "resume": cmd_resume, "export": cmd_export, "grpo": cmd_grpo, "eval": cmd_eval}
+            "resume": cmd_resume, "export": cmd_export, "grpo": cmd_grpo, "eval": cmd_eval,
+            "models": cmd_models}
 
 
 def _print_error(e: EngineError) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from app.cli.models import model_argument
 from app.cli.foreground import (TARGET_ALIASES, TRAINING_DEFAULTS, Progress, add_adapter_options,
                                add_compute_options, add_optimizer_options, add_queue_options,
                                run_in_foreground, show_defaults, start_run)
@@ -100,6 +101,7 @@ def run_config_from_args(args):
 
     base = read_config_file(args.config) if args.config else {}
     check({"model": "", "data": "", **base}, RunConfig, args.config)
+    args.model = model_argument(args.model, args.rank, args.ctx)   # owner/name:QUANT: the Hub's
     base.setdefault("train", {})
     base.setdefault("data_config", {})
     train, data = base["train"], base["data_config"]

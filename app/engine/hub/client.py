@@ -494,13 +494,18 @@ def fetch_range(s: HubSettings, remote: RemoteFile, start: int, end: int) -> byt
     import httpx2
     from huggingface_hub.utils import get_session, hf_raise_for_status
 
-    try:
-        r = get_session().get(remote.url, headers=_headers(s, {"Range": f"bytes={start}-{end - 1}"}),
-                              follow_redirects=True,
-                              timeout=httpx2.Timeout(METADATA_TIMEOUT_S, read=READ_TIMEOUT_S))
-        hf_raise_for_status(r)
-    except _client_errors() as e:
-        raise hub_error(e, s, remote.repo_id, remote.filename) from None
+    for attempt in range(3):                 # a dropped connection: the range again
+        try:
+            r = get_session().get(remote.url, follow_redirects=True,
+                                  headers=_headers(s, {"Range": f"bytes={start}-{end - 1}"}),
+                                  timeout=httpx2.Timeout(METADATA_TIMEOUT_S, read=READ_TIMEOUT_S))
+            hf_raise_for_status(r)
+            break
+        except httpx2.TransportError as e:
+            if attempt == 2:
+                raise hub_error(e, s, remote.repo_id, remote.filename) from None
+        except _client_errors() as e:
+            raise hub_error(e, s, remote.repo_id, remote.filename) from None
     body = r.content
     if r.status_code == 200:                 # the server ignored the range
         body = body[start:end]

@@ -21,6 +21,7 @@ from tests.hub_server import TOKEN
 LLAMA = "wb-test/tiny-llama-GGUF"
 MIXTRAL = "wb-test/tiny-mixtral-GGUF"
 GATED = "gated-org/tiny-gemma-GGUF"
+MOE = "wb-test/tiny-moe-GGUF"
 Q8 = "tiny-llama-Q8_0.gguf"
 
 
@@ -45,9 +46,10 @@ def _leftovers(repo: str, hub) -> dict[str, list[str]]:
 
 def test_search_finds_gguf_repositories_sorted_and_by_author(hub):
     hits = client.search("tiny")
-    assert [h.repo_id for h in hits] == [LLAMA, MIXTRAL, GATED]      # downloads, descending
+    assert [h.repo_id for h in hits] == [LLAMA, MIXTRAL, GATED, MOE]  # downloads, descending
     assert (hits[0].downloads, hits[0].likes) == (1200, 7)
-    assert [h.repo_id for h in client.search("tiny", sort="likes")] == [MIXTRAL, LLAMA, GATED]
+    assert [h.repo_id for h in client.search("tiny", sort="likes")] == [MIXTRAL, LLAMA, GATED,
+                                                                        MOE]
     assert [h.repo_id for h in client.search("", author="gated-org")] == [GATED]
     assert hits[2].gated
     with pytest.raises(ConfigError, match="sort"):
