@@ -91,11 +91,12 @@ ROWS = (
 )
 
 
-def run_impl(path: Path, row: Row, impl: str, steps: int, device: str) -> dict:
+def run_impl(path: Path, row: Row, impl: str, steps: int, device: str,
+             precision: str = "fp32") -> dict:
     cmd = [sys.executable, "-m", "bench", "train", "--model", str(path), "--mode", row.mode,
            "--rank", str(row.rank), "--targets", row.targets, "--ctx", str(row.ctx),
            "--checkpoint", str(row.checkpoint), "--steps", str(steps), "--impl", impl,
-           "--device", device, "--json"]
+           "--device", device, "--precision", precision, "--json"]
     if row.weight_cache_mb is not None and impl == "ours":
         cmd += ["--weight-cache-mb", str(row.weight_cache_mb)]
     try:
@@ -118,28 +119,44 @@ def best_of(results: list[dict]) -> dict:
     return {**best, "rounds_tokens_per_s": [r.get("tokens_per_s") for r in results]}
 
 
-def run_row(row: Row, steps: int, device: str, rounds: int = 1) -> dict:
+def variant(impl: str, precision: str, precisions: tuple[str, ...]) -> str:
+    """The result key of an implementation in a precision: the implementation itself for the
+    first precision of the run (what the table has always shown), else "impl/precision"."""
+    return impl if precision == precisions[0] else f"{impl}/{precision}"
+
+
+def run_row(row: Row, steps: int, device: str, rounds: int = 1,
+            precisions: tuple[str, ...] = ("fp32",)) -> dict:
     """Every implementation of one configuration, and how ours compares. The large-GEMM rate
     is measured again right before the row: on a shared machine it drifts during a run.
 
     With rounds > 1 the implementations take turns (ours, peer, ours, peer, ...) and each keeps
     its best round: on the shared development VM one implementation's run could otherwise
     catch a slow minute that the other did not (the peer's full fine-tuning row measured 1,586
-    and 2,348 tokens/s in two runs of the same hour)."""
-    out = {"label": row.label, "config": asdict(row), "target": row.target}
+    and 2,348 tokens/s in two runs of the same hour).
+
+    Each implementation runs in each of `precisions` (--precision fp32,bf16: ours in float32
+    and bf16, the peer in float32 and under bf16 autocast), all taking turns in each round;
+    "ratio" compares ours with the peer in the first precision, "ratios" every variant with
+    ours in the first."""
+    out = {"label": row.label, "config": asdict(row), "target": row.target,
+           "precisions": list(precisions)}
     path = model_path(row.model)
     if path is None:
         return {**out, "skipped": f"{row.model} is not installed"}
     large = out["matmul_gflops_large"] = gemm_gflops(*LARGE_GEMM, repeat=5)
     impls = ("ours", *row.peers)
-    runs: dict[str, list[dict]] = {impl: [] for impl in impls}
+    variants = {variant(impl, p, precisions): (impl, p) for p in precisions for impl in impls
+                if impl != "llama.cpp" or p == precisions[0]}
+    out["variants"] = list(variants)
+    runs: dict[str, list[dict]] = {key: [] for key in variants}
     for _ in range(rounds):
-        for impl in impls:
-            if runs[impl] and "tokens_per_s" not in runs[impl][-1]:
+        for key, (impl, precision) in variants.items():
+            if runs[key] and "tokens_per_s" not in runs[key][-1]:
                 continue                    # skipped or failed: it would be again
-            runs[impl].append(run_impl(path, row, impl, steps, device))
-    for impl in impls:
-        result = out[impl] = best_of(runs[impl])
+            runs[key].append(run_impl(path, row, impl, steps, device, precision))
+    for key in variants:
+        result = out[key] = best_of(runs[key])
         if result.get("gflops_per_s"):
             result["matmul_pct"] = 100 * result["gflops_per_s"] / large
             result["matmul_bound_tokens_per_s"] = row.ctx * large * 1e9 / result["flops"]["total"]
@@ -149,6 +166,9 @@ def run_row(row: Row, steps: int, device: str, rounds: int = 1) -> dict:
     if ours.get("tokens_per_s") and peer.get("tokens_per_s"):
         out["ratio"] = ours["tokens_per_s"] / peer["tokens_per_s"]
         out["meets_target"] = out["ratio"] >= row.target
+    if len(precisions) > 1 and ours.get("tokens_per_s"):
+        out["ratios"] = {key: out[key]["tokens_per_s"] / ours["tokens_per_s"]
+                         for key in variants if out[key].get("tokens_per_s")}
     return out
 
 
@@ -157,14 +177,14 @@ def run_row(row: Row, steps: int, device: str, rounds: int = 1) -> dict:
 LABEL_WIDTH = 38
 PHASE_COLUMNS = {"data": "data", "forward": "fwd", "loss": "loss", "backward": "bwd",
                  "recompute": "recomp", "optimizer": "optim", "dequant": "deq", "other": "other"}
-HEADER = (f"{'configuration':<{LABEL_WIDTH}} {'impl':<9} {'tok/s':>7} {'step ms':>8} |"
+HEADER = (f"{'configuration':<{LABEL_WIDTH}} {'impl':<9} {'prec':<5} {'tok/s':>7} {'step ms':>8} |"
           + "".join(f"{short:>7}" for short in PHASE_COLUMNS.values())
           + f" | {'GFLOP/s':>7} {'%mm':>4} | {'RSS MB':>6} {'bound':>6} {'/bd':>5} | notes")
 
 
 def format_impl(label: str, r: dict, row_result: dict) -> str:
     """One implementation's line; llama.cpp has no phases, FLOPs or bound."""
-    head = f"{label:<{LABEL_WIDTH}} {r['impl']:<9} "
+    head = f"{label:<{LABEL_WIDTH}} {r['impl']:<9} {r.get('precision_used', ''):<5} "
     if not r.get("tokens_per_s"):
         return head + (r.get("skipped") or r.get("error") or r.get("refused", ""))
     blank = lambda width: " " * width
@@ -174,7 +194,15 @@ def format_impl(label: str, r: dict, row_result: dict) -> str:
     bound = (f"{r['memory_bound_mb']['total']:6.0f} {r['rss_over_bound']:5.2f}"
              if "rss_over_bound" in r else blank(12))
     notes = ""
-    if r["impl"] == "ours":
+    precisions = tuple(row_result.get("precisions", ("fp32",)))
+    precision = r.get("precision", precisions[0])
+    key = variant(r["impl"], precision, precisions)
+    if key != "ours" and key in row_result.get("ratios", {}):
+        notes = f"{row_result['ratios'][key]:.2f}x ours in {precisions[0]}"
+        peer = row_result.get(variant("torch", precision, precisions), {})
+        if r["impl"] == "ours" and peer.get("tokens_per_s"):
+            notes += f"; {r['tokens_per_s'] / peer['tokens_per_s']:.2f}x the peer in {precision}"
+    elif r["impl"] == "ours":
         notes = f"GEMM {row_result['matmul_gflops_large']:.0f} GFLOP/s"
         if "ratio" in row_result:
             verdict = "ok" if row_result["meets_target"] else "MISSED"
@@ -193,8 +221,8 @@ def print_row(result: dict) -> None:
         print(f"{result['label']:<{LABEL_WIDTH}} {'-':<9} {result['skipped']}", flush=True)
         return
     label = result["label"]
-    for impl in ("ours", *result["config"]["peers"]):
-        print(format_impl(label, result[impl], result), flush=True)
+    for key in result.get("variants", ("ours", *result["config"]["peers"])):
+        print(format_impl(label, result[key], result), flush=True)
         label = ""
 
 
@@ -213,6 +241,9 @@ def main(argv=None) -> None:
     parser.add_argument("--out", type=Path, help="the JSON file (default bench/results/...)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="runs of each implementation, taking turns; each keeps its best")
+    parser.add_argument("--rows", help="only the rows whose label contains one of these "
+                        "semicolon-separated strings (e.g. 'bench-dense full c256;bench-moe-q8_0 lora')",
+                        type=lambda text: [t.strip() for t in text.split(";") if t.strip()])
     workload_args(parser)
     args = parser.parse_args(argv)
     reason = device_unavailable(args.device, "ours")
@@ -220,7 +251,9 @@ def main(argv=None) -> None:
         print(reason)
         return
     steps = args.steps or (3 if args.quick else STEPS)
-    rows = [r for r in ROWS if r.quick or not args.quick]
+    precisions = tuple(p.strip() for p in args.precision.split(",") if p.strip())
+    rows = [r for r in ROWS if (r.quick or not args.quick)
+            and (not args.rows or any(text in r.label for text in args.rows))]
     rates = matmul_rates()
     info = machine(rates)
     print(f"{info['host']}: {info['cpu']}, {info['threads']} threads; {steps} timed steps "
@@ -230,7 +263,7 @@ def main(argv=None) -> None:
     print(HEADER)
     results = []
     for row in rows:
-        results.append(run_row(row, steps, args.device, args.rounds))
+        results.append(run_row(row, steps, args.device, args.rounds, precisions))
         print_row(results[-1])
     print("phases in ms (medians; dequant is inside the others). %mm: share of the large-GEMM "
           "rate measured before the row (GEMM in the notes); the peer's GFLOP/s counts our FLOPs."

@@ -26,6 +26,9 @@ CPU, written the way a competent PyTorch engineer would write it. Optional dev d
   12.5 vs 94 and 112 ms).
 - Gradient checkpointing: torch.utils.checkpoint (non-reentrant) over segments of `interval`
   layers. Threads: torch.set_num_threads(the bench's thread count).
+- Precision: float32, or with --precision bf16 torch.autocast("cpu", dtype=torch.bfloat16)
+  around the forward and the loss (its linear layers and matmuls in bf16, cross-entropy in
+  float32), the backward outside it: how a PyTorch user runs bf16 on a CPU with the units.
 
 Only the llama architecture is implemented; other ones raise bench.train.Unsupported.
 """
@@ -204,6 +207,18 @@ class TorchPeer:
         return F.cross_entropy(self.logits(self.hidden(tokens)), labels, ignore_index=-1)
 
 
+def autocast_precision(requested: str):
+    """The peer's precision for the row's --precision: bf16 (torch.autocast) or fp32; auto is
+    what ours would choose on this CPU (app.engine.runtime.bf16.choose)."""
+    from app.engine.runtime.bf16 import Precision, choose
+
+    if requested == "auto":
+        requested = choose("auto").name
+    if requested == "bf16":
+        return Precision("bf16", "autocast", "bf16: torch.autocast('cpu', dtype=torch.bfloat16)")
+    return Precision("fp32", None, "float32")
+
+
 class TorchTrainer:
     """The peer's training step behind the interface bench.train.measure times."""
 
@@ -230,6 +245,12 @@ class TorchTrainer:
         self.optimizer = torch.optim.AdamW(
             self.params, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps,
             weight_decay=config.weight_decay, fused=True)
+        self.precision = autocast_precision(w.precision)
+
+    def _autocast(self):
+        """torch.autocast on the CPU in bf16 when the row asks for bf16 (the backward runs
+        outside it, as PyTorch recommends), else nothing."""
+        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.precision.bf16)
 
     def logits(self, tokens: np.ndarray) -> np.ndarray:
         with torch.no_grad():
@@ -240,9 +261,9 @@ class TorchTrainer:
 
     def step(self, batch) -> float:
         tokens, labels = batch
-        with phase("forward"):
+        with self._autocast(), phase("forward"):
             x = self.peer.hidden(tokens)
-        with phase("loss"):
+        with self._autocast(), phase("loss"):
             loss = F.cross_entropy(self.peer.logits(x), labels, ignore_index=-1)
         with phase("backward"):
             loss.backward()

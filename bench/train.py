@@ -3,11 +3,16 @@ same command).
 
     python -m bench train --model M.gguf|NAME --mode lora|full [--rank R] [--targets a,b]
                           [--ctx C] [--steps N] [--checkpoint N] [--impl ours|torch|llama.cpp]
-                          [--device cpu|cuda] [--json]
+                          [--device cpu|cuda] [--precision fp32|bf16|auto] [--json]
 
 prints one JSON object. NAME is a model of bench/models.py (e.g. bench-moe-q8_0, gemma3-270m).
 --impl: ours (app.engine's TrainSession), torch (the PyTorch peer, bench/torch_peer.py) or
 llama.cpp (llama-finetune, bench/llamacpp.py).
+--precision (default fp32, the table's rows so far): ours' TrainConfig.precision (the frozen
+base's products in bf16: app/engine/runtime/bf16.py; auto as a run resolves it); the peer's
+bf16 is torch.autocast("cpu", dtype=torch.bfloat16) around its forward and loss, as a PyTorch
+user on such a CPU would run it (auto: the peer autocasts where ours would choose bf16). The
+row says what ran ("precision_used", ours' reason in "precision_reason").
 
 The step, identical on every side: one sequence of C random token ids (fixed seed) with the
 next token as label; AdamW (lr 1e-4, betas 0.9/0.999, eps 1e-8, no weight decay) after
@@ -67,12 +72,13 @@ class Workload:
     steps: int = 5
     checkpoint: int = 0
     weight_cache_mb: int | None = None   # the engine's dequantized-weight cache (None: default)
+    precision: str = "fp32"              # TrainConfig.precision; the peer's autocast (above)
 
     def train_config(self) -> TrainConfig:
         return TrainConfig(mode=self.mode, lora_rank=self.rank, lora_alpha=2.0 * self.rank,
                            lora_targets=self.targets, lr=LR, max_grad_norm=MAX_GRAD_NORM,
                            max_steps=WARMUP + self.steps, checkpoint_interval=self.checkpoint,
-                           seed=SEED)
+                           seed=SEED, precision=self.precision)
 
     def lora_config(self):
         """The LoraConfig TrainSession builds its adapter from (the peer builds the same one)."""
@@ -113,6 +119,7 @@ class EngineTrainer:
         self.session = TrainSession(self.model, replace(w.train_config(), device=device))
         self.n_trainable = self.session.n_trainable
         self.n_vocab = self.model.config.n_vocab
+        self.precision = self.session.precision
 
     @property
     def dequant_seconds(self) -> float:
@@ -223,7 +230,8 @@ def run(w: Workload, impl: str = "ours", device: str = "cpu") -> dict:
     windows = w.windows(trainer.n_vocab)
     peer_logits = trainer.logits(windows[0, :-1]) if impl == "torch" else None
     row = {**described, "trainable": trainer.n_trainable, "startup_rss_mb": startup,
-           **measure(trainer, windows)}
+           "precision_used": trainer.precision.name,
+           "precision_reason": trainer.precision.reason, **measure(trainer, windows)}
     row.update(costs(w, trainer.n_trainable, row["step_ms"], row["peak_rss_mb"]))
     if peer_logits is not None:
         row["logits_check"] = check = compare_logits(peer_logits, w.model, windows[0, :-1])
@@ -237,6 +245,9 @@ def workload_args(parser: argparse.ArgumentParser) -> None:
     """The options shared by `python -m bench train` and the table (`python -m bench`)."""
     parser.add_argument("--steps", type=int, help=f"timed steps after {WARMUP} warm-up steps")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--precision", default="fp32",
+                        help="fp32, bf16 or auto (`python -m bench train`: one; the table: a "
+                        "comma-separated list, each implementation run in each, e.g. fp32,bf16)")
 
 
 def main(argv=None) -> None:
@@ -262,7 +273,7 @@ def main(argv=None) -> None:
     else:
         targets = tuple(t for t in args.targets.split(",") if t)
         w = Workload(str(path), args.mode, args.rank, targets, args.ctx, args.steps or STEPS,
-                     args.checkpoint, args.weight_cache_mb)
+                     args.checkpoint, args.weight_cache_mb, args.precision)
         row = run(w, args.impl, args.device)
     print(json.dumps(row) if args.json else json.dumps(row, indent=2), flush=True)
 

@@ -192,7 +192,7 @@ def test_rounds_take_turns_and_keep_each_implementations_best(monkeypatch, tmp_p
     calls = []
     speeds = {"ours": iter([100.0, 120.0, 110.0]), "torch": iter([90.0, 80.0, 95.0])}
 
-    def fake_run(path, row, impl, steps, device):
+    def fake_run(path, row, impl, steps, device, precision="fp32"):
         calls.append(impl)
         if impl == "llama.cpp":
             return {"impl": impl, "skipped": "llama-finetune not installed"}
@@ -207,6 +207,37 @@ def test_rounds_take_turns_and_keep_each_implementations_best(monkeypatch, tmp_p
     assert out["ours"]["tokens_per_s"] == 120.0 and out["torch"]["tokens_per_s"] == 95.0
     assert out["ours"]["rounds_tokens_per_s"] == [100.0, 120.0, 110.0]
     assert out["ratio"] == 120.0 / 95.0 and out["llama.cpp"]["skipped"]
+
+
+def test_each_implementation_runs_in_each_precision_with_ratios(monkeypatch, tmp_path, capsys):
+    from bench import table
+
+    speeds = {("ours", "fp32"): 100.0, ("ours", "bf16"): 190.0, ("torch", "fp32"): 80.0,
+              ("torch", "bf16"): 120.0}
+    calls = []
+
+    def fake_run(path, row, impl, steps, device, precision="fp32"):
+        calls.append((impl, precision))
+        if impl == "llama.cpp":
+            return {"impl": impl, "skipped": "llama-finetune not installed"}
+        return {"impl": impl, "precision": precision, "precision_used": precision,
+                "tokens_per_s": speeds[impl, precision]}
+
+    monkeypatch.setattr(table, "run_impl", fake_run)
+    monkeypatch.setattr(table, "gemm_gflops", lambda *a, **k: 300.0)
+    monkeypatch.setattr(table, "model_path", lambda name: tmp_path / "m.gguf")
+    row = table.Row("bench-dense", "full", "", 256, peers=("torch", "llama.cpp"))
+    out = table.run_row(row, steps=1, device="cpu", precisions=("fp32", "bf16"))
+    # llama.cpp has no precision setting: it runs once
+    assert calls == [("ours", "fp32"), ("torch", "fp32"), ("llama.cpp", "fp32"),
+                     ("ours", "bf16"), ("torch", "bf16")]
+    assert out["variants"] == ["ours", "torch", "llama.cpp", "ours/bf16", "torch/bf16"]
+    assert out["ratio"] == 100.0 / 80.0
+    assert out["ratios"] == {"ours": 1.0, "torch": 0.8, "ours/bf16": 1.9, "torch/bf16": 1.2}
+    monkeypatch.setattr(table, "format_impl", lambda label, r, res: f"{r['impl']} "
+                        f"{r.get('precision_used', '-')} {r.get('tokens_per_s', '-')}")
+    table.print_row(out)
+    assert capsys.readouterr().out.split("\n")[3:5] == ["ours bf16 190.0", "torch bf16 120.0"]
 
 
 def test_attention_pairs_count_what_the_causal_blocks_skip():
