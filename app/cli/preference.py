@@ -190,12 +190,16 @@ class PreferenceProgress(Progress):
                 self.stream.write(
                     f"{event[events.RUN_KIND]}: step {event['step']:>5}/{event['total_steps']} "
                     f"loss={event['loss']:.5f} acc={event['rewards/accuracies']:.3f} "
-                    f"margin={event['rewards/margins']:.4f} lr={event['lr']:.2e} "
+                    f"margin={_number(event['rewards/margins'])} lr={event['lr']:.2e} "
                     f"{clock(event['elapsed_s'])} eta {clock(event['eta_s'])}" + end)
                 self.stream.flush()
                 self.last_print = now
         else:
             self._line(f"eval   step {event['step']}: loss={event['eval_loss']:.5f} "
                        f"acc={event['eval_rewards/accuracies']:.3f} "
-                       f"margin={event['eval_rewards/margins']:.4f} on {event['rows']} "
+                       f"margin={_number(event['eval_rewards/margins'])} on {event['rows']} "
                        "held-out rows" + ("  (best)" if event.get("best") else ""))
+
+
+def _number(x) -> str:
+    return "-" if x is None else f"{x:.4f}"

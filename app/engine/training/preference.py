@@ -448,6 +448,7 @@ def train_preference(config: PreferenceConfig, report: Report, should_stop: Shou
                          val_pairs_of_rows)
         state["last_eval_step"] = session.step_count
         acc, margin = out.metrics["rewards/accuracies"], out.metrics["rewards/margins"]
+        margin = -math.inf if margin is None else margin   # KTO rows of one label only
         better = session.step_count > 0 and (acc, margin) > (state["best_accuracy"],
                                                                state["best_margin"])
         if better:

@@ -27,7 +27,8 @@ The formulas follow TRL (trl/trainer/dpo_trainer.py `dpo_loss`, orpo_trainer.py
 * KTO, unpaired: KL = max(0, mean(logp_kl - ref_kl)) over mismatched prompt/completion pairs,
   a constant (no gradient, as TRL detaches it); desirable rows 1 - sigmoid(beta (r - KL)),
   undesirable 1 - sigmoid(beta (KL - r)) with r = logp - ref, weighted by the desirable and
-  undesirable weights; the loss is the mean over the rows.
+  undesirable weights; the loss is the mean over the rows. A batch without desirable (or
+  undesirable) rows has no reward, log-prob or margin for them: None.
 """
 
 from __future__ import annotations
@@ -170,12 +171,13 @@ def kto_loss(logp, ref, labels, kl: float, *, beta: float = 0.1, desirable_weigh
     grad = weight * -s * (1 - s) * np.where(good, beta, -beta) / len(r)
     loss = float(losses.mean())
     rewards = beta * r
+    mean = lambda x, rows: float(x[rows].mean()) if rows.any() else None   # none: null
     metrics = {"loss": loss, "kl": float(kl),
-               "rewards/chosen": float(rewards[good].mean()) if good.any() else float("nan"),
-               "rewards/rejected": float(rewards[~good].mean()) if (~good).any() else float("nan"),
-               "logps/chosen": float(logp[good].mean()) if good.any() else float("nan"),
-               "logps/rejected": float(logp[~good].mean()) if (~good).any() else float("nan")}
-    metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
+               "rewards/chosen": mean(rewards, good), "rewards/rejected": mean(rewards, ~good),
+               "logps/chosen": mean(logp, good), "logps/rejected": mean(logp, ~good)}
+    both = good.any() and (~good).any()
+    metrics["rewards/margins"] = (metrics["rewards/chosen"] - metrics["rewards/rejected"]
+                                  if both else None)
     # rows classified by their reward's sign (pairs: chosen above rejected, by the caller)
     metrics["rewards/accuracies"] = float(((rewards > 0) == good).mean())
     return LossOutput(loss, grad, None, metrics)
