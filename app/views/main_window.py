@@ -18,14 +18,16 @@ import os
 from collections.abc import Callable
 
 from PySide6.QtCore import QSettings, Qt, QTimer, QUrl
-from PySide6.QtGui import QAction, QDesktopServices, QKeySequence
+from PySide6.QtGui import QAction, QDesktopServices, QFont, QFontMetrics, QKeySequence
 from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QListWidget, QListWidgetItem,
-                               QMainWindow, QMessageBox, QPushButton, QStackedWidget,
-                               QVBoxLayout, QWidget)
+                               QMainWindow, QMessageBox, QPushButton, QSizePolicy,
+                               QStackedWidget, QVBoxLayout, QWidget)
 
 from app.engine.api import JobQueue, ModelCard, describe_model
 from app.views.context import SCREENS, AppContext
 from app.views.widgets.error_panel import ErrorPanel
+from app.views.widgets import theme
+from app.views.widgets.fit import scrolled
 from app.views.widgets.run_tail import BackgroundPoll
 
 APP_NAME = "GGUF Workbench"
@@ -167,21 +169,37 @@ class MainWindow(QMainWindow):
 
     def _add_screen(self, key: str, widget: QWidget) -> None:
         self.screens[key] = widget
-        self.stack.addWidget(widget)
+        # in a scroll area: a screen taller or wider than the window scrolls instead of
+        # making the window's minimum size its own (the window fits 1280x720)
+        self.stack.addWidget(scrolled(widget))
         item = QListWidgetItem(SCREEN_TITLES[key])
         item.setData(Qt.UserRole, key)
         self.nav.addItem(item)
 
     def _nav_panel(self) -> QWidget:
         panel = QFrame(objectName="navPanel")
-        panel.setFixedWidth(170)
+        # as wide as its title and items need (170 px at 1x; more with a larger font)
+        panel.setSizePolicy(QSizePolicy.Fixed, QSizePolicy.Preferred)
         layout = QVBoxLayout(panel)
         layout.setContentsMargins(10, 16, 10, 10)
         layout.setSpacing(10)
         layout.addWidget(QLabel("GGUF\nWorkbench", objectName="appTitle"))
         layout.addWidget(self.nav, 1)
-        self.nav.setFixedWidth(150)
+        self.nav.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
+        self._fit_nav()
+        theme.current().changed.connect(self._fit_nav)         # a new font size
         return panel
+
+    def _fit_nav(self) -> None:
+        """The navigation list as wide as its longest title needs in its font (150 px at the
+        default size, more with a larger font)."""
+        self.nav.ensurePolished()
+        metrics = self.nav.fontMetrics()
+        bold = QFont(self.nav.font())
+        bold.setBold(True)                                 # the selected item's weight
+        widest = max(QFontMetrics(bold).horizontalAdvance(self.nav.item(i).text())
+                     for i in range(self.nav.count()))
+        self.nav.setFixedWidth(max(150, widest + 2 * metrics.averageCharWidth() + 24))
 
     def screen(self, key: str) -> QWidget:
         return self.screens[key]
@@ -192,6 +210,10 @@ class MainWindow(QMainWindow):
 
     def current_screen_key(self) -> str:
         return list(self.screens)[self.stack.currentIndex()]
+
+    def current_screen(self) -> QWidget:
+        """The screen shown (the stack holds each in its scroll area)."""
+        return self.screens[self.current_screen_key()]
 
     def placeholders(self) -> list[str]:
         """Keys of the screens shown as placeholders."""

@@ -69,7 +69,7 @@ def test_navigation_lists_every_screen_and_switches(qtbot, window, ctx):
     rect = window.nav.visualItemRect(window.nav.item(4))
     qtbot.mouseClick(window.nav.viewport(), Qt.LeftButton, pos=rect.center())
     assert window.current_screen_key() == "playground"
-    assert window.stack.currentWidget() is window.screen("playground")
+    assert window.current_screen() is window.screen("playground")
     ctx.show_screen("monitor")                       # screens ask the shell through ctx
     assert window.current_screen_key() == "monitor"
 

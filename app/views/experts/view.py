@@ -26,6 +26,7 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QHBoxLayout, QLabel, QListW
                                QListWidgetItem, QSlider, QStyle, QVBoxLayout, QWidget)
 
 from app.engine.api import RunDir
+from app.views.widgets.fit import ElidedLabel
 from app.views.widgets.run_tail import PacedRedraw, RunTail
 
 PROJECTIONS = {"gate": "ffn_gate_exps", "up": "ffn_up_exps", "down": "ffn_down_exps"}
@@ -189,7 +190,7 @@ class ExpertsView(QWidget):
     def _build(self) -> None:
         self.tail = RunTail(self, read_log=False)
         self.title = QLabel("Experts", objectName="pageTitle")
-        self.subtitle = QLabel("No run selected.", objectName="pageSubtitle")
+        self.subtitle = ElidedLabel("No run selected.", objectName="pageSubtitle")   # a path
         self.view_combo = QComboBox()
         self.view_combo.addItems(["Experts", "Modules"])
         self.projection = QComboBox()
@@ -197,14 +198,14 @@ class ExpertsView(QWidget):
         self.window_combo = QComboBox()
         self.window_combo.addItems(["since start", "last interval"])
         self.slider = QSlider(Qt.Horizontal, minimum=0, maximum=0)
-        self.step_label = QLabel("no norms yet")
+        self.step_label = ElidedLabel("no norms yet", mode=Qt.ElideRight)
         self.follow = QCheckBox("Follow latest", checked=True)
         self.redraw = PacedRedraw(self)          # one heatmap per pass of the event loop
         self.norm_plot = Heatmap("LoRA update norm \u2016s\u00b7B\u00b7A\u2016", "viridis")
         self.routing_plot = Heatmap("Router load (share of tokens)", "inferno")
         self.norm_image = self.norm_plot.image_item
         self.routing_image = self.routing_plot.image_item
-        self.hover = QLabel(" ", objectName="pageSubtitle")
+        self.hover = ElidedLabel(" ", objectName="pageSubtitle", mode=Qt.ElideRight)
         self.warning_list = QListWidget(maximumHeight=110)
         self.warning_list.setIconSize(QSize(16, 16))
         self.moe_controls = QWidget()             # hidden for dense models

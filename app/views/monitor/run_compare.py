@@ -103,7 +103,8 @@ class ComparePanel(QWidget):
         self.compare_list.setToolTip("Tick a run to overlay its smoothed curve (dashed) and its "
                                      "evaluations (triangles) on this run's plot, and to list "
                                      "the settings in which the runs differ.")
-        self.compare_hint = QLabel("No other runs of this kind yet.", objectName="pageSubtitle")
+        self.compare_hint = QLabel("No other runs of this kind yet.", objectName="pageSubtitle",
+                                   wordWrap=True)
         self.diff_table = QTableWidget(0, 0)
         self.diff_table.verticalHeader().setVisible(False)
         self.diff_table.setToolTip("The settings in which the shown runs differ; hover a cell "

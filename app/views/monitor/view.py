@@ -32,6 +32,7 @@ from app.views.monitor.completions import CompletionsView
 from app.views.monitor.grpo_curves import KEYS as GRPO_KEYS
 from app.views.monitor.grpo_curves import GrpoCurves
 from app.views.monitor.run_compare import ComparePanel
+from app.views.widgets.fit import ElidedLabel
 from app.views.widgets.plots import (ACCENT, LEGEND, ORANGE, BestMark, PacedReveal, RunRanges,
                                      box, filled_curve, num, small_plot)
 from app.views.widgets.run_best import better
@@ -74,8 +75,9 @@ class MonitorView(QWidget):
 
     def _build(self) -> None:
         self.tail = RunTail(self)
-        self.title = QLabel("No run selected", objectName="pageTitle")
-        self.subtitle = QLabel("Pick a run on the Runs screen.", objectName="pageSubtitle")
+        # a run's name and folder: elided in the middle, never wider than the window
+        self.title = ElidedLabel("No run selected", objectName="pageTitle")
+        self.subtitle = ElidedLabel("Pick a run on the Runs screen.", objectName="pageSubtitle")
         self.stop_save_button = QPushButton("Stop and save")
         self.stop_save_button.setToolTip("Pause: the worker saves a checkpoint after the current "
                                          "step; resume it later from the Runs screen.")
@@ -97,7 +99,7 @@ class MonitorView(QWidget):
         self.ranges = RunRanges(self._x_max)
         self.compare = ComparePanel(self.ctx)
         self.loss_plot = small_plot("Loss", "loss (nats/token)", grid=True)
-        self.loss_plot.setMinimumHeight(240)
+        self.loss_plot.setMinimumHeight(170)     # with the four below: fits a 720 px window
         self.loss_plot.addLegend(offset=(-10, 10), **LEGEND)   # top right: the loss falls
         self.loss_curve = self.loss_plot.plot(pen=pg.mkPen("#9db8ec", width=1), name="train",
                                               connect="finite")

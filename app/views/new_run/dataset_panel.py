@@ -22,6 +22,7 @@ from PySide6.QtWidgets import (QAbstractItemView, QFileDialog, QHBoxLayout, QHea
 from app.engine.api import DataConfig, LintReport, lint_file
 from app.views.context import Background
 from app.views.widgets.error_panel import ErrorPanel
+from app.views.widgets.fit import WrappedLabel
 from app.views.widgets.tooltips import NEW_RUN_TIPS
 
 PREVIEW_ROWS = 30
@@ -122,7 +123,7 @@ class DatasetPanel(QWidget):
             angle=90, pen=pg.mkPen("#d1453b", width=2, style=Qt.DashLine), label="context",
             labelOpts={"position": 0.9, "color": "#d1453b", "movable": False})
         self.plot.addItem(self.context_line)
-        self.hist_stats = QLabel(objectName="hint", wordWrap=True, textFormat=Qt.PlainText)
+        self.hist_stats = WrappedLabel(objectName="hint", textFormat=Qt.PlainText)
 
         self.example_title = QLabel("Example", objectName="sectionHeader")
         self.example_view = QTextEdit(readOnly=True, objectName="exampleView")

@@ -17,9 +17,11 @@ from collections.abc import Callable
 from PySide6.QtCore import QObject, QRunnable, QSettings, Qt, QThreadPool, Signal
 from PySide6.QtWidgets import (QFileDialog, QFrame, QGridLayout, QHBoxLayout, QLabel, QLineEdit,
                                QListWidget, QListWidgetItem, QProgressBar, QPushButton,
-                               QScrollArea, QStackedWidget, QVBoxLayout, QWidget)
+                               QScrollArea, QSizePolicy, QStackedWidget, QVBoxLayout,
+                               QWidget)
 
 from app.engine.api import FoundModel, ModelCard, describe_model, discover_models, human_bytes
+from app.views.widgets.fit import ElidedLabel
 from app.views.widgets.tooltips import NEW_RUN_TIPS
 
 LABEL_WIDTH = 190                       # long labels wrap rather than push the values right
@@ -145,8 +147,9 @@ class ModelCardView(QWidget):
         return [b.text() for b in (self._arch_badge, self._moe_badge) if b.isVisibleTo(self)]
 
     def _build_card_page(self) -> QWidget:
-        self._name = QLabel(objectName="cardTitle", textFormat=Qt.PlainText)
-        self._name.setTextInteractionFlags(Qt.TextSelectableByMouse)
+        # a long file name is elided in the middle (whole in its tooltip and the path below)
+        self._name = ElidedLabel(objectName="cardTitle", textFormat=Qt.PlainText)
+        self._name.setSizePolicy(QSizePolicy.Preferred, QSizePolicy.Preferred)
         self._arch_badge = QLabel(objectName="badge")
         self._moe_badge = QLabel("MoE", objectName="badge")
         self._moe_badge.setProperty("variant", "moe")

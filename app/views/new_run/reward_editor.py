@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 
 from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QFontInfo
 from PySide6.QtWidgets import (QFileDialog, QGridLayout, QHBoxLayout, QLabel, QLineEdit,
                                QPushButton, QToolButton, QVBoxLayout, QWidget)
 
@@ -41,7 +42,15 @@ CODE_NOTE = ("A Python file runs as Python with your rights, like any script you
              "files you wrote or trust. Starting a run asks before a file you have not "
              "trusted yet (or one changed since) runs.")
 DEFAULTS = {"format": "answer"}
-KIND_WIDTH, WEIGHT_WIDTH, REMOVE_WIDTH = 130, 92, 24      # columns shared by rows and header
+KIND_WIDTH, WEIGHT_WIDTH, REMOVE_WIDTH = 130, 92, 28      # columns shared by rows and header
+
+
+def column_widths(widget: QWidget) -> tuple[int, int, int]:
+    """The kind, weight and remove columns' widths in `widget`'s font: the sizes above at
+    10 pt, grown with a larger font (a large-text desktop cut "Python file" and the weight)."""
+    widget.ensurePolished()
+    scale = max(1.0, QFontInfo(widget.font()).pixelSize() / 13)       # 10 pt at 96 dpi
+    return tuple(round(w * scale) for w in (KIND_WIDTH, WEIGHT_WIDTH, REMOVE_WIDTH))
 
 
 class RewardRow(QWidget):
@@ -53,15 +62,16 @@ class RewardRow(QWidget):
     def __init__(self, spec: dict, parent: QWidget | None = None):
         super().__init__(parent)
         self._spec = dict(spec)
+        kind_width, weight_width, remove_width = column_widths(self)
         self.kind_box = combo(KINDS)
-        self.kind_box.setFixedWidth(KIND_WIDTH)
+        self.kind_box.setFixedWidth(kind_width)
         self.arg_field = QLineEdit()
         self.browse_button = QPushButton("Browse\u2026", clicked=self._browse)
         self.weight_box = dspin(-1000, 1000, 1.0, 2, 0.1)
-        self.weight_box.setFixedWidth(WEIGHT_WIDTH)
+        self.weight_box.setFixedWidth(weight_width)
         self.weight_box.setToolTip("The reward's weight in the total: sum of weight x reward")
         self.remove_button = QToolButton(text="\u2715", autoRaise=True, toolTip="Remove")
-        self.remove_button.setFixedWidth(REMOVE_WIDTH)
+        self.remove_button.setFixedWidth(remove_width)
         self.remove_button.clicked.connect(lambda: self.remove_requested.emit(self))
         self.error_label = QLabel(objectName="fieldError", wordWrap=True,
                                   textFormat=Qt.PlainText)
@@ -148,12 +158,13 @@ class RewardEditor(QWidget):
         self.rows: list[RewardRow] = []
         head = QHBoxLayout()
         head.setSpacing(6)
-        for text, width in (("Function", KIND_WIDTH), ("Argument", 0), ("Weight", WEIGHT_WIDTH)):
+        kind_width, weight_width, remove_width = column_widths(self)
+        for text, width in (("Function", kind_width), ("Argument", 0), ("Weight", weight_width)):
             label = QLabel(text, objectName="formLabel")
             if width:
                 label.setFixedWidth(width)
             head.addWidget(label, 0 if width else 1)
-        head.addSpacing(REMOVE_WIDTH + 6)
+        head.addSpacing(remove_width + 6)
         self._list = QVBoxLayout()
         self._list.setSpacing(4)
         self.add_button = QPushButton("Add reward", clicked=lambda: self.add({"kind": "exact"}))

@@ -32,6 +32,7 @@ from PySide6.QtWidgets import (QCheckBox, QFileDialog, QFrame, QGridLayout, QHBo
 from app.engine.api import (GRPO, SFT, TARGET_GROUPS, DataConfig, GrpoConfig, LintReport,
                             ModelCard, RunConfig, TrainConfig, default_context, default_lr,
                             gpu_available, human_bytes, human_count, lora_param_count)
+from app.views.widgets.fit import Columns
 from app.views.widgets.form_fields import (FormBase, combo, dspin, field_value, set_combo,
                                            set_field, spin)
 from app.views.widgets.tooltips import SETTINGS_TIPS
@@ -295,17 +296,18 @@ class SettingsForm(FormBase):
         return note
 
     def _layout(self, columns: tuple[tuple[QGridLayout, ...], ...]) -> None:
-        body = QWidget(objectName="formBody")
-        cols = QHBoxLayout(body)
-        cols.setContentsMargins(16, 12, 16, 12)
-        cols.setSpacing(16)
+        widgets = []
         for groups in columns:
-            col = QVBoxLayout()
+            column = QWidget()
+            col = QVBoxLayout(column)
+            col.setContentsMargins(0, 0, 0, 0)
             col.setSpacing(12)
             for g in groups:
                 col.addWidget(g.parentWidget())
             col.addStretch(1)
-            cols.addLayout(col, 1)
+            widgets.append(column)
+        # side by side, or one under the other in a narrow window (a large font)
+        body = Columns(widgets, objectName="formBody", margins=(16, 12, 16, 12))
         scroll = QScrollArea(widgetResizable=True, frameShape=QFrame.NoFrame)
         scroll.setWidget(body)
         outer = QVBoxLayout(self)

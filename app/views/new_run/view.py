@@ -32,7 +32,8 @@ from pathlib import Path
 
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtWidgets import (QFileDialog, QHBoxLayout, QLabel, QLineEdit, QMessageBox,
-                               QPushButton, QStackedWidget, QTabWidget, QVBoxLayout, QWidget)
+                               QPushButton, QSizePolicy, QStackedWidget, QTabWidget, QVBoxLayout,
+                               QWidget)
 
 from app.engine.api import (GRPO, KINDS, LOCAL, RUN_NAME_MAX, SFT, ConfigError, DataConfig,
                             EngineError, GrpoConfig, LintReport, ModelCard, RunConfig,
@@ -49,6 +50,7 @@ from app.views.new_run.run_on import RunOnBox
 from app.views.new_run.settings_file import read_settings, write_settings
 from app.views.new_run.settings_form import DATA_KEYS, SettingsForm
 from app.views.widgets.error_panel import ErrorPanel
+from app.views.widgets.fit import FlowLayout
 from app.views.widgets.form_fields import combo, set_combo
 from app.views.widgets.plots import box
 from app.views.widgets.tooltips import NEW_RUN_TIPS
@@ -154,15 +156,18 @@ class NewRunView(QWidget):
         bl = QVBoxLayout(bar)
         bl.setContentsMargins(16, 8, 16, 10)
         bl.setSpacing(4)
-        row1 = QHBoxLayout()
-        row1.addWidget(QLabel("Run name", objectName="formLabel"))
-        row1.addWidget(self.name_field)
-        row1.addSpacing(12)
+        row1 = FlowLayout(spacing=12)       # one line, or wrapped when narrow
+        name = box(QHBoxLayout, QLabel("Run name", objectName="formLabel"), self.name_field,
+                   widget=True)
+        name.setSizePolicy(QSizePolicy.Maximum, QSizePolicy.Preferred)   # its hint, no more
+        row1.addWidget(name)
         row1.addWidget(self.run_on)
-        row1.addSpacing(12)
-        row1.addWidget(self.summary_label, 1)
-        row2 = QHBoxLayout()
-        row2.addWidget(self.problems_label, 1)
+        self.summary_label.setSizePolicy(QSizePolicy.Expanding, QSizePolicy.Preferred)
+        row1.addWidget(self.summary_label)                 # the rest of the line, wrapped
+        row2 = FlowLayout()                 # the problems, then the buttons at the right end
+        self.problems_label.setSizePolicy(QSizePolicy.Expanding, QSizePolicy.Preferred)
+        row2.addWidget(self.problems_label)
+        row2.add_stretch()
         for b in (self.reset_button, self.save_button, self.load_button, self.queue_button,
                   self.start_button):
             row2.addWidget(b)

@@ -37,6 +37,7 @@ from app.views.runs.run_rows import Listing, RunLister, RunRow
 from app.views.runs.table import (COL, COLUMNS, PADDING, PATH_ROLE, SAMPLES, ProgressDelegate,
                                   RunsModel)
 from app.views.widgets.error_panel import BUG_HINT, ErrorPanel
+from app.views.widgets.fit import FlowLayout
 from app.views.widgets.run_tail import BackgroundPoll
 
 __all__ = ["COL", "COLUMNS", "RunsView", "error_from_dict"]
@@ -130,14 +131,17 @@ class RunsView(QWidget):
                                    toolTip="Show or hide the selected run's details")
         bar = QWidget(objectName="runActions")
         bar.setStyleSheet("QPushButton:disabled, QSpinBox:disabled { color: #a7adb4; }")
-        actions = QHBoxLayout(bar)
-        actions.setContentsMargins(0, 0, 0, 0)
+        # one line when the window is wide enough (about 1,000 px), else wrapped
+        actions = FlowLayout(bar)
         for key in ("up", "down", "pause", "cancel", "continue"):
             actions.addWidget(b[key])
-        actions.addSpacing(8)
-        actions.addWidget(b["extend"])
-        actions.addWidget(self.extend_epochs)
-        actions.addStretch(1)
+        extend = QWidget()                  # the spin box stays beside its button
+        extend_row = QHBoxLayout(extend)
+        extend_row.setContentsMargins(8, 0, 0, 0)
+        extend_row.addWidget(b["extend"])
+        extend_row.addWidget(self.extend_epochs)
+        actions.addWidget(extend)
+        actions.add_stretch()
         for key in ("rename", "delete", "folder"):
             actions.addWidget(b[key])
         self.error_panel = ErrorPanel()

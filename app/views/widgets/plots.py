@@ -73,7 +73,7 @@ def small_plot(title: str, y_label: str, grid: bool = False) -> pg.PlotWidget:
     plot = pg.PlotWidget(background="w", axisItems={"bottom": StepAxis("bottom")})
     plot.setTitle(title, color="#3a4047", size="9pt")
     plot.showGrid(x=grid, y=grid, alpha=0.12)       # grid lines cost ~3 ms a paint
-    plot.setMinimumHeight(120)
+    plot.setMinimumHeight(100)                 # two rows and a headline plot fit 720 px
     plot.getAxis("left").setWidth(60)          # fixed: a changing label width would relayout
     item = plot.getPlotItem()
     item.setDownsampling(auto=True, mode="peak")
