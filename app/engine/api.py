@@ -34,6 +34,7 @@ from app.engine.runs.rundir import (RunEntry, best_checkpoint, registered_run_pa
                                     registered_runs, run_entry)
 from app.engine.runs.worker import ensure_worker, stop_worker, worker_pid, worker_running
 from app.engine.runtime.backend import gpu_available
+from app.engine.runtime.bf16 import choose as precision_choice  # auto's choice here, and why
 from app.engine.runtime.files import read_range  # a tail's bounded read, never of a FIFO
 from app.engine.runtime.schema import check, read_config_file
 from app.engine.text.chat_template import chat_prompt_ids, generation_prompt_ids
@@ -70,6 +71,7 @@ __all__ = [
     "DataConfig", "GrpoConfig", "RewardSpec", "RunConfig", "TrainConfig", "build_grpo_config",
     "TRUST_SCOPE", "trust_reward_files", "untrusted_reward_files", "check", "read_config_file",
     "LintReport", "lint_file", "TrainingMemory", "estimate_memory", "gpu_available", "read_range",
+    "precision_choice",
     # export
     "ExportTargetExists", "export", "source_from_adapter", "source_from_run",
     "compare_perplexity", "expected_export_size", "llamacpp_python",

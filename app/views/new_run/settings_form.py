@@ -29,6 +29,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import (QCheckBox, QFileDialog, QFrame, QGridLayout, QHBoxLayout, QLabel,
                                QLineEdit, QPushButton, QScrollArea, QVBoxLayout, QWidget)
 
+from app.engine.api import precision_choice
 from app.engine.api import (GRPO, SFT, TARGET_GROUPS, DataConfig, GrpoConfig, LintReport,
                             ModelCard, RunConfig, TrainConfig, default_context, default_lr,
                             gpu_available, human_bytes, human_count, lora_param_count)
@@ -92,6 +93,7 @@ SIMPLE_FIELDS = {
     "weight_decay": ("train", "weight_decay"), "beta1": ("train", "beta1"),
     "beta2": ("train", "beta2"), "eps": ("train", "eps"), "min_lr": ("train", "min_lr"),
     "seed": ("train", "seed"), "device": ("train", "device"),
+    "precision": ("train", "precision"),
     "checkpoint_interval": ("train", "checkpoint_interval"),
     "epochs": ("", "epochs"), "max_steps": ("", "max_steps"), "eval_every": ("", "eval_every"),
     "save_every": ("", "save_every"), "patience": ("", "patience"),
@@ -147,6 +149,9 @@ class SettingsForm(FormBase):
         self.train_windows: int | None = None      # the dataset's, estimated (warmup's note)
         self._layout(self._build())
         self.set_tooltips(SETTINGS_TIPS)
+        here = precision_choice("auto").reason      # detected once per process
+        for w in (self.label("precision"), self.fields["precision"]):
+            w.setToolTip(f"{SETTINGS_TIPS['precision']}\nauto on this computer: {here}")
         self._connect()
         self.set_values({})
         self._update_visibility()
@@ -203,6 +208,8 @@ class SettingsForm(FormBase):
         self._row(opt, "seed", "Seed", spin(0, 2**31 - 1, t.seed))
         self._row(opt, "device", "Compute on", combo([("cpu", "CPU (NumPy)"),
                                                        ("cuda", "CUDA GPU (CuPy)")]))
+        self._row(opt, "precision", "Precision", combo([
+            ("auto", "auto"), ("fp32", "float32"), ("bf16", "bf16 (frozen weights)")]))
 
         length = self._group("Length and batches")
         self._row(length, "epochs", "Epochs", spin(0, 100000, 3, "0 (use steps)"))
@@ -494,7 +501,7 @@ class SettingsForm(FormBase):
             "grad_accum": f["batch"].value() * f["grad_accum"].value(),
             "checkpoint_interval": f["checkpoint_interval"].value(), "seed": f["seed"].value(),
             "vocab_chunk": f["vocab_chunk"].value(),
-            "device": f["device"].currentData()}
+            "device": f["device"].currentData(), "precision": f["precision"].currentData()}
         data = {
             "format": f["format"].currentData(), "context": f["context"].value(),
             "overflow": f["overflow"].currentData(), "packing": f["packing"].currentData(),

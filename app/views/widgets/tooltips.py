@@ -52,6 +52,13 @@ SETTINGS_TIPS = {
                 "the same run.", "any", "--seed"),
     "device": tip("Where the run computes: the CPU (NumPy) or a CUDA GPU (CuPy).",
                   "CPU unless a GPU is installed", "--device"),
+    "precision": tip("What the frozen model's products compute in. bf16 runs them on the "
+                     "CPU's matrix units (AMX or AVX512-BF16) with float32 sums, several times "
+                     "faster than float32 there; the adapters, gradients, optimizer and loss "
+                     "stay float32. auto: bf16 where the CPU has the unit and the bf16 extra "
+                     "is installed (pip install -e '.[bf16]'), else float32. bf16 on a CPU "
+                     "without the unit is emulated: the same numbers, slower.", "auto",
+                     "--precision"),
     "epochs": tip("Passes over the training rows (0: count steps instead).", "1-3",
                   "--epochs"),
     "max_steps": tip("A cap on optimizer steps (with epochs 0: exactly this many).",

@@ -152,6 +152,7 @@ def test_the_window_and_the_cli_write_the_same_supervised_run(qtbot, new_run, tm
     form["max_grad_norm"].setValue(0.5)
     form["warmup_fraction"].setValue(0.1)
     form["weight_cache_mb"].setValue(64)
+    form["precision"].setCurrentIndex(form["precision"].findData("bf16"))       # issue 30
     form["lr"].setText("0.002")
     form["epochs"].setValue(2)
     view.name_field.setText("window-run")
@@ -162,7 +163,8 @@ def test_the_window_and_the_cli_write_the_same_supervised_run(qtbot, new_run, tm
                     "--alpha", "16", "--targets", "attn,experts,router", "--epochs", "2",
                     "--val-split", str(FIRST_VAL_SPLIT), "--eval-every",
                     str(FIRST_SFT["eval_every"]), "--schedule", "linear", "--max-grad-norm",
-                    "0.5", "--warmup-fraction", "0.1", "--weight-cache-mb", "64", "--lr",
+                    "0.5", "--warmup-fraction", "0.1", "--weight-cache-mb", "64",
+                    "--precision", "bf16", "--lr",
                     "0.002", "-o", str(cli_run),
                     "--queue", str(tmp_path / "cli-queue.sqlite3")]) == 0
     assert RunDir(cli_run).config() == config
