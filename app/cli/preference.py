@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from app.cli.foreground import Progress, clock, run_in_foreground, start_run
+from app.cli.models import model_argument
 from app.engine.errors import ConfigError
 from app.engine.training import events
 
@@ -90,6 +91,7 @@ def preference_config_from_args(args, method: str, train: dict):
         raise ConfigError(f"{', '.join(given)} apply to supervised runs, not to "
                           f"{method.upper()} runs.",
                           "Leave them out (a preference run trains every usable pair).")
+    args.model = model_argument(args.model, args.rank, args.ctx)   # owner/name:QUANT: the Hub's
     base = read_config_file(args.config) if args.config else {}
     check({"model": "", "data": "", **base}, PreferenceConfig, args.config)
     base["kind"] = method

@@ -16,6 +16,7 @@ from app.cli.models import model_argument
 from app.cli.foreground import (TARGET_ALIASES, TRAINING_DEFAULTS, Progress, add_adapter_options,
                                add_compute_options, add_optimizer_options, add_queue_options,
                                run_in_foreground, show_defaults, start_run)
+from app.cli.preference import add_preference_options, cmd_train_preference, run_method
 from app.engine.errors import ConfigError
 
 # The options whose help shows their default (read from the config classes when it is printed).
@@ -25,7 +26,7 @@ TRAIN_DEFAULTS = {
     "--format": "data.format", "--val-split": "data.val_fraction",
     "--normalize": "data.normalize", "--overflow": "data.overflow", "--packing": "data.packing",
     "--chat-loss": "data.chat_loss", "--eval-every": "run.eval_every",
-    "--save-every": "run.save_every", "--patience": "run.patience"}
+    "--save-every": "run.save_every", "--patience": "run.patience", "--workers": "run.workers"}
 LR_HELP = ("learning rate (default: 0.005 x sqrt(16 / alpha) for LoRA, whatever the rank; "
            "0.0001 for full fine-tuning)")
 
@@ -69,12 +70,18 @@ def add_train_parsers(sub) -> None:
                    help="render prompt/completion rows with the chat template")
     g.add_argument("--parse-special", action="store_true",
                    help="special-token texts in text/completion rows become their tokens")
+    g.add_argument("--chat-template", metavar="FILE",
+                   help="a Jinja chat template to use instead of the model's (kept in the run's "
+                        "config.json)")
     g = p.add_argument_group("run")
     g.add_argument("--eval-every", type=int,
                    help="steps between validations (0: each epoch's end)")
     g.add_argument("--save-every", type=int,
                    help="steps between checkpoints (0: each epoch's end)")
     g.add_argument("--patience", type=int, help="early stopping (evaluations without gain)")
+    g.add_argument("--workers", type=int, help="data-parallel workers: a run sent to a Ray "
+                                               "cluster (--on) trains as N ranks")
+    add_preference_options(p)
     show_defaults(p, TRAIN_DEFAULTS)
 
     p = sub.add_parser("resume", help="continue an interrupted or finished run")
@@ -89,6 +96,26 @@ def add_train_parsers(sub) -> None:
     p.add_argument("--allow-changed-data", action="store_true",
                    help="continue although the model or data changed since the checkpoint "
                         "(refused otherwise, naming the file)")
+
+
+def train_options(args) -> dict:
+    """The TrainConfig settings the command line gives (those not given are left out): train's
+    and a preference run's."""
+    targets = lambda s: [TARGET_ALIASES.get(t.strip(), t.strip()) for t in s.split(",") if t]
+    options = {"mode": args.mode, "lora_rank": args.rank, "expert_rank": args.expert_rank,
+               "lora_alpha": args.alpha,
+               "lora_dropout": args.dropout, "optimizer": args.optimizer, "lr": args.lr,
+               "schedule": args.schedule, "warmup_steps": args.warmup,
+               "warmup_fraction": args.warmup_fraction, "gclip": args.gclip,
+               "max_grad_norm": args.max_grad_norm,
+               "weight_decay": args.weight_decay, "checkpoint_interval": args.checkpoint_interval,
+               "seed": args.seed, "device": args.device, "precision": args.precision,
+               "weight_cache_mb": args.weight_cache_mb,
+               "lora_targets": targets(args.targets) if args.targets else None,
+               "full_targets": targets(args.full_targets) if args.full_targets else None}
+    if args.batch or args.grad_accum:
+        options["grad_accum"] = (args.batch or 1) * (args.grad_accum or 1)
+    return {k: v for k, v in options.items() if v is not None}
 
 
 def run_config_from_args(args):
@@ -108,24 +135,11 @@ def run_config_from_args(args):
     for key, value in (("model", args.model), ("data", args.data), ("epochs", args.epochs),
                        ("max_steps", args.max_steps),
                        ("eval_every", args.eval_every), ("save_every", args.save_every),
-                       ("patience", args.patience), ("adapter", args.adapter)):
+                       ("patience", args.patience), ("adapter", args.adapter),
+                       ("workers", args.workers)):
         if value is not None:
             base[key] = str(Path(value).resolve()) if key in ("model", "data", "adapter") else value
-    targets = lambda s: [TARGET_ALIASES.get(t.strip(), t.strip()) for t in s.split(",") if t]
-    options = {"mode": args.mode, "lora_rank": args.rank, "expert_rank": args.expert_rank,
-               "lora_alpha": args.alpha,
-               "lora_dropout": args.dropout, "optimizer": args.optimizer, "lr": args.lr,
-               "schedule": args.schedule, "warmup_steps": args.warmup,
-               "warmup_fraction": args.warmup_fraction, "gclip": args.gclip,
-               "max_grad_norm": args.max_grad_norm,
-               "weight_decay": args.weight_decay, "checkpoint_interval": args.checkpoint_interval,
-               "seed": args.seed, "device": args.device, "precision": args.precision,
-               "weight_cache_mb": args.weight_cache_mb,
-               "lora_targets": targets(args.targets) if args.targets else None,
-               "full_targets": targets(args.full_targets) if args.full_targets else None}
-    if args.batch or args.grad_accum:
-        options["grad_accum"] = (args.batch or 1) * (args.grad_accum or 1)
-    train.update({k: v for k, v in options.items() if v is not None})
+    train.update(train_options(args))
     data_options = {"context": args.ctx, "format": args.format, "val_fraction": args.val_split,
                     "val_path": args.val_data, "weights_path": args.weights,
                     "normalize": args.normalize, "seed": args.seed, "overflow": args.overflow,
@@ -136,6 +150,10 @@ def run_config_from_args(args):
     for flag in ("strict", "completion_as_chat", "parse_special"):
         if getattr(args, flag):
             data[flag] = True
+    if args.chat_template is not None:
+        from app.engine.text.chat_template import read_chat_template
+
+        data["chat_template"] = read_chat_template(args.chat_template)
     if "model" not in base or "data" not in base:
         raise ConfigError("A run needs a model and a dataset.", "Pass --model and --data.")
     if "lr" not in train:
@@ -194,6 +212,9 @@ def cmd_train(args) -> int:
     from app.engine.runtime.backend import array_module
     from app.engine.training.memory import check_run_memory
 
+    method = run_method(args)
+    if method != "sft":
+        return cmd_train_preference(args, method, train_options(args))
     config = run_config_from_args(args)
     check_data_files(config.data, config.data_config)   # a pipe, a folder: before a run folder
     # the format up front only for a queued run: reading the first rows of a dataset whose
