@@ -336,6 +336,10 @@ class MonitorView(QWidget):
                       f"clipped {100 * num(ev, 'clipped_fraction'):.0f}%",
                       f"{num(ev, 'tokens_per_s'):,.0f} tokens/s",
                       f"elapsed {clock(ev.get('elapsed_s'))}"]
+        if st.get("precision"):   # what the products compute in, e.g. "bf16: AVX512-BF16 via ..."
+            parts.append(f"precision {str(st['precision']).split(':')[0]}")
+        self.stats_label.setToolTip(f"Precision: {st['precision']}" if st.get("precision")
+                                    else "")
         error = st.get("error")
         if isinstance(error, dict) and error.get("message"):
             parts.append(f"failed: {error['message']}")
