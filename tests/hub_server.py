@@ -19,7 +19,8 @@ after n bytes of that file's body, once (then the entry is removed), in a downlo
 no Range or an open one, `bytes=N-`; not a header's closed range); `corrupt` (file names)
 serves its last byte flipped under the right checksum; `status[key] = code` answers `code` for a request
 whose path contains `key`; `garbage` (path fragments) answers "{not json" with 200;
-`advertised_size[file] = n` announces a size other than the real one. `requests` records
+`advertised_size[file] = n` announces a size other than the real one; `slow[file] = s`
+sends a download's body in 4 KiB pieces `s` seconds apart. `requests` records
 (method, path, Range header) of every request, `authorizations` the Authorization headers.
 
 Tests point the engine at it with HF_ENDPOINT=`hub.url` (the engine reads HF_ENDPOINT, HF_HOME,
@@ -36,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -152,6 +154,7 @@ class FakeHub:
         self.status: dict[str, int] = {}
         self.garbage: set[str] = set()
         self.advertised_size: dict[str, int] = {}
+        self.slow: dict[str, float] = {}
         self.requests: list[tuple[str, str, str | None]] = []
         self.authorizations: list[str | None] = []
         self._lock = threading.Lock()
@@ -351,6 +354,13 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.flush()
             self.close_connection = True
             self.connection.shutdown(2)     # the peer sees the body end early
+            return
+        pause = hub.slow.get(file) if downloading else None
+        if pause:
+            for i in range(0, len(body), 4096):
+                self.wfile.write(body[i:i + 4096])
+                self.wfile.flush()
+                time.sleep(pause)
             return
         self.wfile.write(body)
 

@@ -7,7 +7,8 @@ have the plain names the docs use (`monitor.png`), the others a suffix with thei
 (`monitor-1920.png`).
 
 Opens the window on a private queue, runs folder and settings (nothing of the user's is
-touched), with the bundled sample model and dataset; shoots the New run tabs; adds two
+touched), with the bundled sample model and dataset; shoots the New run tabs and its "Get a
+model..." dialog (over a loopback test Hub); adds two
 example clusters (no token: nothing reaches the keyring) and shoots Settings > Clusters and New
 run with "Run on" a cluster (`--quick` stops there); starts a short real run (on this computer) in a real worker process; shoots Monitor and Experts when it has finished; exports a
 GGUF adapter and chats two turns in the Playground; shoots those. Then the GRPO addition demo: its
@@ -41,6 +42,42 @@ def add_example_clusters(ctx, runs_root: str) -> None:
                        "/opt/workbench/.venv/bin/python", 8, 1))
     store.save(Cluster("this-machine", "http://127.0.0.1:8265"))
     ctx.clusters_changed.emit()
+
+
+def shoot_get_model(new_run, out: Path, wait, pump) -> None:
+    """The "Get a model..." dialog (New run's model picker) over the test Hub's tiny
+    repositories (tests/hub_server.py on loopback: nothing leaves this machine), a split and a
+    one-file model listed with what fits here."""
+    from tests.hub_server import FakeHub, build_repos
+
+    names = ("HF_ENDPOINT", "HF_HOME", "HF_TOKEN", "HF_HUB_OFFLINE", "HF_HUB_CACHE")
+    saved = {k: os.environ.get(k) for k in names}
+    with tempfile.TemporaryDirectory(prefix="workbench-hub-") as tmp, \
+            FakeHub(build_repos(Path(tmp) / "repos")) as hub:
+        for k in names:
+            os.environ.pop(k, None)
+        os.environ.update(HF_ENDPOINT=hub.url, HF_HOME=os.path.join(tmp, "hf"))
+        try:
+            new_run.picker.get_model()
+            dialog = new_run.picker.get_dialog
+            dialog.query.setText("tiny")
+            dialog.search()
+            wait(lambda: dialog.results.rowCount() > 0, "the Hub's search", 30)
+            dialog.select_repo("wb-test/tiny-mixtral-GGUF")
+            wait(lambda: dialog.models and len(dialog.fits) == len(dialog.models),
+                 "what fits", 30)
+            dialog.select_file("tiny-mixtral-Q8_0.gguf")
+            pump(0.4)
+            path = out / "get-model.png"
+            dialog.grab().save(str(path))
+            print(f"wrote {path}")
+            dialog.reject()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 def parse_size(text: str) -> tuple[int, int]:
@@ -119,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             new_run.name_field.setText("moe-on-the-lab")
             shoot("new-run-run-on")
             new_run.run_on.set_executor("local")        # the runs below run here
+            shoot_get_model(new_run, out, wait, pump)
             if args.quick:
                 return 0
 

@@ -229,13 +229,19 @@ class ModelPicker(QFrame):
         self.path_field.returnPressed.connect(self._field_entered)
         open_button = QPushButton("Open model\u2026", objectName="primaryButton")
         open_button.clicked.connect(self.choose)
+        self.get_button = QPushButton("Get a model\u2026",
+                                      toolTip="Search Hugging Face for GGUF models, see what "
+                                              "fits here and download one")
+        self.get_button.clicked.connect(self.get_model)
+        self.get_dialog = None
         self.found_list = QListWidget(objectName="recentList")
         self.recent_list = QListWidget(objectName="recentList")
         for lst in (self.found_list, self.recent_list):
             lst.setSizeAdjustPolicy(QListWidget.AdjustToContents)   # no empty list area
             lst.itemClicked.connect(self._picked)
             lst.itemActivated.connect(self._picked)
-        self.found_hint = QLabel("Looking in llama.cpp, LM Studio and Ollama folders\u2026",
+        self.found_hint = QLabel("Looking in the Hugging Face cache, llama.cpp, LM Studio and "
+                                 "Ollama folders\u2026",
                                  objectName="sidebarHint", wordWrap=True)
         self.recent_hint = QLabel("Models you open appear here.", objectName="sidebarHint",
                                   wordWrap=True)
@@ -246,6 +252,7 @@ class ModelPicker(QFrame):
         layout.addWidget(QLabel("MODEL", objectName="sectionHeader"))
         layout.addWidget(self.path_field)
         layout.addWidget(open_button)
+        layout.addWidget(self.get_button)
         layout.addSpacing(12)
         layout.addWidget(QLabel("RECENT", objectName="sectionHeader"))
         layout.addWidget(self.recent_hint)
@@ -256,6 +263,7 @@ class ModelPicker(QFrame):
         layout.addWidget(self.found_list, 1)
         layout.addStretch(1)
         self._refresh_recent()
+        self._discover = discover
         self._bg.run("discover", discover, on_done=self._show_found,
                      on_error=lambda e: self._show_found([]))
 
@@ -265,6 +273,20 @@ class ModelPicker(QFrame):
                                               "GGUF models (*.gguf);;All files (*)")
         if path:
             self.model_chosen.emit(path)
+
+    def get_model(self) -> None:
+        """The "Get a model..." dialog (app.views.get_model); a model it downloads is opened
+        and listed with those on this computer."""
+        from app.views.get_model.dialog import GetModelDialog
+
+        self.get_dialog = GetModelDialog(self)
+        self.get_dialog.downloaded.connect(self._got_model)
+        self.get_dialog.open()
+
+    def _got_model(self, path: str) -> None:
+        self.model_chosen.emit(path)
+        self._bg.run("discover", self._discover, on_done=self._show_found,
+                     on_error=lambda e: self._show_found([]))
 
     def set_current(self, path: str) -> None:
         self.path_field.setText(path)
@@ -313,5 +335,6 @@ class ModelPicker(QFrame):
             self.found_list.addItem(item)
         self.found_list.setVisible(bool(self.found))
         self.found_hint.setText("" if self.found else
-                                "No models in llama.cpp's cache, LM Studio or Ollama folders.")
+                                "No models in the Hugging Face cache, llama.cpp's cache, LM "
+                                "Studio or Ollama folders.")
         self.found_hint.setVisible(not self.found)

@@ -1,0 +1,105 @@
+""""Get a model...": search, files with what fits, download with progress and cancel, then the
+model opened in the New run screen; against the local Hub (tests/hub_server.py)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from app.views.get_model.dialog import GetModelDialog
+from tests.hub_server import hub, hub_repos  # noqa: F401  (the fixtures)
+
+LLAMA = "wb-test/tiny-llama-GGUF"
+Q8 = "tiny-llama-Q8_0.gguf"
+
+
+def _cells(table, row):
+    return [table.item(row, c).text() for c in range(table.columnCount())]
+
+
+def _to_files(qtbot, dialog, query="tiny", repo=LLAMA):
+    dialog.query.setText(query)
+    dialog.search()
+    qtbot.waitUntil(lambda: dialog.results.rowCount() > 0, timeout=10_000)
+    dialog.select_repo(repo)
+    qtbot.waitUntil(lambda: dialog.files.rowCount() > 0 and len(dialog.fits) == len(
+        dialog.models), timeout=10_000)
+
+
+def test_search_files_and_what_fits(qtbot, hub):
+    dialog = GetModelDialog()
+    qtbot.addWidget(dialog)
+    dialog.show()
+    _to_files(qtbot, dialog)
+    assert _cells(dialog.results, 0)[:3] == [LLAMA, "1,200", "7"]
+    assert "(gated)" in _cells(dialog.results, 2)[0]
+    rows = [_cells(dialog.files, r) for r in range(dialog.files.rowCount())]
+    assert [r[:3] for r in rows] == [[Q8, "Q8_0", "49.0 KB"], ["tiny-llama-F32.gguf", "F32",
+                                                               "167.0 KB"]]
+    assert all(r[3].startswith("\u2713 llama, needs ") and r[3].endswith(" GB") for r in rows)
+    os.makedirs("/tmp/shots", exist_ok=True)
+    dialog.select_file(Q8)
+    dialog.grab().save("/tmp/shots/get-model.png")
+
+
+def test_download_with_progress_then_the_picker_opens_it(qtbot, hub, hub_repos, ctx):
+    from app.views.new_run.view import NewRunView
+
+    view = NewRunView(ctx, discover=lambda: [])
+    qtbot.addWidget(view)
+    view.picker.get_model()
+    dialog = view.picker.get_dialog
+    _to_files(qtbot, dialog)
+    dialog.select_file(Q8)
+    progress = []
+    dialog._progress.changed.connect(lambda d, t, n: progress.append(d))
+    with qtbot.waitSignal(dialog.downloaded, timeout=20_000) as got:
+        dialog.download_button.click()
+    path = Path(got.args[0])
+    assert path.read_bytes() == hub_repos[LLAMA].files[Q8]
+    assert progress and progress[-1] == len(hub_repos[LLAMA].files[Q8])
+    qtbot.waitUntil(lambda: view.card is not None and Path(view.card.path) == path,
+                    timeout=10_000)
+
+
+def test_cancel_keeps_the_window_responsive_and_leaves_no_model(qtbot, hub, hub_repos):
+    hub.slow[Q8] = 0.02                     # 13 pieces of 4 KiB: about a quarter of a second
+    dialog = GetModelDialog()
+    qtbot.addWidget(dialog)
+    dialog.show()
+    _to_files(qtbot, dialog)
+    dialog.select_file(Q8)
+    seen = []
+    dialog._progress.changed.connect(lambda d, t, n: seen.append(d))
+    dialog.download_button.click()
+    assert dialog.is_downloading() and dialog.cancel_button.isEnabled()
+    qtbot.waitUntil(lambda: bool(seen), timeout=10_000)   # events flow while it downloads
+    dialog.cancel_button.click()
+    qtbot.waitUntil(lambda: not dialog.is_downloading(), timeout=10_000)
+    assert "cancelled" in dialog.status.text() and "kept" in dialog.status.text()
+    snapshots = Path(os.environ["HF_HOME"]) / "hub" / "models--wb-test--tiny-llama-GGUF" / \
+        "snapshots"
+    assert not snapshots.exists() or not any(snapshots.rglob("*.gguf"))
+    assert dialog.download_button.isEnabled()
+
+
+@pytest.mark.parametrize("fault", ["gated", "server"])
+def test_errors_show_in_the_panel(qtbot, hub, fault):
+    dialog = GetModelDialog()
+    qtbot.addWidget(dialog)
+    dialog.show()
+    if fault == "server":
+        hub.status["/api/models"] = 403
+        dialog.search()
+        qtbot.waitUntil(dialog.error.isVisible, timeout=10_000)
+        assert "HTTP 403" in dialog.error.message_label.text()
+        return
+    dialog.query.setText("gemma")
+    dialog.search()
+    qtbot.waitUntil(lambda: dialog.results.rowCount() == 1, timeout=10_000)
+    dialog.select_repo("gated-org/tiny-gemma-GGUF")
+    qtbot.waitUntil(dialog.error.isVisible, timeout=10_000)
+    assert "gated" in dialog.error.message_label.text()
+    assert "HF_TOKEN" in dialog.error.hint_label.text()
