@@ -38,6 +38,7 @@ from app.engine.runtime.bf16 import choose as precision_choice  # auto's choice 
 from app.engine.runtime.files import read_range  # a tail's bounded read, never of a FIFO
 from app.engine.runtime.schema import check, read_config_file
 from app.engine.text.chat_template import chat_prompt_ids, generation_prompt_ids
+from app.engine.text.chat_template import read_chat_template  # a run's template from a file
 from app.engine.training.config import TrainConfig
 from app.engine.training.config import check_context, default_context, default_lr
 from app.engine.training.grpo import GrpoConfig, build_grpo_config
@@ -64,7 +65,7 @@ __all__ = [
     # models: the card, LoRA targets, loading for the Playground
     "ModelCard", "describe_model", "human_bytes", "human_count", "lora_param_count",
     "TARGET_GROUPS", "load_adapter", "load_model", "chat_prompt_ids", "generation_prompt_ids",
-    "check_model_targets",
+    "check_model_targets", "read_chat_template",
     # models on this computer and on the Hugging Face Hub (hub.search, hub.list_models, ...)
     "FoundModel", "discover_models", "model_folders", "hub",
     # configs, the settings-file schema, datasets, memory

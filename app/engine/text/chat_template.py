@@ -46,6 +46,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.visitor import NodeTransformer
 
 from app.engine.errors import ConfigError, TemplateError
+from app.engine.runtime.inputs import open_input
 from app.engine.text.tokenizer import END_OF_GENERATION_TEXTS
 
 DEFAULT_CHAT_TEMPLATE = (
@@ -413,6 +414,34 @@ def _compile(source: str) -> jinja2.Template:
         return _ENV.from_string(source)
     except jinja2.TemplateError as exc:
         raise ConfigError(f"The chat template does not compile: {exc}", _HINT) from exc
+
+
+MAX_TEMPLATE_BYTES = 1 << 20   # a chat template file (the largest models' are ~10 KB)
+
+
+def read_chat_template(path) -> str:
+    """The chat template in the file `path` (UTF-8 Jinja, as a model's tokenizer.chat_template),
+    checked to compile: what a run's data_config.chat_template holds instead of the model's
+    (`workbench train --chat-template FILE`, New run's Chat template). A ConfigError names what
+    is wrong: not a readable regular file, over 1 MiB, not UTF-8, not a template."""
+    with open_input(path, "chat template", max_bytes=MAX_TEMPLATE_BYTES,
+                    error=ConfigError) as f:
+        data = f.read(MAX_TEMPLATE_BYTES + 1)
+    try:
+        source = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"The chat template {path} is not UTF-8 text (byte {exc.start}).",
+                          "Save the template as UTF-8.") from None
+    if not source.strip():
+        raise ConfigError(f"The chat template {path} is empty.",
+                          "Give a Jinja chat template, e.g. one from a model's "
+                          "tokenizer_config.json.")
+    try:
+        _compile(source)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc.message}", "Fix the template file (Jinja, as in a "
+                          "model's tokenizer_config.json).") from None
+    return source
 
 
 # ---- rendering --------------------------------------------------------------------------------

@@ -32,7 +32,8 @@ from PySide6.QtWidgets import (QCheckBox, QFileDialog, QFrame, QGridLayout, QHBo
 from app.engine.api import precision_choice
 from app.engine.api import (GRPO, SFT, TARGET_GROUPS, DataConfig, GrpoConfig, LintReport,
                             ModelCard, RunConfig, TrainConfig, default_context, default_lr,
-                            gpu_available, human_bytes, human_count, lora_param_count)
+                            EngineError, gpu_available, human_bytes, human_count,
+                            lora_param_count, read_chat_template)
 from app.views.widgets.fit import Columns
 from app.views.widgets.form_fields import (FormBase, combo, dspin, field_value, set_combo,
                                            set_field, spin)
@@ -50,7 +51,7 @@ FORMATS = ("auto", "text", "completion", "chat", "alpaca", "sharegpt")
 DATA_KEYS = ("context", "format", "overflow", "packing", "chat_loss", "weights_source",
              "weight_field", "weights_path", "normalize", "clip_lo", "clip_hi",
              "allow_negative", "val_split", "add_eos", "parse_special",
-             "completion_as_chat")              # changes that change the linter's report
+             "completion_as_chat", "chat_template")   # changes that change the linter's report
 # A first run in the window is the README's first CLI run: rank 8, alpha 16 (half TrainConfig's:
 # the sweep in docs/USER_GUIDE.md finds ranks 4-64 alike at one alpha, and the smaller adapter is
 # quicker) on attention, experts and router; a supervised one 3 epochs, 10% held out and an
@@ -106,12 +107,13 @@ SIMPLE_FIELDS = {
     "strict": ("data_config", "strict"), "shuffle": ("data_config", "shuffle"),
     "add_eos": ("data_config", "add_eos"), "parse_special": ("data_config", "parse_special"),
     "completion_as_chat": ("data_config", "completion_as_chat"),
-    "vocab_chunk": ("train", "vocab_chunk")}
+    "vocab_chunk": ("train", "vocab_chunk"), "workers": ("", "workers")}
 FLOAT_TEXTS = ("lr", "min_lr", "eps")      # typed as text: 1e-4 reads better than 0.000100
 WEIGHT_CACHE_AUTO = -1                     # the spin box's value for weight_cache_mb None
 WEIGHT_SOURCES = (("row", "From each row's field"), ("file", "From a weights file"))
 SFT_ONLY = ("mode", "epochs", "context", "batch", "grad_accum", "patience", "strict",
-            "val_path")
+            "val_path", "workers")
+MODEL_TEMPLATE = "the model's (ChatML when it has none)"   # data_config.chat_template None
 # field -> ((label, special value text) of a supervised run, (the same) of a GRPO run)
 KIND_TEXTS = {"val_split": (("Validation split", ""), ("Held-out prompts", "")),
               "max_steps": (("Max steps", "no cap"), ("Steps", "not set")),
@@ -147,6 +149,8 @@ class SettingsForm(FormBase):
         self._per_kind: dict[str, dict] = {}       # run type -> its settings when left
         self._context_auto = True                  # the context follows the model
         self.train_windows: int | None = None      # the dataset's, estimated (warmup's note)
+        self.on_cluster = False                    # Run on: a cluster (data-parallel workers)
+        self._template_error: str | None = None    # a chat template file that was refused
         self._layout(self._build())
         self.set_tooltips(SETTINGS_TIPS)
         here = precision_choice("auto").reason      # detected once per process
@@ -244,6 +248,20 @@ class SettingsForm(FormBase):
         self._row(data, "shuffle", "", QCheckBox("Shuffle the windows every epoch"))
         self._row(data, "val_path", "Validation file",
                   QLineEdit(placeholderText="none: the validation split"))
+        template = QWidget()                        # data_config.chat_template: None, the model's
+        trow = QHBoxLayout(template)
+        trow.setContentsMargins(0, 0, 0, 0)
+        self.chat_template: str | None = None
+        self.chat_template_label = QLabel(MODEL_TEMPLATE, objectName="chatTemplate",
+                                          textFormat=Qt.PlainText)
+        self.chat_template_load = QPushButton("Load\u2026", toolTip="Use a Jinja chat template "
+                                              "file instead of the model's")
+        self.chat_template_clear = QPushButton("Model's", toolTip="Use the model's own chat "
+                                               "template again")
+        trow.addWidget(self.chat_template_label, 1)
+        trow.addWidget(self.chat_template_load)
+        trow.addWidget(self.chat_template_clear)
+        self._row(data, "chat_template", "Chat template", template)
 
         rw = self._group("Reward weights")
         self._row(rw, "weights_source", "Weights", combo(WEIGHT_SOURCES))
@@ -292,6 +310,7 @@ class SettingsForm(FormBase):
         self._row(adv, "vocab_chunk", "Vocabulary chunk", spin(1, 1 << 24, t.vocab_chunk))
         self.fields["vocab_chunk"].setSuffix(" tokens")
         self._row(adv, "strict", "", QCheckBox("Refuse a dataset with any bad row"))
+        self._row(adv, "workers", "Data-parallel workers", spin(1, 1024, 1))
 
         self._sft_boxes = (data.parentWidget(), rw.parentWidget())
         return (train, ev, data), (opt, length, rw, adv)
@@ -326,6 +345,8 @@ class SettingsForm(FormBase):
             for box in boxes.values():
                 box.toggled.connect(lambda _=False, k=key: self._changed(k))
         self._weights_browse.clicked.connect(self._browse_weights)
+        self.chat_template_load.clicked.connect(self._load_chat_template)
+        self.chat_template_clear.clicked.connect(lambda: self._set_chat_template(None))
         self._adapter_browse.clicked.connect(self._browse_adapter)
         for w in (self.weights_path, self.clip_lo, self.clip_hi):
             self._watch(w, "weights_path" if w is self.weights_path else "clip")
@@ -514,6 +535,7 @@ class SettingsForm(FormBase):
             "normalize": f["normalize"].currentData(), "clip_range": clip,
             "allow_negative_weights": f["allow_negative"].isChecked(),
             "val_path": field_value(f["val_path"]) or None,
+            "chat_template": self.chat_template,
             **{k: f[k].isChecked() for k in ("strict", "shuffle", "add_eos", "parse_special",
                                              "completion_as_chat")}}
         return {"train": train, "data_config": data, "epochs": f["epochs"].value(),
@@ -521,7 +543,8 @@ class SettingsForm(FormBase):
                 "save_every": f["save_every"].value(), "patience": f["patience"].value(),
                 "norms_every": f["norms_every"].value(), "keep_last": f["keep_last"].value(),
                 "max_bad_steps": f["max_bad_steps"].value(),
-                "adapter": self.adapter_path.text().strip() or None}
+                "adapter": self.adapter_path.text().strip() or None,
+                "workers": f["workers"].value()}
 
     def set_values(self, d: dict) -> None:
         """Load a RunConfig or GrpoConfig dict of the form's run type (see `set_kind`); what it
@@ -562,6 +585,7 @@ class SettingsForm(FormBase):
             clip = dc.get("clip_range") or (0.0, 1.0)
             self.clip_lo.setValue(float(clip[0]))
             self.clip_hi.setValue(float(clip[1]))
+            self._set_chat_template(dc.get("chat_template"), "from the settings")
         finally:
             self._loading = False
         self._fit_context()
@@ -670,6 +694,11 @@ class SettingsForm(FormBase):
                 errors["weights_path"] = f"There is no file {path}."
         if f["normalize"].currentData() == "clip" and self.clip_lo.value() >= self.clip_hi.value():
             errors["clip"] = "The lower bound must be below the upper bound."
+        if self.kind != GRPO.name and f["workers"].value() > 1 and not self.on_cluster:
+            errors["workers"] = ("Training data-parallel needs a Ray cluster: choose one under "
+                                 "Run on, or use 1 worker.")
+        if self._template_error:
+            errors["chat_template"] = self._template_error
         return self._show_errors(errors)
 
     # ---------------------------------------------------------------- reactions
@@ -702,6 +731,35 @@ class SettingsForm(FormBase):
         self._show("weight_field", source == "row")
         self._show("weights_path", source == "file")
         self._show("clip", self.fields["normalize"].currentData() == "clip")
+
+    def set_on_cluster(self, on_cluster: bool) -> None:
+        """Whether the run goes to a cluster (New run's Run on): data-parallel workers need one."""
+        self.on_cluster = on_cluster
+        self.validate()
+
+    def _load_chat_template(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Chat template", "",
+                                              "Jinja templates (*.jinja *.j2 *.txt);;"
+                                              "All files (*)")
+        if not path:
+            return
+        try:
+            text = read_chat_template(path)
+        except EngineError as e:                 # shown under the field, the template kept
+            self._template_error = e.message
+            self.validate()
+            return
+        self._set_chat_template(text, os.path.basename(path))
+
+    def _set_chat_template(self, text: str | None, origin: str = "") -> None:
+        """Train with the chat template `text` (None: the model's); `origin` says where from."""
+        self.chat_template, self._template_error = text, None
+        self.chat_template_label.setText(
+            MODEL_TEMPLATE if text is None else f"{origin} ({len(text):,} characters)")
+        self.chat_template_label.setToolTip("" if text is None else text[:2000])
+        if not self._loading:
+            self.validate()
+            self._changed("chat_template")
 
     def _browse_adapter(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self, "Starting adapter", self.adapter_path.text(),

@@ -193,13 +193,19 @@ class NewRunView(QWidget):
         self.form.changed.connect(self._on_form_changed)
         self.kind_box.currentIndexChanged.connect(lambda _i: self.set_run_type(self.kind()))
         self.name_field.textChanged.connect(lambda _t: self._update_summary())
-        self.run_on.changed.connect(self._update_summary)
+        self.run_on.changed.connect(self._on_run_on)
         self.reset_button.clicked.connect(self.reset_settings)
         self.save_button.clicked.connect(self._save_dialog)
         self.load_button.clicked.connect(self._load_dialog)
         self.queue_button.clicked.connect(lambda: self.create_run(start=False))
         self.start_button.clicked.connect(lambda: self.create_run(start=True))
         self._estimate_timer.timeout.connect(self._start_estimate)
+        self.form.set_on_cluster(self.run_on.cluster() is not None)
+
+    def _on_run_on(self) -> None:
+        """Run on changed: data-parallel workers are a cluster's (the form says so)."""
+        self.form.set_on_cluster(self.run_on.cluster() is not None)
+        self._update_summary()
 
     def _initial_files(self) -> tuple[str | None, str | None, str | None]:
         """The last model, dataset and prompt file used, else the bundled sample model,

@@ -131,6 +131,12 @@ SETTINGS_TIPS = {
                    CONFIG + " (data_config.shuffle)"),
     "val_path": tip("A separate validation file instead of a split of the dataset.", "none",
                     "--val-data"),
+    "chat_template": tip("The Jinja chat template that renders chat rows (and prompt/completion "
+                         "rows as a chat): the model's own, or one loaded from a file (kept in "
+                         "the run's config.json).", "the model's", "--chat-template FILE"),
+    "workers": tip("Data-parallel ranks: a run sent to a Ray cluster trains as N workers that "
+                   "step together (each step takes N x the accumulated windows). Needs a "
+                   "cluster under Run on.", "1", "--workers"),
 }
 
 # The rest of New run

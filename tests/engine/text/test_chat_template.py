@@ -245,3 +245,21 @@ def test_hf_template_environment():
                        messages) == "True True False"
     assert render_chat("{{ bos_token }}{{ enable_thinking }}", messages, bos_token="<s>",
                        enable_thinking=False) == "<s>False"
+
+
+def test_a_chat_template_file_is_read_checked_and_named_in_its_errors(tmp_path):
+    """`train --chat-template FILE` and New run's Chat template (issue 29 item 4)."""
+    from app.engine.text.chat_template import read_chat_template
+    good = tmp_path / "t.jinja"
+    good.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert read_chat_template(good) == good.read_text()
+    for name, content, words in (("open.jinja", b"{% for m in messages %}", "does not compile"),
+                                 ("latin1.jinja", b"caf\xe9", "not UTF-8"),
+                                 ("empty.jinja", b"  \n", "is empty")):
+        path = tmp_path / name
+        path.write_bytes(content)
+        with pytest.raises(ConfigError) as e:
+            read_chat_template(path)
+        assert words in e.value.message and name in e.value.message
+    with pytest.raises(ConfigError, match="folder"):
+        read_chat_template(tmp_path)

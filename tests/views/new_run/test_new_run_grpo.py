@@ -62,6 +62,12 @@ def test_queueing_writes_the_run_directory_the_cli_writes(qtbot, view, ctx, tmp_
                        ("norms_every", 10)):
         form[key].setValue(value)
     form["lr"].setText("1e-3")
+    # the Advanced fields a GRPO run has (issue 29 item 4: the round trip for every run kind)
+    form["schedule"].setCurrentIndex(form["schedule"].findData("cosine"))
+    form["max_grad_norm"].setValue(0.5)
+    form["warmup_fraction"].setValue(0.1)
+    form["weight_cache_mb"].setValue(64)
+    assert not form["workers"].isVisibleTo(form)     # GRPO trains in one process
     assert view.problems() == []
     view.name_field.setText("grpo-run")
     with qtbot.waitSignal(view.run_created, timeout=10_000):
@@ -82,7 +88,9 @@ def test_queueing_writes_the_run_directory_the_cli_writes(qtbot, view, ctx, tmp_
                     "-t", "0.8", "--top-p", "0.9", "-n", "6", "--advantage", "no-std",
                     "--kl", "0.01", "--rank", "4", "--alpha", "16", "--lr", "1e-3",
                     "--targets", "attn,experts,router", "--max-steps", "7",
-                    "--val-split", "0.05", "--eval-every", "3",
+                    "--val-split", "0.05", "--eval-every", "3", "--schedule", "cosine",
+                    "--max-grad-norm", "0.5", "--warmup-fraction", "0.1",
+                    "--weight-cache-mb", "64",
                     "-o", str(cli_run), "--queue", str(tmp_path / "cli-queue.sqlite3")]) == 0
     assert RunDir(cli_run).config() == config
 

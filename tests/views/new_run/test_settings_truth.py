@@ -144,10 +144,19 @@ def test_a_healthy_dataset_starts_without_a_question(qtbot, new_run, monkeypatch
     assert asked == []
 
 
-def test_the_window_and_the_cli_write_the_same_supervised_run(qtbot, new_run, tmp_path):
-    """The settings round trip: the same choices made in the window (Advanced included) and on
-    the command line give the same config.json."""
+TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def test_the_window_and_the_cli_write_the_same_supervised_run(qtbot, new_run, tmp_path,
+                                                              monkeypatch):
+    """The settings round trip: the same choices made in the window (Advanced included: the
+    data-parallel workers of a run on a cluster, a chat template from a file, issue 29 item 4)
+    and on the command line give the same config.json."""
+    from PySide6.QtWidgets import QFileDialog
     view, form = new_run, new_run.form
+    template = tmp_path / "template.jinja"
+    template.write_text(TEMPLATE)
     form["schedule"].setCurrentIndex(form["schedule"].findData("linear"))
     form["max_grad_norm"].setValue(0.5)
     form["warmup_fraction"].setValue(0.1)
@@ -155,8 +164,17 @@ def test_the_window_and_the_cli_write_the_same_supervised_run(qtbot, new_run, tm
     form["precision"].setCurrentIndex(form["precision"].findData("bf16"))       # issue 30
     form["lr"].setText("0.002")
     form["epochs"].setValue(2)
+    form["workers"].setValue(2)
+    assert "data-parallel" in form.errors().get("workers", "")    # this computer: refused
+    form.set_on_cluster(True)                                     # Run on: a cluster
+    assert "workers" not in form.errors()
+    monkeypatch.setattr(QFileDialog, "getOpenFileName",
+                        staticmethod(lambda *a, **k: (str(template), "")))
+    form.chat_template_load.click()
+    assert form.chat_template_label.text().startswith("template.jinja")
     view.name_field.setText("window-run")
     config = start(qtbot, view, view.queue_button)
+    assert config["workers"] == 2 and config["data_config"]["chat_template"] == TEMPLATE
 
     cli_run = tmp_path / "cli-run"
     assert run_cli(["train", "-m", str(SAMPLE_MODEL), "-d", str(SAMPLE_CHAT), "--rank", "8",
@@ -165,9 +183,12 @@ def test_the_window_and_the_cli_write_the_same_supervised_run(qtbot, new_run, tm
                     str(FIRST_SFT["eval_every"]), "--schedule", "linear", "--max-grad-norm",
                     "0.5", "--warmup-fraction", "0.1", "--weight-cache-mb", "64",
                     "--precision", "bf16", "--lr",
-                    "0.002", "-o", str(cli_run),
+                    "0.002", "--workers", "2", "--chat-template", str(template),
+                    "-o", str(cli_run),
                     "--queue", str(tmp_path / "cli-queue.sqlite3")]) == 0
     assert RunDir(cli_run).config() == config
+    form.chat_template_clear.click()                              # back to the model's
+    assert form.values()["data_config"]["chat_template"] is None
 
 
 def test_reset_to_defaults_and_presets_set_the_current_kind(qtbot, new_run):
@@ -193,13 +214,12 @@ def flat_keys(d: dict, prefix: str = "") -> set[str]:
 
 
 def test_every_setting_of_the_engine_has_a_field(new_run):
-    """Item 12: every setting of a run's config has a field but data-parallel workers (a
-    cluster's), a chat template text (kept from a loaded file) and train.max_steps (the run
-    derives it); the CLI-only settings' tooltips name their flag or config.json key."""
+    """Item 12: every setting of a run's config has a field but train.max_steps (the run
+    derives it), data-parallel workers and the chat template included (issue 29 item 4); the
+    settings' tooltips name their flag or config.json key."""
     view, form = new_run, new_run.form
     engine = RunConfig(model="", data="").to_dict()
-    assert flat_keys(engine) - flat_keys(view.config_dict()) == {
-        "workers", "data_config.chat_template", "train.max_steps"}
+    assert flat_keys(engine) - flat_keys(view.config_dict()) == {"train.max_steps"}
     view.set_run_type("grpo")
     engine = GrpoConfig(model="", prompts="").to_dict()
     assert flat_keys(engine) - flat_keys(view.config_dict()) == {   # LoRA only, no accumulation
@@ -213,5 +233,6 @@ def test_every_setting_of_the_engine_has_a_field(new_run):
     for key, flag in (("max_grad_norm", "--max-grad-norm"), ("warmup_fraction",
                                                               "--warmup-fraction"),
                       ("weight_cache_mb", "--weight-cache-mb"), ("adapter", "--adapter"),
-                      ("beta1", "(train.beta1)"), ("min_lr", "(train.min_lr)")):
+                      ("beta1", "(train.beta1)"), ("min_lr", "(train.min_lr)"),
+                      ("workers", "--workers"), ("chat_template", "--chat-template")):
         assert flag in form[key].toolTip(), key
