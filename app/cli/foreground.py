@@ -6,13 +6,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
 import sys
 import threading
 import time
 from pathlib import Path
 
-from app.engine.errors import ConfigError, EngineError
+from app.engine.errors import EngineError
 from app.engine.training import events
 
 TARGET_ALIASES = {"attn": "attention"}
@@ -242,8 +241,7 @@ def start_run(args, config: dict, name: str, execute) -> int:
     from app.engine.runs.runlock import RunLock
 
     out = Path(args.out) if args.out else Path(default_runs_dir()) / default_run_name(name)
-    check_path_length(out)
-    _check_holds_no_run(out)
+    check_path_length(out)   # RunDir.create checks the folder holds no run, nor is in one
     existed = out.exists()
     # the run's files a take-back may remove: only those it makes (a folder that was there may
     # hold a log.txt of the user's own)
@@ -270,36 +268,6 @@ def start_run(args, config: dict, name: str, execute) -> int:
             _take_back_failed_run(run_dir, existed, run_files,
                                   "the run failed before its first step")
         raise
-
-
-RUN_SEARCH_DEPTH = 3          # folders below an output folder searched for a run in it
-RUN_SEARCH_ENTRIES = 10_000   # ... and entries read at most (a big folder is not a run's)
-
-
-def _check_holds_no_run(out: Path) -> None:
-    """ConfigError when the existing folder `out` holds a run below it (`train -o outer` with
-    `outer/inner` a run): deleting the outer run (the Runs screen) would take the inner one
-    with it, and the inner one lies inside another run (rundir's check_not_nested refuses
-    the other way round). Searched RUN_SEARCH_DEPTH levels deep,
-    never through links, reading at most RUN_SEARCH_ENTRIES entries."""
-    from app.engine.runs.rundir import CHECKPOINTS, CONFIG
-
-    folders, read = [(out, 0)], 0
-    while folders:
-        folder, depth = folders.pop()
-        try:
-            with os.scandir(folder) as entries:
-                subfolders = [e for e in entries if e.is_dir(follow_symlinks=False)]
-        except OSError:
-            continue  # not a folder (a new run's), or unreadable: nothing found there
-        read += len(subfolders)
-        for entry in subfolders:
-            path = Path(entry.path)
-            if (path / CONFIG).is_file() and (path / CHECKPOINTS).is_dir():
-                raise ConfigError(f"{out} holds the run {path}.",
-                                  "Choose an output folder that holds no run.")
-            if depth + 1 < RUN_SEARCH_DEPTH and read < RUN_SEARCH_ENTRIES:
-                folders.append((path, depth + 1))
 
 
 def _trained_anything(run_dir) -> bool:

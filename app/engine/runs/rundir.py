@@ -117,7 +117,8 @@ class RunDir:
 
         An existing run (a config.json already there) raises ConfigError unless `exist_ok`,
         in which case the config is replaced; so does a folder inside another run's
-        (`check_not_nested`). The run joins the user's list of runs
+        (`check_not_nested`) or one that holds a run below it (`check_holds_no_run`): the CLI
+        and the window alike. The run joins the user's list of runs
         (app.engine.runs.registry), wherever its folder is. The user's state folder is made
         first, so that it cannot fail with a run half made; any later failure takes back what
         was made (`take_back`).
@@ -131,6 +132,7 @@ class RunDir:
             raise ConfigError(f"{run.path} already holds a run (config.json exists).",
                               "Choose another output folder, or resume that run.")
         check_not_nested(run.path)
+        check_holds_no_run(run.path)
         ensure_state_dir()
         existed = run.path.is_dir()
         try:
@@ -387,6 +389,34 @@ def check_not_nested(path: Path) -> None:
     if above is not None:
         raise ConfigError(f"{path} is inside the run folder {above.path}.",
                           "Choose an output folder outside every run's folder.")
+
+
+RUN_SEARCH_DEPTH = 3          # folders below a new run's folder searched for a run in it
+RUN_SEARCH_ENTRIES = 10_000   # ... and entries read at most (a big folder is not a run's)
+
+
+def check_holds_no_run(path: Path) -> None:
+    """ConfigError when the existing folder `path` holds a run below it (`train -o outer`, or
+    New run's name for a folder, with `outer/inner` a run): deleting the outer run (the Runs
+    screen) would take the inner one with it, and the inner one would lie inside another run
+    (`check_not_nested` refuses the other way round). Searched RUN_SEARCH_DEPTH levels deep,
+    never through links, reading at most RUN_SEARCH_ENTRIES entries."""
+    folders, read = [(path, 0)], 0
+    while folders:
+        folder, depth = folders.pop()
+        try:
+            with os.scandir(folder) as entries:
+                subfolders = [e for e in entries if e.is_dir(follow_symlinks=False)]
+        except OSError:
+            continue  # not a folder (a new run's), or unreadable: nothing found there
+        read += len(subfolders)
+        for entry in subfolders:
+            inner = Path(entry.path)
+            if (inner / CONFIG).is_file() and (inner / CHECKPOINTS).is_dir():
+                raise ConfigError(f"{path} holds the run {inner}.",
+                                  "Choose an output folder that holds no run.")
+            if depth + 1 < RUN_SEARCH_DEPTH and read < RUN_SEARCH_ENTRIES:
+                folders.append((inner, depth + 1))
 
 
 def default_run_name(stem: str) -> str:

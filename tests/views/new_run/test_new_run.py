@@ -394,6 +394,31 @@ def test_a_queue_error_goes_to_the_funnel(qtbot, view, ctx, monkeypatch):
     assert Path(path, "config.json").is_file()          # the folder stays, unqueued
 
 
+def test_start_refuses_a_folder_that_holds_runs_as_the_cli_does(qtbot, view, ctx, tmp_path,
+                                                                capsys, monkeypatch):
+    """Issue 29 item 7: a run folder around other runs (deleting it would take them along) was
+    refused by `workbench train -o` only; the window's Start made it. One engine check now
+    (RunDir.create), the same message on both."""
+    from app.cli.main import run_cli
+    archive = ctx.runs_root() / "archive"
+    inner = RunDir.create(archive / "old-run", {"name": "old-run"}).path
+    errors = []
+    ctx.error_reported.connect(lambda title, e, context: errors.append((title, e)))
+    view.name_field.setText("archive")
+    assert view.run_dir_for("archive").name == "archive-2"   # a name never reuses a folder...
+    monkeypatch.setattr(view, "run_dir_for", lambda name="": archive)   # ... made meanwhile
+    assert view.create_run() is not None
+    qtbot.waitUntil(lambda: bool(errors), timeout=10_000)
+    title, error = errors[0]
+    assert title == "Could not queue the run"
+    assert error.message == f"{archive} holds the run {inner}."
+    assert error.hint == "Choose an output folder that holds no run."
+    assert not (archive / "config.json").exists() and ctx.queue.list() == []
+    assert run_cli(["train", "-m", str(SAMPLE_MODEL), "-d", str(SAMPLE_CHAT), "-o",
+                    str(archive), "--queue", str(tmp_path / "q.sqlite3")]) == 2
+    assert f"error: {error.message}" in capsys.readouterr().err
+
+
 def test_models_found_in_the_usual_places(tmp_path):
     home = tmp_path / "home"
     (home / ".cache" / "llama.cpp").mkdir(parents=True)
