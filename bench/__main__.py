@@ -1,7 +1,8 @@
 """``python -m bench``: the training-speed table (bench/table.py);
 ``python -m bench train ...``: one configuration as one JSON object (bench/train.py);
 ``python -m bench moe-shapes ...``: the real-size MoE rows (bench/moe_shapes.py, issue 20);
-``python -m bench bf16-gemm``: the bf16 product libraries side by side (bench/bf16_gemm.py, issue 30).
+``python -m bench bf16-gemm``: the bf16 product libraries side by side (bench/bf16_gemm.py,
+issue 30).
 
 The micro-benchmarks run on their own: ``python -m bench.forward``, ``bench.dequant``,
 ``bench.moe_kernels``, ``bench.optim``, ``bench.data``.

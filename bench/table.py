@@ -242,7 +242,8 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=1,
                         help="runs of each implementation, taking turns; each keeps its best")
     parser.add_argument("--rows", help="only the rows whose label contains one of these "
-                        "semicolon-separated strings (e.g. 'bench-dense full c256;bench-moe-q8_0 lora')",
+                        "semicolon-separated strings (e.g. 'bench-dense full c256;"
+                        "bench-moe-q8_0 lora')",
                         type=lambda text: [t.strip() for t in text.split(";") if t.strip()])
     workload_args(parser)
     args = parser.parse_args(argv)

@@ -127,7 +127,8 @@ def request_amx_permission(syscall: Callable[..., int] | None = None) -> str:
         return f"arch_prctl unavailable ({exc})"
     if rc != 0:
         err = ctypes.get_errno()
-        return f"the kernel refused AMX's tile state (arch_prctl: {os.strerror(err) if err else rc})"
+        why = os.strerror(err) if err else rc
+        return f"the kernel refused AMX's tile state (arch_prctl: {why})"
     return ""
 
 
