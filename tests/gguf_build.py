@@ -17,10 +17,13 @@ def read_all(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
     return dict(f.metadata), tensors
 
 
-def write_gguf(path: Path, metadata: dict, tensors: dict[str, np.ndarray]) -> Path:
-    """Write an F32 GGUF with the given metadata (python values) and tensors (NumPy order)."""
+def write_gguf(path: Path, metadata: dict, tensors: dict[str, np.ndarray],
+               split_max_tensors: int = 0) -> Path:
+    """Write an F32 GGUF with the given metadata (python values) and tensors (NumPy order).
+    `split_max_tensors`: gguf's own split into `<stem>-0000k-of-0000n.gguf` files of at most
+    that many tensors (llama.cpp's gguf-split layout and split.* keys)."""
     arch = metadata["general.architecture"]
-    w = gguf.GGUFWriter(str(path), arch)
+    w = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     for key, value in metadata.items():
         if key in ("general.architecture", "GGUF.version") or key.startswith("GGUF."):
             continue

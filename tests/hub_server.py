@@ -20,7 +20,9 @@ no Range or an open one, `bytes=N-`; not a header's closed range); `corrupt` (fi
 serves its last byte flipped under the right checksum; `status[key] = code` answers `code` for a request
 whose path contains `key`; `garbage` (path fragments) answers "{not json" with 200;
 `advertised_size[file] = n` announces a size other than the real one; `slow[file] = s`
-sends a download's body in 4 KiB pieces `s` seconds apart. `requests` records
+sends a download's body in 4 KiB pieces `s` seconds apart; `cdn = True` answers an LFS file's
+resolve URL the Hub's way, a 302 (with X-Linked-Etag/Size) to another origin
+(`http://localhost:PORT/cdn/...`, the server being 127.0.0.1), which serves the bytes. `requests` records
 (method, path, Range header) of every request, `authorizations` the Authorization headers.
 
 Tests point the engine at it with HF_ENDPOINT=`hub.url` (the engine reads HF_ENDPOINT, HF_HOME,
@@ -43,8 +45,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
-import gguf
-import numpy as np
 import pytest
 
 GOLDEN = Path(__file__).parent / "data" / "golden"
@@ -86,30 +86,10 @@ def write_split_gguf(source: Path, folder: Path, stem: str) -> list[Path]:
     """Rewrite the F32 GGUF `source` as two shards with gguf's writer (split_max_tensors):
     `<stem>-00001-of-00002.gguf` (all the metadata and the first half of the tensors) and
     `-00002-of-00002.gguf` (the rest), each with llama.cpp's split.no/count/tensors.count."""
-    from tests.gguf_build import read_all
+    from tests.gguf_build import read_all, write_gguf
 
     metadata, tensors = read_all(source)
-    w = gguf.GGUFWriter(str(folder / f"{stem}.gguf"), metadata["general.architecture"],
-                        split_max_tensors=-(-len(tensors) // 2))
-    for key, value in metadata.items():
-        if key in ("general.architecture",) or key.startswith("GGUF."):
-            continue
-        if isinstance(value, bool):
-            w.add_bool(key, value)
-        elif isinstance(value, str):
-            w.add_string(key, value)
-        elif isinstance(value, (int, np.integer)):
-            w.add_uint32(key, int(value))
-        elif isinstance(value, (float, np.floating)):
-            w.add_float32(key, float(value))
-        else:
-            w.add_array(key, list(value.tolist() if isinstance(value, np.ndarray) else value))
-    for name, arr in tensors.items():
-        w.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_gguf(folder / f"{stem}.gguf", metadata, tensors, split_max_tensors=-(-len(tensors) // 2))
     shards = sorted(folder.glob(f"{stem}-0000?-of-00002.gguf"))
     assert len(shards) == 2, shards
     return shards
@@ -155,6 +135,7 @@ class FakeHub:
         self.garbage: set[str] = set()
         self.advertised_size: dict[str, int] = {}
         self.slow: dict[str, float] = {}
+        self.cdn = False
         self.requests: list[tuple[str, str, str | None]] = []
         self.authorizations: list[str | None] = []
         self._lock = threading.Lock()
@@ -240,6 +221,9 @@ class _Handler(BaseHTTPRequestHandler):
             repo_id, _, rest = path.lstrip("/").partition("/resolve/")
             _rev, _, file = rest.partition("/")
             return self._resolve(repo_id, file)
+        if path.startswith("/cdn/"):                 # the storage an LFS file redirects to
+            repo_id, _, file = path[len("/cdn/"):].partition("/cdn/")
+            return self._resolve(repo_id, file, cdn=True)
         self._error(404, message="no such route")
 
     def _repo(self, repo_id: str) -> Repo | None:
@@ -303,11 +287,11 @@ class _Handler(BaseHTTPRequestHandler):
             return self._json(entries)
         self._error(404, message="no such route")
 
-    def _resolve(self, repo_id: str, file: str) -> None:
+    def _resolve(self, repo_id: str, file: str, cdn: bool = False) -> None:
         hub = self.server_hub
-        repo = self._repo(repo_id)
+        repo = hub.repos.get(repo_id) if cdn else self._repo(repo_id)
         if repo is None:
-            return
+            return self._error(404, message="no such object") if cdn else None
         data = repo.files.get(file)
         if data is None:
             return self._send(404, b"{}", {"X-Error-Code": "EntryNotFound",
@@ -320,6 +304,11 @@ class _Handler(BaseHTTPRequestHandler):
         if is_lfs(file):
             headers["X-Linked-Etag"] = f'"{etag}"'
             headers["X-Linked-Size"] = size
+            if hub.cdn and not cdn:                   # the Hub's 302 to another origin
+                host, port = self.server.server_address[:2]
+                headers["Location"] = f"http://localhost:{port}/cdn/{repo_id}/cdn/{file}"
+                headers["Content-Length"] = 0
+                return self._send(302, b"", headers)
         start = 0
         rng = self.headers.get("Range")
         if rng and rng.startswith("bytes="):

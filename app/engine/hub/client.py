@@ -476,8 +476,10 @@ def _metadata(s: HubSettings, repo_id: str, filename: str, revision: str) -> Rem
     if not all(c in "0123456789abcdef" for c in meta.etag.lower()) or "/" in meta.etag:
         raise HubError(f"The Hub's checksum of {filename} ({meta.etag[:80]!r}) is not one.",
                        "Check HF_ENDPOINT.")
-    return RemoteFile(repo_id, filename, meta.location or url, meta.commit_hash, meta.etag,
-                      int(meta.size))
+    # the resolve URL, not meta.location: a redirect to the storage (another origin) is
+    # followed per request, and httpx drops the Authorization header on the way (the token
+    # goes to the Hub only); a signed storage URL would expire between two calls anyway
+    return RemoteFile(repo_id, filename, url, meta.commit_hash, meta.etag, int(meta.size))
 
 
 def _headers(s: HubSettings, extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -201,6 +201,20 @@ def test_gated_with_the_token_downloads_and_the_token_stays_in_the_header(hub, h
                    if p.is_file() and not p.is_symlink() and p.stat().st_size < 1 << 20)
 
 
+def test_a_redirect_to_the_storage_does_not_carry_the_token(hub, hub_repos, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    hub.cdn = True
+    hub.drop_after[Q8] = 20_000                  # and a resume goes through the redirect too
+    path = client.download(_model(LLAMA, "Q8_0"))
+    assert path.read_bytes() == hub_repos[LLAMA].files[Q8]
+    sent = list(zip(hub.requests, hub.authorizations))
+    storage = [auth for (method, p, _r), auth in sent if p.startswith("/cdn/")]
+    hub_side = [auth for (method, p, _r), auth in sent if "/resolve/" in p]
+    assert len(storage) == 2 and storage == [None, None]      # the body, then the resume
+    assert hub_side and all(a == f"Bearer {TOKEN}" for a in hub_side)
+    assert [r for m, p, r in hub.requests if p.startswith("/cdn/")] == [None, "bytes=20000-"]
+
+
 def test_the_login_token_file_is_used(hub, hub_repos, monkeypatch):
     home = Path(os.environ["HF_HOME"])
     home.mkdir(parents=True)
