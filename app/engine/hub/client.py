@@ -29,6 +29,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import re
 import shutil
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -235,9 +236,9 @@ def search(query: str = "", author: str | None = None, sort: str = "downloads",
         hits = []
         for m in _api(s).list_models(search=query or None, author=author or None,
                                      filter="gguf", sort=sort, limit=limit):
+            when = m.last_modified or m.created_at     # the Hub lists createdAt by default
             hits.append(RepoHit(str(m.id), int(m.downloads or 0), int(m.likes or 0),
-                                bool(m.gated), m.last_modified.date().isoformat()
-                                if m.last_modified else ""))
+                                bool(m.gated), when.date().isoformat() if when else ""))
         return hits
     except _client_errors() as e:
         raise hub_error(e, s, author or "", "search") from None
@@ -473,9 +474,9 @@ def _metadata(s: HubSettings, repo_id: str, filename: str, revision: str) -> Rem
         raise HubError(f"{s.endpoint} did not say the commit, checksum and size of "
                        f"{repo_id}/{filename}.", "Check HF_ENDPOINT: it does not answer like "
                        "the Hub.")
-    if not all(c in "0123456789abcdef" for c in meta.etag.lower()) or "/" in meta.etag:
-        raise HubError(f"The Hub's checksum of {filename} ({meta.etag[:80]!r}) is not one.",
-                       "Check HF_ENDPOINT.")
+    if not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", meta.etag) or meta.etag.startswith("."):
+        raise HubError(f"The Hub's ETag of {filename} ({meta.etag[:80]!r}) is not a checksum.",
+                       "Check HF_ENDPOINT: it does not answer like the Hub.")
     # the resolve URL, not meta.location: a redirect to the storage (another origin) is
     # followed per request, and httpx drops the Authorization header on the way (the token
     # goes to the Hub only); a signed storage URL would expire between two calls anyway
@@ -563,7 +564,8 @@ def download(model: HubModel, progress: Progress | None = None, cancel=None,
         def shifted(done: int, _total: int, name: str, base=done_before) -> None:
             if progress is not None:
                 progress(base + done, total, name)
-        path = download_file(model.repo_id, f.path, shifted, cancel, retries, revision)
+        path = download_file(model.repo_id, f.path, shifted, cancel, retries, revision,
+                             f.sha256)
         first = first or path
         done_before += f.size
     assert first is not None
@@ -571,8 +573,10 @@ def download(model: HubModel, progress: Progress | None = None, cancel=None,
 
 
 def download_file(repo_id: str, filename: str, progress: Progress | None = None, cancel=None,
-                  retries: int = 3, revision: str = "main") -> Path:
-    """One file into the cache, resumed from a kept partial, verified; its snapshot path."""
+                  retries: int = 3, revision: str = "main", sha256: str | None = None) -> Path:
+    """One file into the cache, resumed from a kept partial, verified (against `sha256`, the
+    LFS oid of the listing, else the ETag: an LFS file's is its sha256, a git file's its git
+    blob id); its snapshot path."""
     from filelock import FileLock, Timeout
 
     s = hub_settings()
@@ -603,7 +607,7 @@ def download_file(repo_id: str, filename: str, progress: Progress | None = None,
     try:
         partial = blob.with_name(blob.name + PARTIAL_SUFFIX)
         if not blob.is_file() or blob.stat().st_size != remote.size:
-            _fetch_into(s, remote, partial, progress, cancel, retries)
+            _fetch_into(s, remote, partial, progress, cancel, retries, sha256)
             os.replace(partial, blob)
         return _place(s, repo_id, revision, remote.commit, filename, remote.etag, blob)
     except OSError as e:
@@ -625,18 +629,45 @@ def _hash_file(path: Path, upto: int) -> Any:
     return h
 
 
+def _expected(remote: RemoteFile, sha256: str | None) -> tuple[str, str]:
+    """("sha256" or "git", the hex digest) the file must have."""
+    for kind, digest in (("sha256", sha256), ("sha256", remote.etag), ("git", remote.etag)):
+        if digest and re.fullmatch(r"[0-9a-f]{64}" if kind == "sha256" else r"[0-9a-f]{40}",
+                                   digest.lower()):
+            return kind, digest.lower()
+    raise HubError(f"The Hub gave no checksum for {remote.filename} (its ETag is "
+                   f"{remote.etag[:40]!r}), so a download could not be verified.",
+                   "Check HF_ENDPOINT: the Hub gives an LFS file's sha256.")
+
+
+def _check_space(folder: Path, need: int, remote: RemoteFile) -> None:
+    """DiskFullError before a byte is fetched when `folder`'s disk has less than `need` free."""
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return
+    if free < need:
+        raise DiskFullError(
+            f"Not enough space for {remote.filename}: it needs {need:,} more bytes and "
+            f"{folder} has {free:,} free.",
+            "Free some space, or put the Hugging Face cache on a larger disk (HF_HOME), then "
+            "get the model again.")
+
+
 def _fetch_into(s: HubSettings, remote: RemoteFile, partial: Path, progress: Progress | None,
-                cancel, retries: int) -> None:
+                cancel, retries: int, sha256: str | None = None) -> None:
     """Fill `partial` up to remote.size with Range requests (resuming from its length), then
     check the sha256 (LFS files; a git blob's id for the others). A dropped connection is
     resumed `retries` times here; after that, and on a cancel or a full disk, the partial stays
     for the next call. A wrong checksum or a longer body than announced removes it."""
     import httpx2
 
+    kind, want = _expected(remote, sha256)
     have = partial.stat().st_size if partial.exists() else 0
     if have > remote.size:
         partial.unlink()
         have = 0
+    _check_space(partial.parent, remote.size - have, remote)
     sha = _hash_file(partial, have) if have else hashlib.sha256()
     tries = 0
     while have < remote.size:
@@ -655,15 +686,15 @@ def _fetch_into(s: HubSettings, remote: RemoteFile, partial: Path, progress: Pro
                     "Run the same command again: it resumes from there.") from None
     if progress is not None:
         progress(have, remote.size, remote.filename)
-    if len(remote.etag) == 64:
+    if kind == "sha256":
         got = sha.hexdigest()
     else:                                    # a file in git: the ETag is its git blob id
         got = hashlib.sha1(b"blob %d\0" % remote.size + partial.read_bytes()).hexdigest()
-    if got != remote.etag:
+    if got != want:
         partial.unlink(missing_ok=True)
         raise ChecksumError(
             f"{remote.filename} does not match the Hub's checksum (got {got[:12]}..., "
-            f"expected {remote.etag[:12]}...): the bytes were damaged on the way.",
+            f"expected {want[:12]}...): the bytes were damaged on the way.",
             "Run the command again: it downloads the file anew.")
 
 

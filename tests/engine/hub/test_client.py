@@ -177,6 +177,25 @@ def test_a_full_disk_says_so_and_the_next_call_resumes(hub, hub_repos, monkeypat
     assert hub.ranges(f32)[-1] == f"bytes={kept[0]}-"     # the short write was not kept
 
 
+def test_too_little_free_space_is_said_before_a_byte_is_fetched(hub, monkeypatch):
+    import shutil
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9,
+                                                                                  1000))
+    with pytest.raises(DiskFullError, match="needs 50,208 more bytes .* 1,000 free"):
+        client.download(_model(LLAMA, "Q8_0"))
+    assert hub.ranges(Q8) == [] and _leftovers(LLAMA, hub)["snapshots"] == []
+
+
+def test_the_listing_sha256_is_checked_too(hub):
+    model = _model(LLAMA, "Q8_0")
+    wrong = client.HubModel(model.repo_id, (client.HubFile(model.files[0].path,
+                                                           model.files[0].size, "0" * 64),),
+                            model.quant)
+    with pytest.raises(ChecksumError, match="expected 000000000000"):
+        client.download(wrong)
+
+
 def test_gated_without_a_token_says_how_to_log_in(hub):
     with pytest.raises(HubAuthError, match="gated") as e:
         client.list_models(GATED)
