@@ -234,6 +234,8 @@ class ModelPicker(QFrame):
                                               "fits here and download one")
         self.get_button.clicked.connect(self.get_model)
         self.get_dialog = None
+        # (LoRA rank, context) of the run being set up, for the dialog's "Trains here?"
+        self.estimate_settings: Callable[[], tuple[int, int]] = lambda: (16, 512)
         self.found_list = QListWidget(objectName="recentList")
         self.recent_list = QListWidget(objectName="recentList")
         for lst in (self.found_list, self.recent_list):
@@ -279,7 +281,13 @@ class ModelPicker(QFrame):
         and listed with those on this computer."""
         from app.views.get_model.dialog import GetModelDialog
 
-        self.get_dialog = GetModelDialog(self)
+        if self.get_dialog is not None and self.get_dialog.is_downloading():
+            self.get_dialog.open()              # the download goes on: show it
+            return
+        if self.get_dialog is not None:
+            self.get_dialog.deleteLater()
+        rank, context = self.estimate_settings()
+        self.get_dialog = GetModelDialog(self, rank=rank, context=context)
         self.get_dialog.downloaded.connect(self._got_model)
         self.get_dialog.open()
 

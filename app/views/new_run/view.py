@@ -95,6 +95,8 @@ class NewRunView(QWidget):
 
     def _build(self, read_model, lint, discover) -> None:
         self.picker = ModelPicker(self.ctx.settings, discover=discover)
+        self.picker.estimate_settings = lambda: (self.form["rank"].value(),
+                                                 self.form["context"].value())
         self.card_view = ModelCardView(read_model)
         self.model_error = ErrorPanel()
         self.dataset = DatasetPanel(lint=lint)

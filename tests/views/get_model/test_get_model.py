@@ -49,9 +49,11 @@ def test_download_with_progress_then_the_picker_opens_it(qtbot, hub, hub_repos, 
 
     view = NewRunView(ctx, discover=lambda: [])
     qtbot.addWidget(view)
+    view.form["rank"].setValue(8)                  # "Trains here?" at the run's settings
     view.picker.get_model()
     dialog = view.picker.get_dialog
     _to_files(qtbot, dialog)
+    assert "LoRA rank 8" in dialog.files.item(0, 3).toolTip()
     dialog.select_file(Q8)
     progress = []
     dialog._progress.changed.connect(lambda d, t, n: progress.append(d))
