@@ -414,7 +414,7 @@ def cmd_queue(args) -> int:
         print(f"queued job {job_id}: {job.run_dir}{where}")
         return 0
     if action == "list":
-        from app.engine.runs.worker import SUBMITTING
+        from app.engine.runs.worker import job_state
 
         jobs = queue.list(args.state)
         if args.json:
@@ -428,9 +428,8 @@ def cmd_queue(args) -> int:
         for j in jobs:
             status = _run_status(j.run_dir)
             # a cluster job the cluster has not accepted yet is "submitting", not "running"
-            state = (SUBMITTING if j.state == "running" and status.get("state") == SUBMITTING
-                     else j.state) + (f" ({j.requested_action} requested)"
-                                      if j.requested_action != "none" else "")
+            state = job_state(j, status) + (f" ({j.requested_action} requested)"
+                                            if j.requested_action != "none" else "")
             info = (f"{j.error_kind}: {j.error_message}" if j.state == "failed"
                     else status.get("problem") or _fmt_progress(status))
             name = j.run_dir if len(j.run_dir) <= 30 else "..." + j.run_dir[-27:]

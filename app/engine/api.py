@@ -32,7 +32,8 @@ from app.engine.runs.rundir import (RUN_NAME_MAX, RunDir, dedupe_steps, default_
                                     default_runs_dir, list_runs)
 from app.engine.runs.rundir import (RunEntry, best_checkpoint, registered_run_paths,
                                     registered_runs, run_entry)
-from app.engine.runs.worker import ensure_worker, stop_worker, worker_pid, worker_running
+from app.engine.runs.worker import (ensure_worker, job_state, stop_worker, worker_pid,
+                                    worker_running)
 from app.engine.runtime.backend import gpu_available
 from app.engine.runtime.bf16 import choose as precision_choice  # auto's choice here, and why
 from app.engine.runtime.files import read_range  # a tail's bounded read, never of a FIFO
@@ -56,7 +57,7 @@ __all__ = [
     # clusters: where a job runs (Settings > Clusters, New run's "Run on")
     "Cluster", "ClusterError", "ClusterStore", "PathMap", "check_cluster", "cluster_test",
     "executor_for", "Poll",
-    "ensure_worker", "stop_worker", "worker_pid", "worker_running",
+    "ensure_worker", "job_state", "stop_worker", "worker_pid", "worker_running",
     "RunEntry", "best_checkpoint", "registered_run_paths", "registered_runs",
     "Registry", "forget_run", "read_registry", "rename_run",
     "check_context", "default_context",

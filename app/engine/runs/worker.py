@@ -78,6 +78,15 @@ DEFAULT_UNREACHABLE_TIMEOUT_S = 600.0  # a cluster silent longer fails the job t
 SUBMITTING = "submitting"  # status.json's state of a cluster job the cluster has not accepted yet
 
 
+def job_state(job: Job, status: dict) -> str:
+    """The state `workbench queue list` and the window's Runs show for the queue's `job`, whose
+    run's status.json is `status`: the queue's state, but "submitting" for a job handed to a
+    cluster that has not accepted it yet (the queue says running; status.json says so)."""
+    if job.state == "running" and status.get("state") == SUBMITTING:
+        return SUBMITTING
+    return job.state
+
+
 class WorkerAlreadyRunning(EngineError):
     kind = "worker_running"
 

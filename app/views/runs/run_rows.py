@@ -25,7 +25,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from app.engine.api import GRPO, SFT, EngineError, Job, RunDir, list_runs, read_registry
+from app.engine.api import (GRPO, SFT, EngineError, Job, RunDir, job_state, list_runs,
+                            read_registry)
 from app.views.widgets.run_best import Best, BestTracker
 
 REQUESTED = {"pause": "pausing\u2026", "cancel": "cancelling\u2026"}
@@ -66,8 +67,11 @@ class RunRow:
     def label(self) -> str:
         """The state as shown: 'running (pausing...)', 'running?' for a stalled run of the command
         line."""
-        if self.job is not None and self.job.requested_action in REQUESTED:
-            return f"{self.state} ({REQUESTED[self.job.requested_action]})"
+        if self.job is not None:     # the words of `workbench queue list` (api.job_state)
+            state = job_state(self.job, self.status)
+            if self.job.requested_action in REQUESTED:
+                return f"{state} ({REQUESTED[self.job.requested_action]})"
+            return state
         if self.stalled and self.state == "running":
             return f"{self.state}? (no update for {(time.time() - self.updated_at) / 60:.0f} min)"
         return self.state           # outside the queue: the Where column's tooltip says so
@@ -110,6 +114,7 @@ def _read_row(path: str, job: Job | None, name: str | None = None) -> RunRow:
                       renamed=bool(name))
     best, started = _tracker.best(run, kind)
     state = job.state if job is not None else str(status.get("state") or "new")
+    said = job_state(job, status) if job is not None else state    # no ETA while submitting
     error = job.error if job is not None and job.error else status.get("error")
     try:
         has_ckpt = any(p.is_dir() for p in run.checkpoints_dir.iterdir())
@@ -120,7 +125,7 @@ def _read_row(path: str, job: Job | None, name: str | None = None) -> RunRow:
     return RunRow(
         path=str(run.path), name=shown, state=state, job=job,
         step=int(status.get("step") or 0), total=total,
-        eta_s=status.get("eta_s") if state == "running" else None, loss=status.get("loss"),
+        eta_s=status.get("eta_s") if said == "running" else None, loss=status.get("loss"),
         reward=status.get(GRPO.metric) if kind == GRPO.name else None, kind=kind,
         model=model, dataset=dataset, created=started or config_time,
         duration_s=status.get("elapsed_s"), best=best, epochs=epochs,

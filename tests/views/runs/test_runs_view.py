@@ -91,6 +91,27 @@ def test_every_job_and_terminal_run_is_listed(qtbot, ctx, runs):
     assert view.model.index(names.index("done"), COL["Steps"]).data(PROGRESS_ROLE)[2]
 
 
+def test_a_job_handed_to_a_cluster_reads_submitting_as_in_queue_list(qtbot, ctx, capsys):
+    """Issue 29 item 6: a cluster job the cluster has not accepted yet (status.json: submitting;
+    the queue's row: running) was 'running' in the window, 'submitting' in `workbench queue
+    list`: one engine function (api.job_state) says it for both."""
+    from app.cli.main import run_cli
+    from app.engine.api import job_state
+    fake = make(ctx, "on-lab")
+    ctx.queue.add(fake.path)
+    job = ctx.queue.claim_next("w")
+    fake.run.write_status(state="submitting")
+    assert job.state == "running" and job_state(job, fake.run.status()) == "submitting"
+    view = refreshed(qtbot, RunsView(ctx))
+    assert view.text(0, "Status") == "submitting"
+    assert run_cli(["queue", "list", "--queue", str(ctx.queue.path)]) == 0
+    [line] = [x for x in capsys.readouterr().out.splitlines() if "on-lab" in x]
+    assert line.split()[1] == "submitting"
+    fake.run.write_status(state="running")                     # the cluster took it
+    view = refreshed(qtbot, RunsView(ctx))
+    assert view.text(0, "Status").startswith("running")
+
+
 def test_a_grpo_run_shows_its_type_and_latest_reward(qtbot, ctx, runs):
     grpo = FakeGrpoRun(ctx.runs_root() / "grpo", total_steps=20)
     grpo.step(6)
