@@ -38,7 +38,7 @@ def test_files_lists_models_quants_sizes_and_what_fits(hub, capsys):
         (Q8, "Q8_0", 50208), ("tiny-llama-F32.gguf", "F32", 171040)]
 
 
-def test_get_interrupted_once_resumes_and_prints_the_path(hub, hub_repos, capsys):
+def test_get_interrupted_once_resumes_and_prints_the_path(hub, hub_repos, capsys, monkeypatch):
     hub.drop_after[Q8] = 12_345
     assert run_cli(["models", "get", f"{LLAMA}:Q8_0"]) == 0
     out, err = capsys.readouterr()
@@ -50,6 +50,9 @@ def test_get_interrupted_once_resumes_and_prints_the_path(hub, hub_repos, capsys
     assert run_cli(["models", "get", f"{LLAMA}:Q8_0"]) == 0
     assert Path(capsys.readouterr().out.strip()) == path
     assert len([r for r in hub.ranges(Q8)]) == 3          # header read, first body, the resume
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")            # offline: the cache answers
+    assert run_cli(["models", "get", f"{LLAMA}:Q8_0"]) == 0
+    assert Path(capsys.readouterr().out.strip()) == path
 
 
 def test_get_to_a_folder_and_list(hub, hub_repos, tmp_path, capsys, monkeypatch):
