@@ -233,16 +233,20 @@ def test_sequence_log_probs_are_the_logits_log_softmax():
 
 # ---- runs ---------------------------------------------------------------------------------------------
 
-def _config(method="dpo", **kw):
+def _config(method="dpo", precision="auto", **kw):
     kw = {"max_steps": 4, "epochs": 0, "val_split": 0.1, "eval_every": 2, "save_every": 2,
           "pairs_per_step": 4, **kw}
     return PreferenceConfig(model=SAMPLE, data=PREFS, method=method,
-                            train=TrainConfig(lr=3.5e-3, lora_rank=4), **kw)
+                            train=TrainConfig(lr=3.5e-3, lora_rank=4, precision=precision), **kw)
 
 
-def test_first_dpo_step_is_ln2_and_events_fit_the_schema(tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_first_dpo_step_is_ln2_and_events_fit_the_schema(tmp_path, precision):
+    """The reference's base products are the policy's (bf16 or float32): with B = 0 the two
+    forwards make the same calls, so the first loss is ln 2 exactly."""
     events = []
-    assert train_preference(_config(), events.append, lambda: None, tmp_path / "ck") == "done"
+    assert train_preference(_config(precision=precision), events.append, lambda: None,
+                            tmp_path / "ck") == "done"
     steps = [e for e in events if e["type"] == "step"]
     assert abs(steps[0]["loss"] - math.log(2)) < 1e-6     # B = 0: the policy is the reference
     assert steps[0]["rewards/margins"] == 0.0
