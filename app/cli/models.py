@@ -92,6 +92,7 @@ def _search(args) -> int:
 
 def _files(args) -> int:
     from app.engine.hub import client
+    from app.engine.hub.header import quant_shown
     from app.engine.hub.names import parse_spec
 
     repo = parse_spec(args.repo).repo_id
@@ -106,10 +107,13 @@ def _files(args) -> int:
         print(f"{repo} holds no GGUF file", file=sys.stderr)
         return 0
     width = max(len(m.name) for m in models)
-    print(f"{'MODEL':<{width}}  {'QUANT':<10}  {'SIZE':>9}  " + ("FITS" if fits else "FILES"))
+    quants = {m.name: quant_shown(m.quant, fits.get(m.name)) for m in models}
+    qwidth = max(10, *(len(q) for q in quants.values()))
+    print(f"{'MODEL':<{width}}  {'QUANT':<{qwidth}}  {'SIZE':>9}  "
+          + ("FITS" if fits else "FILES"))
     for m in models:
         last = fits[m.name].note if fits else (f"{len(m.files)} parts" if m.is_split else "1")
-        print(f"{m.name:<{width}}  {m.quant or '-':<10}  {_size(m.size):>9}  {last}")
+        print(f"{m.name:<{width}}  {quants[m.name]:<{qwidth}}  {_size(m.size):>9}  {last}")
     print(f"get one: workbench models get {repo}:QUANT", file=sys.stderr)
     return 0
 

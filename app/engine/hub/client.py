@@ -537,6 +537,13 @@ def read_header(repo_id: str, filename: str, revision: str = "main") -> tuple[by
         want = min(want * 2, remote.size, MAX_HEADER)
 
 
+def quant_shown(named: str, fit) -> str:
+    """app.engine.hub.header.quant_shown (the name's quant confirmed by the header's)."""
+    from app.engine.hub.header import quant_shown as shown
+
+    return shown(named, fit)
+
+
 def what_fits(model: HubModel, rank: int = 16, context: int = 512):
     """app.engine.hub.header.Fit of a remote model, from its header (weights not fetched). A
     split model: the architecture of its first part, no estimate (training reads one file)."""
@@ -548,7 +555,7 @@ def what_fits(model: HubModel, rank: int = 16, context: int = 512):
         fit = fits_here(header, size, first, rank, context)
         return Fit(fit.architecture, False, None, None,
                    f"split into {len(model.files)} files: the workbench trains one-file GGUF "
-                   "models (merge the parts with llama-gguf-split --merge)")
+                   "models (merge the parts with llama-gguf-split --merge)", fit.quant)
     return fits_here(header, size, first, rank, context)
 
 

@@ -16,6 +16,7 @@ import tempfile
 from dataclasses import dataclass
 
 from app.engine.errors import EngineError, ModelFormatError
+from app.engine.hub.names import FILE_TYPES
 from app.engine.model.card import describe_model, human_bytes
 from app.engine.runtime.backend import array_module, device_memory
 from app.engine.training.memory import estimate_memory
@@ -112,13 +113,15 @@ def header_length(prefix: bytes) -> int | None:
 @dataclass(frozen=True)
 class Fit:
     """What fits here: `supported` (the architecture, read from the header), `need` the
-    estimate of a LoRA run (bytes), `have` this machine's memory; `note` says it in words."""
+    estimate of a LoRA run (bytes), `have` this machine's memory; `note` says it in words;
+    `quant` the quant type the header says (general.file_type; "" when it says none)."""
 
     architecture: str
     supported: bool
     need: int | None
     have: int | None
     note: str
+    quant: str = ""
 
     @property
     def fits(self) -> bool | None:
@@ -128,7 +131,8 @@ class Fit:
 
     def to_dict(self) -> dict:
         return {"architecture": self.architecture, "supported": self.supported,
-                "need": self.need, "have": self.have, "fits": self.fits, "note": self.note}
+                "need": self.need, "have": self.have, "fits": self.fits, "note": self.note,
+                "quant": self.quant}
 
 
 def fits_here(prefix: bytes, file_size: int, name: str, rank: int = 16, context: int = 512) -> Fit:
@@ -140,11 +144,11 @@ def fits_here(prefix: bytes, file_size: int, name: str, rank: int = 16, context:
         with open(path, "wb") as f:
             f.write(prefix)
             f.truncate(max(file_size, len(prefix)))     # sparse: the weights take no space
+        arch, quant = _header_facts(path)
         try:
             card = describe_model(path, rank=rank, context=context)
         except EngineError as e:
-            arch = _architecture(path)
-            return Fit(arch, False, None, None, e.message)
+            return Fit(arch, False, None, None, e.message, quant)
     need = estimate_memory(card, card.lora_params).total
     try:
         have = device_memory(array_module("cpu"))[1]
@@ -156,18 +160,31 @@ def fits_here(prefix: bytes, file_size: int, name: str, rank: int = 16, context:
         verdict = "fits" if need <= have else "does not fit"
         note = (f"{verdict}: needs about {human_bytes(need)} to train (LoRA rank {rank}, "
                 f"context {card.context}), this machine has {human_bytes(have)}")
-    return Fit(card.config.arch, True, need, have, note)
+    return Fit(card.config.arch, True, need, have, note, quant)
 
 
-def _architecture(path: str) -> str:
-    """general.architecture of a header that the card could not take ("" when unreadable)."""
+def _header_facts(path: str) -> tuple[str, str]:
+    """(general.architecture, the quant general.file_type names) of a header, "" for what it
+    does not say (or when it cannot be read: the card says why)."""
     from app.engine.io.gguf import read_gguf
 
     try:
         f = read_gguf(path)
     except EngineError:
-        return ""
+        return "", ""
     try:
-        return str(f.metadata.get("general.architecture", ""))
+        file_type = f.metadata.get("general.file_type")
+        quant = FILE_TYPES.get(int(file_type), "") if isinstance(file_type, int) else ""
+        return str(f.metadata.get("general.architecture", "")), quant
     finally:
         f.close()
+
+
+def quant_shown(named: str, fit: Fit | None) -> str:
+    """A model's quant for a listing: the file name's, confirmed by the header ("Q8_0"), the
+    header's when the name says none, both when they differ ("Q4_K_M (header: Q8_0)")."""
+    header = fit.quant if fit is not None else ""
+    base = named.upper().removeprefix("UD-").removesuffix("_XL")   # Unsloth's name variants
+    if not header or header == base or (named and header.startswith(base + "_")):
+        return named or header or "-"
+    return f"{named} (header: {header})" if named else header

@@ -196,6 +196,7 @@ class GetModelDialog(QDialog):
         else:
             item = _item(fit_text(fit))
             item.setToolTip(f"Architecture: {fit.architecture or 'unknown'}\n{fit.note}")
+            self.files.setItem(row, 1, _item(hub.quant_shown(model.quant, fit)))
         self.files.setItem(row, 3, item)
 
     def _row_of(self, name: str) -> int | None:

@@ -50,3 +50,18 @@ def test_header_length_is_where_the_reader_puts_the_data(name):
 def test_header_length_refuses_what_is_not_gguf():
     with pytest.raises(ModelFormatError, match="GGUF"):
         header_length(b"<html>not a model</html>")
+
+
+def test_the_header_confirms_the_quant_of_the_name():
+    from app.engine.hub.header import fits_here, quant_shown
+
+    data = (GOLDEN / "llama-q8_0.gguf").read_bytes()
+    header = data[:header_length(data)]
+    fit = fits_here(header, len(data), "renamed-Q4_K_M.gguf")
+    assert fit.quant == "Q8_0" and fit.architecture == "llama" and fit.supported
+    assert quant_shown("Q4_K_M", fit) == "Q4_K_M (header: Q8_0)"     # the name lies
+    assert quant_shown("Q8_0", fit) == "Q8_0" and quant_shown("", fit) == "Q8_0"
+    xl = fit.__class__("llama", True, 1, 2, "", "Q4_K_M")
+    assert quant_shown("UD-Q4_K_XL", xl) == "UD-Q4_K_XL"             # a mix of Q4_K_M's family
+    assert quant_shown("Q4_K_S", xl) == "Q4_K_S (header: Q4_K_M)"
+    assert quant_shown("F16", None) == "F16" and quant_shown("", None) == "-"
