@@ -22,7 +22,8 @@ whose path contains `key`; `garbage` (path fragments) answers "{not json" with 2
 `advertised_size[file] = n` announces a size other than the real one; `slow[file] = s`
 sends a download's body in 4 KiB pieces `s` seconds apart; `cdn = True` answers an LFS file's
 resolve URL the Hub's way, a 302 (with X-Linked-Etag/Size) to another origin
-(`http://localhost:PORT/cdn/...`, the server being 127.0.0.1), which serves the bytes. `requests` records
+(`http://localhost:PORT/cdn/...`, the server being 127.0.0.1), which serves the bytes;
+`stall` (path fragments) accepts the request and never answers. `requests` records
 (method, path, Range header) of every request, `authorizations` the Authorization headers.
 
 Tests point the engine at it with HF_ENDPOINT=`hub.url` (the engine reads HF_ENDPOINT, HF_HOME,
@@ -136,6 +137,8 @@ class FakeHub:
         self.advertised_size: dict[str, int] = {}
         self.slow: dict[str, float] = {}
         self.cdn = False
+        self.stall: set[str] = set()
+        self._closing = threading.Event()
         self.requests: list[tuple[str, str, str | None]] = []
         self.authorizations: list[str | None] = []
         self._lock = threading.Lock()
@@ -155,6 +158,7 @@ class FakeHub:
         return self
 
     def __exit__(self, *exc) -> None:
+        self._closing.set()
         self.httpd.shutdown()
         self.httpd.server_close()
 
@@ -207,6 +211,10 @@ class _Handler(BaseHTTPRequestHandler):
         with hub._lock:
             hub.requests.append((self.command, path, self.headers.get("Range")))
             hub.authorizations.append(self.headers.get("Authorization"))
+        if any(key in path for key in hub.stall):   # accept, then say nothing
+            hub._closing.wait(60)
+            self.close_connection = True
+            return
         for key, code in hub.status.items():
             if key in path:
                 return self._error(code, message=f"fault {code}")

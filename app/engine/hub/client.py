@@ -201,10 +201,23 @@ def _client_errors() -> tuple[type[BaseException], ...]:
     return (*_CLIENT_ERRORS, httpx2.HTTPError)
 
 
-def _api(s: HubSettings):
-    from huggingface_hub import HfApi
+def _pages(s: HubSettings, path: str, params: dict, limit: int | None = None) -> Iterable[dict]:
+    """The items of a paginated listing of the Hub API (the client's `paginate`, which follows
+    the Link headers and retries 429/5xx), with a timeout on every request: HfApi's list_models
+    and list_repo_tree send theirs without one, so a server that accepts and never answers
+    would hang them."""
+    import httpx2
+    from huggingface_hub.utils import build_hf_headers
+    from huggingface_hub.utils._pagination import paginate
 
-    return HfApi(endpoint=s.endpoint, token=s.token or False)
+    headers = build_hf_headers(token=s.token or False, library_name="gguf-workbench")
+    timeout = httpx2.Timeout(METADATA_TIMEOUT_S, read=READ_TIMEOUT_S)
+    for n, item in enumerate(paginate(s.endpoint + path, params, headers, timeout=timeout)):
+        if limit is not None and n >= limit:
+            return
+        if not isinstance(item, dict):
+            raise TypeError(f"a listing item is a {type(item).__name__}")
+        yield item
 
 
 # ---------------------------------------------------------------- search and listing
@@ -232,10 +245,14 @@ def search(query: str = "", author: str | None = None, sort: str = "downloads",
         raise ConfigError(f"Unknown sort {sort!r}.", f"Use one of: {', '.join(SORTS)}.")
     s = hub_settings()
     _require_online(s, "search the Hub")
+    params = {"filter": "gguf", "sort": sort, "limit": limit,
+              **({"search": query} if query else {}), **({"author": author} if author else {})}
     try:
+        from huggingface_hub.hf_api import ModelInfo
+
         hits = []
-        for m in _api(s).list_models(search=query or None, author=author or None,
-                                     filter="gguf", sort=sort, limit=limit):
+        for item in _pages(s, "/api/models", params, limit):
+            m = ModelInfo(**{"siblings": None, **item})
             when = m.last_modified or m.created_at     # the Hub lists createdAt by default
             hits.append(RepoHit(str(m.id), int(m.downloads or 0), int(m.likes or 0),
                                 bool(m.gated), when.date().isoformat() if when else ""))
@@ -305,9 +322,10 @@ def list_models(repo_id: str, revision: str = "main") -> list[HubModel]:
     try:
         from huggingface_hub.hf_api import RepoFile
 
-        files = [HubFile(e.path, int(e.size), e.lfs.sha256 if e.lfs else None)
-                 for e in _api(s).list_repo_tree(repo_id, recursive=True, revision=revision)
-                 if isinstance(e, RepoFile)]
+        entries = (RepoFile(**e) for e in _pages(s, f"/api/models/{repo_id}/tree/{revision}",
+                                                   {"recursive": True, "expand": False})
+                   if e["type"] == "file")
+        files = [HubFile(e.path, int(e.size), e.lfs.sha256 if e.lfs else None) for e in entries]
     except _client_errors() as e:
         raise hub_error(e, s, repo_id) from None
     return group_models(repo_id, files)
