@@ -23,7 +23,8 @@ whose path contains `key`; `garbage` (path fragments) answers "{not json" with 2
 sends a download's body in 4 KiB pieces `s` seconds apart; `cdn = True` answers an LFS file's
 resolve URL the Hub's way, a 302 (with X-Linked-Etag/Size) to another origin
 (`http://localhost:PORT/cdn/...`, the server being 127.0.0.1), which serves the bytes;
-`stall` (path fragments) accepts the request and never answers. `requests` records
+`stall` (path fragments) accepts the request and never answers; `no_ranges = True`
+ignores Range headers (200 and the whole body, as some mirrors do). `requests` records
 (method, path, Range header) of every request, `authorizations` the Authorization headers.
 
 Tests point the engine at it with HF_ENDPOINT=`hub.url` (the engine reads HF_ENDPOINT, HF_HOME,
@@ -138,6 +139,7 @@ class FakeHub:
         self.slow: dict[str, float] = {}
         self.cdn = False
         self.stall: set[str] = set()
+        self.no_ranges = False
         self._closing = threading.Event()
         self.requests: list[tuple[str, str, str | None]] = []
         self.authorizations: list[str | None] = []
@@ -318,7 +320,7 @@ class _Handler(BaseHTTPRequestHandler):
                 headers["Content-Length"] = 0
                 return self._send(302, b"", headers)
         start = 0
-        rng = self.headers.get("Range")
+        rng = None if hub.no_ranges else self.headers.get("Range")
         if rng and rng.startswith("bytes="):
             first, _, last = rng[len("bytes="):].partition("-")
             start = int(first)
@@ -334,7 +336,8 @@ class _Handler(BaseHTTPRequestHandler):
         if self.command == "HEAD":
             headers["Content-Length"] = size
             return self._send(200, b"", headers, "application/octet-stream")
-        downloading = not rng or rng.endswith("-")       # not a header's closed range
+        asked = self.headers.get("Range")
+        downloading = not asked or asked.endswith("-")   # not a header's closed range
         with hub._lock:
             cut = hub.drop_after.get(file)
             if cut is not None and start < cut and downloading:

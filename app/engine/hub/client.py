@@ -7,17 +7,19 @@ cache_dir=, token=): the client reads its own copies of them once, at import, so
 that changes them later (the tests, a window whose user logs in) would otherwise talk to the
 old endpoint.
 
-Search and listing are the client's (`HfApi.list_models`, `list_repo_tree`); a file's metadata
-(the commit, the ETag that is the LFS sha256, the size) is its `get_hf_file_metadata`. The bytes
-come through the client's HTTP session with our own Range requests into a kept partial file,
-`blobs/<sha256>.workbench.incomplete` in the cache, because the client deletes its partial file
-when a download fails and resumes across nothing (huggingface_hub 2.4.0): a dropped connection
-is resumed from the byte it stopped at (`retries` times in one call, then the partial waits for
-the next call), a cancel or a full disk keeps it for the next call too. A finished file is
+Search and listing go through the client's `paginate` (Link-header pages, retries on 429/5xx)
+and its ModelInfo/RepoFile, with a timeout that HfApi's list methods do not send; a file's
+metadata (the commit, the ETag that is the LFS sha256, the size) is its
+`get_hf_file_metadata`. The bytes come through the client's HTTP session with our own Range
+requests into a kept partial file, `blobs/<sha256>.workbench.incomplete` in the cache, because
+the client deletes its partial file when a download fails and resumes across nothing
+(huggingface_hub 2.4.0): a dropped connection is resumed from the byte it stopped at
+(`retries` times in one call, then the partial waits for the next call), a cancel or a full
+disk keeps it for the next call too. A finished file is
 checked against the Hub's sha256 and placed the client's way (blobs/<sha256>, a relative link in
 snapshots/<commit>/, refs/<revision>), under the client's own lock file for that blob, so
-`hf_hub_download(..., local_files_only=True)`, llama.cpp's `-hf`-style tools and a second
-`models get` find it. Nothing is ever written under snapshots/ but a whole, verified file.
+`hf_hub_download(..., local_files_only=True)`, the other tools that read the Hugging Face
+cache and a second `models get` find it. Nothing is ever written under snapshots/ but a whole, verified file.
 (hf-xet is not used for the transfer: the Hub serves Xet-stored files on the same resolve URL.)
 
 The token goes in the Authorization header of the requests and nowhere else: no message, log or
@@ -515,22 +517,31 @@ def fetch_range(s: HubSettings, remote: RemoteFile, start: int, end: int) -> byt
     import httpx2
     from huggingface_hub.utils import get_session, hf_raise_for_status
 
+    headers = _headers(s, {"Range": f"bytes={start}-{end - 1}"})
+    timeout = httpx2.Timeout(METADATA_TIMEOUT_S, read=READ_TIMEOUT_S)
     for attempt in range(3):                 # a dropped connection: the range again
         try:
-            r = get_session().get(remote.url, follow_redirects=True,
-                                  headers=_headers(s, {"Range": f"bytes={start}-{end - 1}"}),
-                                  timeout=httpx2.Timeout(METADATA_TIMEOUT_S, read=READ_TIMEOUT_S))
-            hf_raise_for_status(r)
-            break
+            with get_session().stream("GET", remote.url, headers=headers, timeout=timeout,
+                                      follow_redirects=True) as r:
+                if r.status_code >= 400:
+                    r.read()
+                    hf_raise_for_status(r)
+                skip = start if r.status_code == 200 else 0    # the server ignored the range
+                body = bytearray()
+                for chunk in r.iter_bytes():  # read what is wanted, never the whole file
+                    if skip:
+                        cut = min(skip, len(chunk))
+                        chunk, skip = chunk[cut:], skip - cut
+                    body += chunk
+                    if len(body) >= end - start:
+                        break
+                return bytes(body[:end - start])
         except httpx2.TransportError as e:
             if attempt == 2:
                 raise hub_error(e, s, remote.repo_id, remote.filename) from None
         except _client_errors() as e:
             raise hub_error(e, s, remote.repo_id, remote.filename) from None
-    body = r.content
-    if r.status_code == 200:                 # the server ignored the range
-        body = body[start:end]
-    return body
+    raise AssertionError("unreachable")
 
 
 def read_header(repo_id: str, filename: str, revision: str = "main") -> tuple[bytes, int]:

@@ -104,6 +104,16 @@ def test_a_dropped_connection_resumes_from_the_byte_it_stopped_at(hub, hub_repos
     assert hub.ranges(Q8) == [None, "bytes=20000-"]
 
 
+def test_a_server_without_ranges_restarts_the_file_and_serves_headers(hub, hub_repos):
+    hub.no_ranges = True
+    hub.drop_after[Q8] = 20_000
+    fit = client.what_fits(_model(LLAMA, "Q8_0"))     # the header from a 200: only its bytes
+    assert fit.supported and fit.quant == "Q8_0"
+    path = client.download(_model(LLAMA, "Q8_0"))
+    assert path.read_bytes() == hub_repos[LLAMA].files[Q8]
+    assert hub.ranges(Q8)[-1] == "bytes=20000-"       # asked; answered from byte 0
+
+
 def test_an_interruption_resumes_in_the_next_call(hub, hub_repos):
     hub.drop_after[Q8] = 30_000
     with pytest.raises(HubError, match="interrupted.*30,000 of 50,208.*again"):
