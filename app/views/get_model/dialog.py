@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 
-from PySide6.QtCore import QObject, Qt, Signal
+from PySide6.QtCore import QCoreApplication, QObject, Qt, Signal
 from PySide6.QtWidgets import (QAbstractItemView, QComboBox, QDialog, QHBoxLayout, QHeaderView,
                                QLabel, QLineEdit, QProgressBar, QPushButton, QTableWidget,
                                QTableWidgetItem, QVBoxLayout, QWidget)
@@ -90,11 +90,8 @@ class GetModelDialog(QDialog):
         self.results.itemSelectionChanged.connect(self._repo_selected)
         self.files = _table(FILE_COLUMNS, stretch=3)
         self.files.itemSelectionChanged.connect(self._file_selected)
-        hint = QLabel(f"Trains here?: the estimate of a LoRA run (rank {rank}, context "
-                      f"{context}) read from each file's header before any weights are "
-                      "fetched. Files go to the Hugging Face cache (HF_HOME); a gated model "
-                      "needs `hf auth login` or HF_TOKEN.", objectName="sidebarHint",
-                      wordWrap=True)
+        self.hint = QLabel(objectName="sidebarHint", wordWrap=True)
+        self._say_estimate()
         self.status = QLabel("Search the Hub for repositories with GGUF files.",
                              objectName="sidebarHint", wordWrap=True,
                              textFormat=Qt.PlainText)
@@ -109,6 +106,9 @@ class GetModelDialog(QDialog):
         self.cancel_button.clicked.connect(self.cancel)
         close = QPushButton("Close")
         close.clicked.connect(self.reject)
+        app = QCoreApplication.instance()
+        if app is not None:          # quitting with a download running: stop it at once
+            app.aboutToQuit.connect(self.cancel)
 
         top = QHBoxLayout()
         top.addWidget(self.query, 1)
@@ -127,9 +127,25 @@ class GetModelDialog(QDialog):
         layout.addWidget(self.results, 2)
         layout.addWidget(QLabel("GGUF FILES", objectName="sectionHeader"))
         layout.addWidget(self.files, 3)
-        layout.addWidget(hint)
+        layout.addWidget(self.hint)
         layout.addWidget(self.status)
         layout.addLayout(bottom)
+
+    def _say_estimate(self) -> None:
+        self.hint.setText(
+            f"Trains here?: the estimate of a LoRA run (rank {self.rank}, context "
+            f"{self.context}) read from each file's header before any weights are fetched. "
+            "Files go to the Hugging Face cache (HF_HOME); a gated model needs `hf auth login` "
+            "or HF_TOKEN.")
+
+    def set_estimate(self, rank: int, context: int) -> None:
+        """The run's settings changed: "Trains here?" again at these."""
+        if (rank, context) == (self.rank, self.context):
+            return
+        self.rank, self.context = rank, context
+        self._say_estimate()
+        if self.models:
+            self._show_files(self.models)
 
     # ---- search and listing --------------------------------------------------------------
     def search(self) -> None:

@@ -281,14 +281,12 @@ class ModelPicker(QFrame):
         and listed with those on this computer."""
         from app.views.get_model.dialog import GetModelDialog
 
-        if self.get_dialog is not None and self.get_dialog.is_downloading():
-            self.get_dialog.open()              # the download goes on: show it
-            return
-        if self.get_dialog is not None:
-            self.get_dialog.deleteLater()
         rank, context = self.estimate_settings()
-        self.get_dialog = GetModelDialog(self, rank=rank, context=context)
-        self.get_dialog.downloaded.connect(self._got_model)
+        if self.get_dialog is None:             # one dialog, kept: its search, its download
+            self.get_dialog = GetModelDialog(self, rank=rank, context=context)
+            self.get_dialog.downloaded.connect(self._got_model)
+        else:
+            self.get_dialog.set_estimate(rank, context)
         self.get_dialog.open()
 
     def _got_model(self, path: str) -> None:

@@ -54,6 +54,10 @@ def test_download_with_progress_then_the_picker_opens_it(qtbot, hub, hub_repos, 
     dialog = view.picker.get_dialog
     _to_files(qtbot, dialog)
     assert "LoRA rank 8" in dialog.files.item(0, 3).toolTip()
+    view.form["rank"].setValue(4)                  # reopened: the same dialog, new estimate
+    view.picker.get_model()
+    assert view.picker.get_dialog is dialog and dialog.results.rowCount() > 0
+    qtbot.waitUntil(lambda: "LoRA rank 4" in dialog.files.item(0, 3).toolTip(), timeout=10_000)
     dialog.select_file(Q8)
     progress = []
     dialog._progress.changed.connect(lambda d, t, n: progress.append(d))
