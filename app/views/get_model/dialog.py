@@ -5,7 +5,8 @@ Every call to the Hub runs in a worker thread (`Background`): searching, listing
 file's header for "what fits" (a ranged request, no weights), downloading (its progress comes
 back through a queued signal; Cancel sets an event the download checks between chunks, and the
 part already fetched is kept for the next try). The window stays responsive throughout.
-`downloaded(path)` when a model is in the cache; the picker then opens it.
+`downloaded(path)` when a model is in the cache; the picker then opens it. Closing the dialog
+leaves a download running (the picker shows the same dialog again); quitting cancels it.
 """
 
 from __future__ import annotations
@@ -295,6 +296,5 @@ class GetModelDialog(QDialog):
         self.status.setText("")
         self.error.present(title, error)
 
-    def reject(self) -> None:
-        self.cancel()                   # a download stops at its next chunk; its part is kept
-        super().reject()
+    # Close hides the dialog and a running download goes on (Cancel stops it): the picker's
+    # "Get a model..." shows it again, and when it ends the model opens as usual.

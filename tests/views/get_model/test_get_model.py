@@ -91,6 +91,24 @@ def test_cancel_keeps_the_window_responsive_and_leaves_no_model(qtbot, hub, hub_
     assert dialog.download_button.isEnabled()
 
 
+def test_a_closed_dialog_downloads_on_and_the_model_opens(qtbot, hub, hub_repos, ctx):
+    from app.views.new_run.view import NewRunView
+
+    hub.slow[Q8] = 0.01
+    view = NewRunView(ctx, discover=lambda: [])
+    qtbot.addWidget(view)
+    view.picker.get_model()
+    dialog = view.picker.get_dialog
+    _to_files(qtbot, dialog)
+    dialog.select_file(Q8)
+    dialog.download_button.click()
+    dialog.reject()                                # Close
+    assert not dialog.isVisible() and dialog.is_downloading()
+    qtbot.waitUntil(lambda: view.card is not None and view.card.path.endswith(Q8),
+                    timeout=20_000)
+    assert Path(view.card.path).read_bytes() == hub_repos[LLAMA].files[Q8]
+
+
 @pytest.mark.parametrize("fault", ["gated", "server"])
 def test_errors_show_in_the_panel(qtbot, hub, fault):
     dialog = GetModelDialog()
