@@ -1,8 +1,9 @@
 """Linear layers with an optional LoRA term: y = x W^T (+ b) + s * (x A^T) B^T.
 
-A frozen base weight may come as a Bf16Weight (--precision bf16): its two products, x W^T and
-dY W, then run in bf16 with float32 accumulation (app.engine.runtime.bf16.product); the LoRA
-branch, the bias and every gradient stay float32.
+A weight may come as a Bf16Weight (--precision bf16): its two products, x W^T and dY W, then
+run in bf16 with float32 accumulation (app.engine.runtime.bf16.product), and so does a trained
+weight's gradient dW = dY^T x (the bf16 copy of a float32 master: Params.base_weight); the LoRA
+branch, the bias and the LoRA gradients stay float32.
 
 Every output row depends on its input row only, so a layer runs as blocks of rows on the
 engine's threads (`product_row_blocks`), with its LoRA branch inside each block: the branch's
@@ -19,7 +20,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple, Sequence
 
 from app.engine.runtime.backend import get_array_module
-from app.engine.runtime.bf16 import product
+from app.engine.runtime.bf16 import is_packed, matmul as bf16_matmul, pack, product
 from app.engine.runtime.parallel import (parallel_map, product_column_blocks,
                                          product_row_blocks)
 
@@ -134,7 +135,11 @@ def linear_backward_group(douts: Sequence, caches: Sequence[LinearCache],
     def piece_of(piece: tuple[int, int | slice]) -> None:
         i, where = piece
         if isinstance(where, slice):                 # columns of dW = dout^T x
-            xp.matmul(douts[i].T, caches[i].x[:, where], out=dws[i][:, where])
+            if is_packed(caches[i].w):               # bf16: x's columns packed as the operand
+                bf16_matmul(douts[i].T, pack(caches[i].x[:, where], caches[i].w.backend),
+                            False, out=dws[i][:, where])
+            else:
+                xp.matmul(douts[i].T, caches[i].x[:, where], out=dws[i][:, where])
             return
         rows(i, where)
 

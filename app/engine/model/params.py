@@ -24,7 +24,7 @@ import numpy as np
 from app.engine.kernels.act_quants import quantize_activations
 from app.engine.model.lora import LoraAdapter
 from app.engine.model.weights import PackedExperts, WeightStore
-from app.engine.runtime.bf16 import FP32, Precision
+from app.engine.runtime.bf16 import FP32, Precision, pack
 
 TRAINABLE_TYPES = (0, 1, 30)  # F32, F16, BF16: quantized tensors stay frozen (stop-gradient)
 
@@ -60,6 +60,7 @@ class Params:
         # The frozen base's products in bf16 or float32 (app.engine.runtime.bf16): set by the
         # trainer from the run's `precision`; inference stays float32.
         self.precision: Precision = FP32
+        self._packed_full: dict = {}    # trained tensors rounded to bf16 for one pass
 
     def has(self, name: str) -> bool:
         return name in self.full or name in self.store
@@ -78,11 +79,33 @@ class Params:
         return (self.precision.bf16 and name not in self.full
                 and "ffn_gate_inp" not in name and len(self.store.shape(name)) >= 2)
 
+    def _full_in_bf16(self, name: str) -> bool:
+        """A fully trained matrix whose products run in bf16 (its float32 master copy is what
+        the optimizer updates): 2-D, not the router's, on the CPU."""
+        return (self.precision.bf16 and name in self.full and self.full[name].ndim == 2
+                and "ffn_gate_inp" not in name and isinstance(self.full[name], np.ndarray))
+
+    def _packed_master(self, name: str):
+        """The bf16 copy of a trained matrix for this pass, made at its first use in the pass."""
+        w = self._packed_full.get(name)
+        if w is None:
+            w = self._packed_full[name] = pack(self.full[name], self.precision.backend)
+        return w
+
+    def forget_packed(self) -> None:
+        """Drop the bf16 copies of the trained tensors: called at the start of every forward and
+        backward pass (Model.loss_and_grads) and after every optimizer step (TrainSession),
+        the times the float32 masters may have changed."""
+        self._packed_full.clear()
+
     def base_weight(self, name: str):
         """`weight(name)` for a linear layer's base product (app.engine.kernels.linear): a
-        Bf16Weight where `_in_bf16`, else the float32 array."""
+        Bf16Weight where `_in_bf16` (the cache's) or `_full_in_bf16` (this pass's), else the
+        float32 array."""
         if self._in_bf16(name):
             return self.store.packed(name, self.precision.backend)
+        if self._full_in_bf16(name):
+            return self._packed_master(name)
         return self.weight(name)
 
     def experts(self, name: str):
@@ -95,6 +118,8 @@ class Params:
 
     def row_view(self, name: str):
         """A 2-D tensor read by row slices (the loss head): see WeightStore.row_view."""
+        if self._full_in_bf16(name):
+            return self._packed_master(name)
         if name in self.full:
             return self.full[name]
         if self._in_bf16(name):

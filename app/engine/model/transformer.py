@@ -296,6 +296,7 @@ class Model:
         """
         cfg = self.config
         tokens = self.check_tokens(tokens)
+        params.forget_packed()    # trained tensors may have changed since the last pass (bf16)
         ctx = ForwardContext.build(cfg, tokens.size, None, positions, segments, self.xp)
         grads = Grads()
         n, every = cfg.n_layer, checkpoint_interval

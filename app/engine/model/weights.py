@@ -93,7 +93,8 @@ class WeightStore:
         """A frozen 2-D weight in bf16 for the base's products (app.engine.runtime.bf16.pack):
         what the cache holds under --precision bf16, half the float32 bytes. Its float32
         dequantization is not kept."""
-        return self._cached((name, "bf16"), lambda: bf16.pack(self._float32(name), backend))
+        return self._cached((name, "bf16", backend),
+                            lambda: bf16.pack(self._float32(name), backend))
 
     def packed_expert(self, name: str, e: int, backend: str) -> "bf16.Bf16Weight":
         """Expert e of a 3-D (E, out, in) tensor in bf16 (out, in), cached one expert at a
@@ -104,7 +105,7 @@ class WeightStore:
             if info.ggml_type == 0:
                 return bf16.pack(self.gguf.array(name)[e], backend)
             return bf16.pack(self._dequantize(self.gguf.raw(name)[e], info.ggml_type), backend)
-        return self._cached((name, e, "bf16"), make)
+        return self._cached((name, e, "bf16", backend), make)
 
     def rows(self, name: str, index: np.ndarray) -> np.ndarray:
         """Rows `index` of a 2-D tensor as float32: (len(index), n_cols)."""

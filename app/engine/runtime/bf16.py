@@ -245,6 +245,10 @@ class Bf16Weight:
 
     dtype = np.dtype(np.float32)      # what its products give
 
+    @property
+    def backend(self) -> str:
+        return "emulation" if self.tensor is None else "onednn"
+
     def __len__(self) -> int:
         return self.bits.shape[0]
 

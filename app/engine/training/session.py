@@ -139,6 +139,8 @@ class TrainSession:
                 raise CheckpointError(f"Checkpoint tensor {name} has shape {saved[name].shape}, "
                                       f"the run expects {array.shape}.")
             array[...] = self.model.xp.asarray(saved[name])
+        self.params.forget_packed()
+        self.eval_params.forget_packed()
         self.optimizer.load_state_dict(state["optimizer"])
         self.step_count = int(state["step"])
 
@@ -231,6 +233,8 @@ class TrainSession:
             result = self._accumulate(micro_batches)
             with phase("optimizer"):
                 stats = self.optimizer.step(result.grads, lr=lr)
+            self.params.forget_packed()        # the float32 masters changed (bf16 copies)
+            self.eval_params.forget_packed()
             grad_norm, clipped, skipped = stats.grad_norm, stats.clipped_fraction, stats.skipped
         self.step_count += 1
         elapsed = time.perf_counter() - t0

@@ -92,6 +92,21 @@ def test_linear_forward_and_backward_in_bf16(backend):
     np.testing.assert_allclose(db, exact_db, rtol=0, atol=1e-4 * np.abs(exact_db).max())
 
 
+def test_a_trained_weights_gradient_in_bf16(backend):
+    """Full fine-tuning in bf16: dW = dY^T x with both in bf16 (x's columns packed per block),
+    float32 output, beside the float32 master weight the optimizer keeps."""
+    rng = np.random.default_rng(4)
+    t, n_in, n_out = 256, 512, 384           # large enough for the engine's column blocks
+    x = rng.standard_normal((t, n_in)).astype(np.float32)
+    w = rng.standard_normal((n_out, n_in)).astype(np.float32)
+    (_, cache), = linear_forward_group(x, [Linear(bf16.pack(w, backend))])
+    dy = rng.standard_normal((t, n_out)).astype(np.float32)
+    _, [(dw, _, _)] = linear_backward_group([dy], [cache], [True])
+    dy64, x64 = dy.astype(np.float64), x.astype(np.float64)
+    assert_bf16_product(dw, dy64.T @ x64, np.abs(dy64).T @ np.abs(x64), t)
+    assert_rounded_inputs(dw, np.ascontiguousarray(dy.T), np.ascontiguousarray(x.T))
+
+
 def test_experts_in_bf16(backend):
     rng = np.random.default_rng(2)
     t, c, f, n_expert, k = 48, 64, 96, 4, 2
