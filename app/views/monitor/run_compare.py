@@ -1,7 +1,8 @@
 """Comparing runs in the Monitor: tick other runs to overlay their headline metric on the
 followed run's plot (the smoothed training loss and the validation loss, or for GRPO runs the
 smoothed reward and the held-out reward), and list the settings in which the runs differ, by
-their names in the window ("LoRA rank", the config key in the tooltip).
+their names in the window ("LoRA rank": New run's, from widgets.setting_labels; the config key
+in the tooltip).
 
 `ComparePanel(ctx)` holds the list of runs (filled from the runs folder and the queue in the
 reader thread every 5 s; it offers the runs of the followed run's kind) and the table of
@@ -29,37 +30,10 @@ from PySide6.QtWidgets import (QHeaderView, QLabel, QListWidget, QListWidgetItem
 from app.engine.api import SFT, EngineError, RunDir, RunKind, kind_of, list_runs
 from app.views.widgets.plots import PALETTE, num
 from app.views.widgets.run_tail import BackgroundPoll, RunTail, Series
-
-
-# config keys (flattened) as the window names them; others: their last part, in words
-LABELS = {"kind": "Run kind", "model": "Model", "data": "Dataset", "prompts": "Prompts",
-          "rewards": "Rewards", "adapter": "Starting adapter", "epochs": "Epochs",
-          "max_steps": "Max steps", "eval_every": "Evaluate every", "save_every": "Save every",
-          "keep_last": "Checkpoints kept", "norms_every": "Norms every",
-          "train.mode": "Training mode", "train.lora_rank": "LoRA rank",
-          "train.expert_rank": "Expert LoRA rank", "train.lora_alpha": "LoRA alpha",
-          "train.lora_targets": "LoRA targets", "train.lora_dropout": "LoRA dropout",
-          "train.rslora": "rsLoRA scaling", "train.lr": "Learning rate",
-          "train.min_lr": "Minimum learning rate", "train.weight_decay": "Weight decay",
-          "train.beta1": "AdamW beta1", "train.beta2": "AdamW beta2", "train.eps": "AdamW eps",
-          "train.max_grad_norm": "Gradient norm clip", "train.gclip": "Gradient clip",
-          "train.warmup_steps": "Warmup steps", "train.warmup_fraction": "Warmup fraction",
-          "train.max_steps": "Max steps (training)", "train.grad_accum": "Gradient accumulation",
-          "train.seed": "Seed", "data_config.context": "Context (tokens)",
-          "data_config.val_fraction": "Validation fraction", "group_size": "Group size",
-          "prompts_per_step": "Prompts per step", "max_new_tokens": "Max new tokens",
-          "kl": "KL weight", "val_split": "Held-out fraction"}
+from app.views.widgets.setting_labels import setting_label   # New run's names too
 
 
 KIND_ROLE = Qt.UserRole + 1          # a list item's run kind (its path: Qt.UserRole)
-
-
-def label(key: str) -> str:
-    """The window's name of a flattened config key ("train.lora_rank" -> "LoRA rank")."""
-    if key in LABELS:
-        return LABELS[key]
-    words = key.rsplit(".", 1)[-1].replace("_", " ")
-    return words[:1].upper() + words[1:]
 
 
 def flatten(cfg: dict, prefix: str = "") -> dict:
@@ -310,7 +284,7 @@ class ComparePanel(QWidget):
         self.diff_table.setHorizontalHeaderLabels(["setting"] + names)
         self.diff_table.setRowCount(len(diff))
         for r, (key, values) in enumerate(diff.items()):
-            texts = [label(key)] + [str(values[name]) for name in names]
+            texts = [setting_label(key)] + [str(values[name]) for name in names]
             for c, text in enumerate(texts):
                 item = QTableWidgetItem(text)
                 item.setToolTip(f"{text} (config.json: {key})" if c == 0 else text)

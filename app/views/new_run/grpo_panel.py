@@ -26,6 +26,7 @@ from app.views.context import Background, sample_dataset_path, sample_model_path
 from app.views.new_run.dataset_panel import fill_preview, make_table, read_preview, titled
 from app.views.new_run.reward_editor import RewardEditor
 from app.views.widgets.form_fields import FormBase, combo, dspin, field_value, set_field, spin
+from app.views.widgets.setting_labels import setting_label
 from app.views.widgets.tooltips import GRPO_TIPS
 
 ADVANTAGES = (("group-std", "group mean and std (GRPO)"), ("no-std", "group mean only (Dr. GRPO)"),
@@ -65,25 +66,23 @@ class SamplingForm(FormBase):
         self.needs_answer = True
         g = GrpoConfig(model="", prompts="")
         grid = self._group("Sampling and advantages")
-        for key, label, widget in (
-                ("group_size", "Group size", spin(2, 1024, g.group_size)),
-                ("prompts_per_step", "Prompts per step", spin(1, 4096, g.prompts_per_step)),
-                ("temperature", "Temperature", dspin(0, 5, g.temperature, 2, 0.1)),
-                ("top_p", "Top-p", dspin(0.01, 1, g.top_p, 2, 0.05)),
-                ("max_new_tokens", "Max new tokens", spin(1, 1 << 16, g.max_new_tokens)),
-                ("advantage", "Advantage", combo(ADVANTAGES)),
-                ("kl", "KL penalty (beta)", dspin(0, 10, g.kl, 3, 0.01)),
-                ("answer_field", "Answer field", QLineEdit(g.answer_field)),
-                ("samples_every", "Show completions every", spin(0, 10**6, g.samples_every,
-                                                                 "never")),
-                ("samples_prompts", "Prompts shown", spin(0, 1024, g.samples_prompts)),
-                ("eval_samples", "Held-out samples", spin(0, 1024, g.eval_samples,
-                                                          "greedy only")),
-                ("reward_timeout", "Reward timeout", dspin(0.1, 3600, g.reward_timeout, 1, 1)),
-                ("micro_batch_tokens", "Micro-batch", spin(1, 1 << 24, g.micro_batch_tokens)),
-                ("parse_special", "", QCheckBox("Special-token texts in prompts become "
-                                                "tokens"))):
-            self._row(grid, key, label, widget)
+        for key, widget in (            # named by the one table (widgets.setting_labels)
+                ("group_size", spin(2, 1024, g.group_size)),
+                ("prompts_per_step", spin(1, 4096, g.prompts_per_step)),
+                ("temperature", dspin(0, 5, g.temperature, 2, 0.1)),
+                ("top_p", dspin(0.01, 1, g.top_p, 2, 0.05)),
+                ("max_new_tokens", spin(1, 1 << 16, g.max_new_tokens)),
+                ("advantage", combo(ADVANTAGES)),
+                ("kl", dspin(0, 10, g.kl, 3, 0.01)),
+                ("answer_field", QLineEdit(g.answer_field)),
+                ("samples_every", spin(0, 10**6, g.samples_every, "never")),
+                ("samples_prompts", spin(0, 1024, g.samples_prompts)),
+                ("eval_samples", spin(0, 1024, g.eval_samples, "greedy only")),
+                ("reward_timeout", dspin(0.1, 3600, g.reward_timeout, 1, 1)),
+                ("micro_batch_tokens", spin(1, 1 << 24, g.micro_batch_tokens)),
+                ("parse_special", QCheckBox(setting_label("parse_special")))):
+            self._row(grid, key, "" if isinstance(widget, QCheckBox) else setting_label(key),
+                      widget)
         self.set_tooltips({k: v for k, v in GRPO_TIPS.items() if k in self.fields})
         self.fields["samples_every"].setSuffix(" steps")
         self.fields["reward_timeout"].setSuffix(" s")

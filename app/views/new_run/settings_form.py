@@ -37,6 +37,7 @@ from app.engine.api import (GRPO, SFT, TARGET_GROUPS, DataConfig, GrpoConfig, Li
 from app.views.widgets.fit import Columns
 from app.views.widgets.form_fields import (FormBase, combo, dspin, field_value, set_combo,
                                            set_field, spin)
+from app.views.widgets.setting_labels import setting_label
 from app.views.widgets.tooltips import SETTINGS_TIPS
 
 # A trained LoRA parameter's memory: float32 value, gradient and AdamW's two moments (the
@@ -108,6 +109,17 @@ SIMPLE_FIELDS = {
     "add_eos": ("data_config", "add_eos"), "parse_special": ("data_config", "parse_special"),
     "completion_as_chat": ("data_config", "completion_as_chat"),
     "vocab_chunk": ("train", "vocab_chunk"), "workers": ("", "workers")}
+# field -> its flattened config key: its name is the one table's (widgets.setting_labels),
+# which Compare's rows read too. batch, trainable and weights_source are the window's own.
+CONFIG_KEYS = {**{key: f"{section}.{name}" if section else name
+                  for key, (section, name) in SIMPLE_FIELDS.items()},
+               "lr": "train.lr", "targets": "train.lora_targets",
+               "expert_rank": "train.expert_rank", "full_targets": "train.full_targets",
+               "grad_accum": "train.grad_accum", "weight_cache_mb": "train.weight_cache_mb",
+               "val_path": "data_config.val_path", "chat_template": "data_config.chat_template",
+               "weight_field": "data_config.weight_field",
+               "weights_path": "data_config.weights_path", "clip": "data_config.clip_range",
+               "adapter": "adapter"}
 FLOAT_TEXTS = ("lr", "min_lr", "eps")      # typed as text: 1e-4 reads better than 0.000100
 WEIGHT_CACHE_AUTO = -1                     # the spin box's value for weight_cache_mb None
 WEIGHT_SOURCES = (("row", "From each row's field"), ("file", "From a weights file"))
@@ -115,11 +127,14 @@ SFT_ONLY = ("mode", "epochs", "context", "batch", "grad_accum", "patience", "str
             "val_path", "workers")
 MODEL_TEMPLATE = "the model's (ChatML when it has none)"   # data_config.chat_template None
 # field -> ((label, special value text) of a supervised run, (the same) of a GRPO run)
-KIND_TEXTS = {"val_split": (("Validation split", ""), ("Held-out prompts", "")),
-              "max_steps": (("Max steps", "no cap"), ("Steps", "not set")),
-              "eval_every": (("Evaluate every", "end of epoch"), ("Evaluate every",
-                                                                  "start and end")),
-              "save_every": (("Save every", "end of epoch"), ("Save every", "at the end"))}
+# (GRPO's "Steps": its max_steps is the run's length, not a cap)
+KIND_TEXTS = {"val_split": ((setting_label("data_config.val_fraction"), ""),
+                            (setting_label("val_split"), "")),
+              "max_steps": ((setting_label("max_steps"), "no cap"), ("Steps", "not set")),
+              "eval_every": ((setting_label("eval_every"), "end of epoch"),
+                             (setting_label("eval_every"), "start and end")),
+              "save_every": ((setting_label("save_every"), "end of epoch"),
+                             (setting_label("save_every"), "at the end"))}
 
 
 def group_param_counts(card: ModelCard, rank: int,
@@ -164,14 +179,14 @@ class SettingsForm(FormBase):
         """The groups of fields, in two columns."""
         t = TrainConfig()
         train = self._group("What to train")
-        self._row(train, "mode", "Mode", combo([("lora", "LoRA adapters"),
-                                                  ("full", "Full fine-tuning"),
-                                                  ("hybrid", "LoRA + full (hybrid)")]))
-        self._row(train, "rank", "LoRA rank", spin(1, 4096, 8))
-        self._row(train, "expert_rank", "Expert rank", spin(0, 4096, 0, AUTO_EXPERT_RANK))
-        self._row(train, "alpha", "LoRA alpha", dspin(0, 100000, 16, 2, 1))
-        self._row(train, "rslora", "", QCheckBox("rsLoRA scaling (alpha / sqrt(rank))"))
-        self._row(train, "dropout", "LoRA dropout", dspin(0, 0.95, t.lora_dropout, 2, 0.05))
+        self._field(train, "mode", combo([("lora", "LoRA adapters"),
+                                          ("full", "Full fine-tuning"),
+                                          ("hybrid", "LoRA + full (hybrid)")]))
+        self._field(train, "rank", spin(1, 4096, 8))
+        self._field(train, "expert_rank", spin(0, 4096, 0, AUTO_EXPERT_RANK))
+        self._field(train, "alpha", dspin(0, 100000, 16, 2, 1))
+        self._field(train, "rslora", QCheckBox())
+        self._field(train, "dropout", dspin(0, 0.95, t.lora_dropout, 2, 0.05))
         targets = QWidget()
         grid = QGridLayout(targets)
         grid.setContentsMargins(0, 0, 0, 0)
@@ -184,7 +199,7 @@ class SettingsForm(FormBase):
             grid.addWidget(box, i, 0)
             grid.addWidget(count, i, 1)
             self.target_boxes[group], self.target_counts[group] = box, count
-        self._row(train, "targets", "Targets", targets)
+        self._field(train, "targets", targets)
         self.trainable_label = QLabel(objectName="trainableTotal", wordWrap=True)
         self._row(train, "trainable", "Trainable", self.trainable_label)
         full = QWidget()
@@ -195,59 +210,56 @@ class SettingsForm(FormBase):
             row.addWidget(box)
             self.full_boxes[name] = box
         row.addStretch(1)
-        self._row(train, "full_targets", "Fully trained", full)
+        self._field(train, "full_targets", full)
 
         opt = self._group("Optimiser")
-        self._row(opt, "optimizer", "Optimiser", combo([("adamw", "AdamW"), ("sgd", "SGD"),
-                                                          ("lbfgs", "L-BFGS")]))
-        self._row(opt, "lr", "Learning rate", QLineEdit())
-        self._row(opt, "schedule", "Schedule", combo(["constant", "linear", "cosine"]))
-        self._row(opt, "warmup", "Warmup steps", spin(0, 10**7, t.warmup_steps, "auto"))
-        self._row(opt, "max_grad_norm", "Gradient-norm clip",
-                  dspin(0, 1e6, t.max_grad_norm, 3, 0.1))
-        self._row(opt, "gclip", "Per-value clip", dspin(0, 1e6, t.gclip, 3, 0.1))
+        self._field(opt, "optimizer", combo([("adamw", "AdamW"), ("sgd", "SGD"),
+                                             ("lbfgs", "L-BFGS")]))
+        self._field(opt, "lr", QLineEdit())
+        self._field(opt, "schedule", combo(["constant", "linear", "cosine"]))
+        self._field(opt, "warmup", spin(0, 10**7, t.warmup_steps, "auto"))
+        self._field(opt, "max_grad_norm", dspin(0, 1e6, t.max_grad_norm, 3, 0.1))
+        self._field(opt, "gclip", dspin(0, 1e6, t.gclip, 3, 0.1))
         for key in ("max_grad_norm", "gclip"):
             self.fields[key].setSpecialValueText("off")
-        self._row(opt, "weight_decay", "Weight decay", dspin(0, 10, t.weight_decay, 4, 0.01))
-        self._row(opt, "seed", "Seed", spin(0, 2**31 - 1, t.seed))
-        self._row(opt, "device", "Compute on", combo([("cpu", "CPU (NumPy)"),
-                                                       ("cuda", "CUDA GPU (CuPy)")]))
-        self._row(opt, "precision", "Precision", combo([
+        self._field(opt, "weight_decay", dspin(0, 10, t.weight_decay, 4, 0.01))
+        self._field(opt, "seed", spin(0, 2**31 - 1, t.seed))
+        self._field(opt, "device", combo([("cpu", "CPU (NumPy)"),
+                                          ("cuda", "CUDA GPU (CuPy)")]))
+        self._field(opt, "precision", combo([
             ("auto", "auto"), ("fp32", "float32"), ("bf16", "bf16 (frozen weights)")]))
 
         length = self._group("Length and batches")
-        self._row(length, "epochs", "Epochs", spin(0, 100000, 3, "0 (use steps)"))
-        self._row(length, "max_steps", "Max steps", spin(0, 10**8, 0, "no cap"))
-        self._row(length, "context", "Context (tokens)", spin(8, 1 << 20, DataConfig.context))
+        self._field(length, "epochs", spin(0, 100000, 3, "0 (use steps)"))
+        self._field(length, "max_steps", spin(0, 10**8, 0, "no cap"))
+        self._field(length, "context", spin(8, 1 << 20, DataConfig.context))
         self.context_note = self._note(length)
         self._row(length, "batch", "Batch (windows)", spin(1, 4096, 1))
-        self._row(length, "grad_accum", "Gradient accumulation", spin(1, 4096, 1))
-        self._row(length, "checkpoint_interval", "Gradient checkpointing",
-                  spin(0, 512, t.checkpoint_interval, "off"))
+        self._field(length, "grad_accum", spin(1, 4096, 1))
+        self._field(length, "checkpoint_interval", spin(0, 512, t.checkpoint_interval, "off"))
         self.fields["checkpoint_interval"].setSuffix(" layers")
 
         ev = self._group("Evaluation and saving")
-        self._row(ev, "val_split", "Validation split", dspin(0, 0.9, 0.1, 2, 0.05))
-        self._row(ev, "eval_every", "Evaluate every", spin(0, 10**7, 30, "end of epoch"))
-        self._row(ev, "save_every", "Save every", spin(0, 10**7, 0, "end of epoch"))
-        self._row(ev, "patience", "Early-stop patience", spin(0, 1000, 0, "off"))
-        self._row(ev, "norms_every", "Heatmap every", spin(0, 10**6, 5, "off"))
+        self._field(ev, "val_split", dspin(0, 0.9, 0.1, 2, 0.05))
+        self._field(ev, "eval_every", spin(0, 10**7, 30, "end of epoch"))
+        self._field(ev, "save_every", spin(0, 10**7, 0, "end of epoch"))
+        self._field(ev, "patience", spin(0, 1000, 0, "off"))
+        self._field(ev, "norms_every", spin(0, 10**6, 5, "off"))
         for key in ("eval_every", "save_every", "norms_every"):
             self.fields[key].setSuffix(" steps")
 
         data = self._group("Data")
-        self._row(data, "format", "Format", combo(FORMATS))
-        self._row(data, "overflow", "Rows longer than context",
-                  combo(["truncate", "split", "drop"]))
-        self._row(data, "packing", "Packing", combo(["pack", "pad", "none"]))
-        self._row(data, "chat_loss", "Chat turns trained",
-                  combo([("assistant", "every assistant turn"), ("last", "last turn only")]))
-        self._row(data, "completion_as_chat", "", QCheckBox("Prompt/completion rows as a chat"))
-        self._row(data, "add_eos", "", QCheckBox("End text rows with end-of-text"))
-        self._row(data, "parse_special", "", QCheckBox("Special-token texts become tokens"))
-        self._row(data, "shuffle", "", QCheckBox("Shuffle the windows every epoch"))
-        self._row(data, "val_path", "Validation file",
-                  QLineEdit(placeholderText="none: the validation split"))
+        self._field(data, "format", combo(FORMATS))
+        self._field(data, "overflow", combo(["truncate", "split", "drop"]))
+        self._field(data, "packing", combo(["pack", "pad", "none"]))
+        self._field(data, "chat_loss",
+                    combo([("assistant", "every assistant turn"), ("last", "last turn only")]))
+        self._field(data, "completion_as_chat", QCheckBox())
+        self._field(data, "add_eos", QCheckBox())
+        self._field(data, "parse_special", QCheckBox())
+        self._field(data, "shuffle", QCheckBox())
+        self._field(data, "val_path",
+                    QLineEdit(placeholderText="none: the validation split"))
         template = QWidget()                        # data_config.chat_template: None, the model's
         trow = QHBoxLayout(template)
         trow.setContentsMargins(0, 0, 0, 0)
@@ -261,11 +273,11 @@ class SettingsForm(FormBase):
         trow.addWidget(self.chat_template_label, 1)
         trow.addWidget(self.chat_template_load)
         trow.addWidget(self.chat_template_clear)
-        self._row(data, "chat_template", "Chat template", template)
+        self._field(data, "chat_template", template)
 
         rw = self._group("Reward weights")
-        self._row(rw, "weights_source", "Weights", combo(WEIGHT_SOURCES))
-        self._row(rw, "weight_field", "Field", QLineEdit(placeholderText="weight or reward"))
+        self._row(rw, "weights_source", "Weights", combo(WEIGHT_SOURCES))   # the window's own
+        self._field(rw, "weight_field", QLineEdit(placeholderText="weight or reward"))
         path = QWidget()
         prow = QHBoxLayout(path)
         prow.setContentsMargins(0, 0, 0, 0)
@@ -274,8 +286,8 @@ class SettingsForm(FormBase):
         prow.addWidget(self.weights_path, 1)
         prow.addWidget(self._weights_browse)
         self.fields["weights_path_edit"] = self.weights_path
-        self._row(rw, "weights_path", "File", path)
-        self._row(rw, "normalize", "Normalisation", combo(["none", "mean-std", "min-max", "clip"]))
+        self._field(rw, "weights_path", path)
+        self._field(rw, "normalize", combo(["none", "mean-std", "min-max", "clip"]))
         clip = QWidget()
         crow = QHBoxLayout(clip)
         crow.setContentsMargins(0, 0, 0, 0)
@@ -283,18 +295,17 @@ class SettingsForm(FormBase):
         crow.addWidget(self.clip_lo)
         crow.addWidget(QLabel("to"))
         crow.addWidget(self.clip_hi)
-        self._row(rw, "clip", "Clip range", clip)
-        self._row(rw, "allow_negative", "", QCheckBox("Allow negative weights (unlikelihood)"))
+        self._field(rw, "clip", clip)
+        self._field(rw, "allow_negative", QCheckBox())
 
         adv = self._group("Advanced")
-        self._row(adv, "warmup_fraction", "Warmup fraction", dspin(0, 1, t.warmup_fraction, 3,
-                                                                    0.01))
-        self._row(adv, "min_lr", "Minimum learning rate", QLineEdit())
-        self._row(adv, "beta1", "AdamW beta1", dspin(0, 1, t.beta1, 4, 0.01))
-        self._row(adv, "beta2", "AdamW beta2", dspin(0, 1, t.beta2, 4, 0.001))
-        self._row(adv, "eps", "AdamW epsilon", QLineEdit())
-        self._row(adv, "weight_cache_mb", "Weight cache",
-                  spin(WEIGHT_CACHE_AUTO, 10**7, WEIGHT_CACHE_AUTO, "auto (40% of RAM)"))
+        self._field(adv, "warmup_fraction", dspin(0, 1, t.warmup_fraction, 3, 0.01))
+        self._field(adv, "min_lr", QLineEdit())
+        self._field(adv, "beta1", dspin(0, 1, t.beta1, 4, 0.01))
+        self._field(adv, "beta2", dspin(0, 1, t.beta2, 4, 0.001))
+        self._field(adv, "eps", QLineEdit())
+        self._field(adv, "weight_cache_mb",
+                    spin(WEIGHT_CACHE_AUTO, 10**7, WEIGHT_CACHE_AUTO, "auto (40% of RAM)"))
         self.fields["weight_cache_mb"].setSuffix(" MB")
         apath = QWidget()
         arow = QHBoxLayout(apath)
@@ -304,16 +315,25 @@ class SettingsForm(FormBase):
         arow.addWidget(self.adapter_path, 1)
         arow.addWidget(self._adapter_browse)
         self.fields["adapter_edit"] = self.adapter_path
-        self._row(adv, "adapter", "Starting adapter", apath)
-        self._row(adv, "keep_last", "Checkpoints kept", spin(1, 10**4, 2))
-        self._row(adv, "max_bad_steps", "Stop after bad steps", spin(1, 10**4, 5))
-        self._row(adv, "vocab_chunk", "Vocabulary chunk", spin(1, 1 << 24, t.vocab_chunk))
+        self._field(adv, "adapter", apath)
+        self._field(adv, "keep_last", spin(1, 10**4, 2))
+        self._field(adv, "max_bad_steps", spin(1, 10**4, 5))
+        self._field(adv, "vocab_chunk", spin(1, 1 << 24, t.vocab_chunk))
         self.fields["vocab_chunk"].setSuffix(" tokens")
-        self._row(adv, "strict", "", QCheckBox("Refuse a dataset with any bad row"))
-        self._row(adv, "workers", "Data-parallel workers", spin(1, 1024, 1))
+        self._field(adv, "strict", QCheckBox())
+        self._field(adv, "workers", spin(1, 1024, 1))
 
         self._sft_boxes = (data.parentWidget(), rw.parentWidget())
         return (train, ev, data), (opt, length, rw, adv)
+
+    def _field(self, grid: QGridLayout, key: str, widget: QWidget) -> None:
+        """A row for the field `key`, named as the one table names its setting
+        (widgets.setting_labels by CONFIG_KEYS[key]): a check box's text, else its label."""
+        name = setting_label(CONFIG_KEYS[key])
+        if isinstance(widget, QCheckBox):
+            widget.setText(name)
+            name = ""
+        self._row(grid, key, name, widget)
 
     def _note(self, grid: QGridLayout) -> QLabel:
         """A hint under the last field of `grid`: what the engine makes of its value."""

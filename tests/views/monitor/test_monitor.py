@@ -208,7 +208,8 @@ def test_compare_runs_overlays_curves_and_diffs_settings(qtbot, ctx, monitor):
     a = FakeRun(ctx.runs_root() / "lr-5e-3")
     a.step(40)
     b = FakeRun(ctx.runs_root() / "lr-1e-3",
-                config=fake_config(train={"lr": 0.001, "lora_rank": 16}, epochs=3))
+                config=fake_config(train={"lr": 0.001, "lora_rank": 16}, epochs=3,
+                                   norms_every=5))
     b.step(10)
     b.eval()                                            # overlaid too: validation at step 10
     b.step(15)
@@ -228,14 +229,17 @@ def test_compare_runs_overlays_curves_and_diffs_settings(qtbot, ctx, monitor):
     assert val in monitor.loss_plot.getPlotItem().items
     np.testing.assert_allclose(val.getData()[1], [FakeRun.loss_at(10) + 0.1])
     assert monitor.compare.settings_diff() == {"epochs": {"lr-5e-3": 2, "lr-1e-3": 3},
+                                               "norms_every": {"lr-5e-3": 10, "lr-1e-3": 5},
                                                "train.lora_rank": {"lr-5e-3": 8, "lr-1e-3": 16},
                                                "train.lr": {"lr-5e-3": 0.005, "lr-1e-3": 0.001}}
     table = monitor.compare.diff_table
-    assert table.rowCount() == 3 and table.columnCount() == 3
-    assert [table.item(r, 0).text() for r in range(3)] == ["Epochs", "LoRA rank",
-                                                           "Learning rate"]   # not raw keys
-    assert "train.lora_rank" in table.item(1, 0).toolTip()
-    assert table.item(2, 2).text() == "0.001"
+    assert table.rowCount() == 4 and table.columnCount() == 3
+    # not raw keys, and New run's names (widgets.setting_labels): "Heatmap every", not a
+    # second table's "Norms every"
+    assert [table.item(r, 0).text() for r in range(4)] == ["Epochs", "Heatmap every",
+                                                           "LoRA rank", "Learning rate"]
+    assert "train.lora_rank" in table.item(2, 0).toolTip()
+    assert table.item(3, 2).text() == "0.001"
     assert not table.isHidden() and monitor.compare.diff_hint.isHidden()
     items["lr-1e-3"].setCheckState(Qt.Unchecked)
     assert monitor.compare.compare_curves == {} and monitor.compare.settings_diff() == {}
