@@ -583,8 +583,8 @@ def what_fits(model: HubModel, rank: int = 16, context: int = 512):
     if model.is_split:
         fit = fits_here(header, size, first, rank, context)
         return Fit(fit.architecture, False, None, None,
-                   f"split into {len(model.files)} files: the workbench trains one-file GGUF "
-                   "models (merge the parts with llama-gguf-split --merge)", fit.quant)
+                   f"split into {len(model.files)} files: merge them to train here "
+                   "(llama-gguf-split --merge)", fit.quant)
     return fits_here(header, size, first, rank, context)
 
 
