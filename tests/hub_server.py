@@ -24,7 +24,8 @@ sends a download's body in 4 KiB pieces `s` seconds apart; `cdn = True` answers 
 resolve URL the Hub's way, a 302 (with X-Linked-Etag/Size) to another origin
 (`http://localhost:PORT/cdn/...`, the server being 127.0.0.1), which serves the bytes;
 `stall` (path fragments) accepts the request and never answers; `no_ranges = True`
-ignores Range headers (200 and the whole body, as some mirrors do). `requests` records
+ignores Range headers (200 and the whole body, as some mirrors do); `reset = True` ends a
+`drop_after` with a TCP reset instead of a clean close. `requests` records
 (method, path, Range header) of every request, `authorizations` the Authorization headers.
 
 Tests point the engine at it with HF_ENDPOINT=`hub.url` (the engine reads HF_ENDPOINT, HF_HOME,
@@ -40,6 +41,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -140,6 +143,7 @@ class FakeHub:
         self.cdn = False
         self.stall: set[str] = set()
         self.no_ranges = False
+        self.reset = False
         self._closing = threading.Event()
         self.requests: list[tuple[str, str, str | None]] = []
         self.authorizations: list[str | None] = []
@@ -353,7 +357,13 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(body[:max(0, cut - start)])
             self.wfile.flush()
             self.close_connection = True
-            self.connection.shutdown(2)     # the peer sees the body end early
+            if hub.reset:                   # a TCP reset (RST): the client's ReadError
+                time.sleep(0.05)            # the bytes reach the peer first
+                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                           struct.pack("ii", 1, 0))
+                self.connection.close()
+            else:
+                self.connection.shutdown(2)     # the peer sees the body end early
             return
         pause = hub.slow.get(file) if downloading else None
         if pause:

@@ -114,6 +114,14 @@ def test_a_server_without_ranges_restarts_the_file_and_serves_headers(hub, hub_r
     assert hub.ranges(Q8)[-1] == "bytes=20000-"       # asked; answered from byte 0
 
 
+def test_a_tcp_reset_resumes_too(hub, hub_repos):
+    hub.reset = True
+    hub.drop_after[Q8] = 20_000
+    path = client.download(_model(LLAMA, "Q8_0"))
+    assert path.read_bytes() == hub_repos[LLAMA].files[Q8]
+    assert hub.ranges(Q8) == [None, "bytes=20000-"]        # httpx2.ReadError, resumed
+
+
 def test_an_interruption_resumes_in_the_next_call(hub, hub_repos):
     hub.drop_after[Q8] = 30_000
     with pytest.raises(HubError, match="interrupted.*30,000 of 50,208.*again"):
