@@ -169,7 +169,8 @@ class TorchPeer:
         xs = h[token_of].split(counts)                                         # (n_e, C) each
         ys = torch.cat([self.ffn(p + "ffn_{}_exps.weight", x, e) for e, x in enumerate(xs)])
         ys = ys * weights.flatten()[order, None]                               # (T*K, C)
-        return torch.zeros_like(h).index_add_(0, token_of, ys)                 # (T, C)
+        # under autocast ys is bf16 and h float32: index_add_ wants one type (the sum in h's)
+        return torch.zeros_like(h).index_add_(0, token_of, ys.to(h.dtype))    # (T, C)
 
     def block(self, il: int, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         p = f"blk.{il}."
