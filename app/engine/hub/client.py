@@ -168,11 +168,20 @@ def hub_error(e: BaseException, s: HubSettings, repo_id: str = "", what: str = "
         return HubOfflineError(f"Cannot {what or 'reach the Hub'}: offline mode is on.",
                                "Unset HF_HUB_OFFLINE.")
     if isinstance(e, hf.HfHubHTTPError):
-        if status == 401:
+        if status == 401 and s.token:
             return HubAuthError(
-                f"The Hub refused the token (HTTP 401) for{where}.",
+                f"The Hub refused the token (HTTP 401) for{where or ' the request'}.",
                 "The token is invalid or expired: log in again (`hf auth login`) or fix "
                 "HF_TOKEN.")
+        if status in (401, 403):
+            return HubAuthError(
+                f"The Hub refused the request (HTTP {status}) for{where or ' the request'}"
+                f"{'' if s.token else ': it wants a token'}.",
+                "Log in (`hf auth login`) or set HF_TOKEN to a token with access.")
+        if status == 429:
+            return HubError("The Hub is rate-limiting these requests (HTTP 429).",
+                            "Wait a minute and try again; logged-in users (`hf auth login`) "
+                            "get higher limits.")
         if status is not None and status >= 500:
             return HubError(f"The Hub answered HTTP {status} for{where or ' the request'}: a "
                             "server error.", "Try again later.")

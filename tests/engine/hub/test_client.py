@@ -281,6 +281,13 @@ def test_server_errors_and_garbage_are_clear_errors(hub, monkeypatch):
     with pytest.raises(HubError, match="HTTP 500"):
         client.download_file(LLAMA, Q8)
     hub.status.clear()
+    hub.status["/api/models"] = 429
+    with pytest.raises(HubError, match="rate-limiting"):
+        client.search("tiny")
+    hub.status["/api/models"] = 401
+    with pytest.raises(HubAuthError, match="wants a token"):
+        client.search("tiny")
+    hub.status.clear()
     hub.garbage.add("/api/models")
     with pytest.raises(HubError, match="does not understand"):
         client.search("tiny")
