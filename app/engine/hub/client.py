@@ -713,6 +713,8 @@ def _fetch_into(s: HubSettings, remote: RemoteFile, partial: Path, progress: Pro
         partial.unlink()
         have = 0
     _check_space(partial.parent, remote.size - have, remote)
+    if progress is not None:
+        progress(have, remote.size, remote.filename)      # a resume starts where it stopped
     sha = _hash_file(partial, have) if have else hashlib.sha256()
     tries = 0
     while have < remote.size:

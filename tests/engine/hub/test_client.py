@@ -129,8 +129,9 @@ def test_an_interruption_resumes_in_the_next_call(hub, hub_repos):
     left = _leftovers(LLAMA, hub)
     assert left["snapshots"] == [] and len(left["blobs"]) == 1
     assert left["blobs"][0].endswith(client.PARTIAL_SUFFIX)
-    path = client.download(_model(LLAMA, "Q8_0"))
-    assert hub.ranges(Q8)[-1] == "bytes=30000-"
+    seen = []
+    path = client.download(_model(LLAMA, "Q8_0"), progress=lambda d, t, n: seen.append(d))
+    assert hub.ranges(Q8)[-1] == "bytes=30000-" and seen[0] == 30_000
     assert path.read_bytes() == hub_repos[LLAMA].files[Q8]
     assert not any(n.endswith(".incomplete") for n in _leftovers(LLAMA, hub)["blobs"])
 
