@@ -26,7 +26,7 @@ from app.engine.model.transformer import load_model
 from app.engine.runs.clusters import Cluster, ClusterError, ClusterStore, PathMap
 from app.engine.runs.executors import Poll, check_cluster, cluster_test, executor_for
 from app.engine.runs.kinds import GRPO, KINDS, SFT, RunKind, kind_of
-from app.engine.runs.queue import LOCAL, PENDING, Job, JobQueue, JobStateError
+from app.engine.runs.queue import LOCAL, PENDING, Job, JobQueue, JobStateError, can_continue
 from app.engine.runs.registry import Registry, forget_run, read_registry, rename_run
 from app.engine.runs.rundir import (RUN_NAME_MAX, RunDir, dedupe_steps, default_run_name,
                                     default_runs_dir, list_runs)
@@ -53,7 +53,7 @@ __all__ = [
     "ConfigError", "EngineError",
     # runs: the run directory, the queue, the worker process, the run kinds
     "RUN_NAME_MAX", "RunDir", "dedupe_steps", "default_run_name", "default_runs_dir", "list_runs",
-    "LOCAL", "PENDING", "Job", "JobQueue", "JobStateError",
+    "LOCAL", "PENDING", "Job", "JobQueue", "JobStateError", "can_continue",
     # clusters: where a job runs (Settings > Clusters, New run's "Run on")
     "Cluster", "ClusterError", "ClusterStore", "PathMap", "check_cluster", "cluster_test",
     "executor_for", "Poll",

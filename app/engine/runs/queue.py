@@ -667,6 +667,21 @@ class JobQueue:
                          **_error_fields(None))
             return self._get(conn, job.id)
 
+    def continue_run(self, run_dir: str | os.PathLike, job: Job | None) -> str:
+        """Go on with the run `run_dir` from its last checkpoint (from the start without one),
+        whose latest job is `job` (None: never queued, a run of the command line): resume a
+        paused job (or withdraw a pause request), queue a failed or cancelled job again
+        (`retry`), else queue the run as a new job. What the window's Continue does, on the
+        Runs screen and in the Monitor alike (`can_continue` says when); returns what it did,
+        in a sentence."""
+        if job is not None and (job.state == "paused" or job.requested_action == "pause"):
+            self.resume(job.id)
+            return f"Resumed job {job.id}"
+        if job is not None and job.state in ("failed", "cancelled"):
+            self.retry(job.id)
+            return f"Job {job.id} queued again"
+        return f"Queued {Path(run_dir).name} as job {self.add(run_dir)}"
+
     def reorder(self, job_id: int, position: int) -> Job:
         """Move a queued or paused job to 1-based `position` among the queued and paused
         jobs (clamped to the first and last place)."""
@@ -852,3 +867,17 @@ def _finished_hint(job: Job) -> str:
     if job.state in ("failed", "cancelled"):
         return f"Run it again with: workbench queue retry {job.id}"
     return f"To train longer: workbench resume {job.run_dir} --extend-epochs N"
+
+
+def can_continue(job: Job | None, state: str, has_checkpoint: bool,
+                 stalled: bool = False) -> bool:
+    """Whether the window's Continue (`JobQueue.continue_run`) applies to a run whose latest
+    job is `job` and whose state is `state` (the job's, else status.json's): a paused job (or
+    one asked to pause), a failed or cancelled one; a run outside the queue that failed or was
+    cancelled, or that stopped (paused, interrupted, or `stalled`: running with no process
+    advancing it) and kept a checkpoint."""
+    if job is not None:
+        return (job.state == "paused" or job.requested_action == "pause"
+                or job.state in ("failed", "cancelled"))
+    return (state in ("failed", "cancelled") or
+            (has_checkpoint and (state in ("paused", "interrupted") or stalled)))

@@ -14,7 +14,7 @@ the same loss page. Test-visible state: `loss_curve` (raw training loss), `smoot
 EMA), `val_curve`, `best_mark` (the best evaluation's step, `best`, on the headline plot;
 `best_marks` by kind), `lr_curve`, `grad_curve`, `clipped_curve`, `tps_curve`, `pages`, `kind`
 (the run's RunKind), `grpo`, `completions`, `compare`, `progress`, `stats_label`, `log_view`,
-`resume_button`, `stop_save_button`, `stop_discard_button`.
+`continue_button`, `stop_save_button`, `stop_discard_button`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from PySide6.QtWidgets import (QCheckBox, QGridLayout, QHBoxLayout, QLabel, QMes
                                QPlainTextEdit, QProgressBar, QPushButton, QSizePolicy, QSlider,
                                QSplitter, QTabWidget, QVBoxLayout, QWidget)
 
-from app.engine.api import GRPO, SFT, EngineError, RunDir, RunKind, kind_of
+from app.engine.api import GRPO, SFT, EngineError, RunDir, RunKind, can_continue, kind_of
 from app.views.monitor.completions import CompletionsView
 from app.views.monitor.grpo_curves import KEYS as GRPO_KEYS
 from app.views.monitor.grpo_curves import GrpoCurves
@@ -37,6 +37,7 @@ from app.views.widgets.plots import (ACCENT, LEGEND, ORANGE, BestMark, PacedReve
                                      box, filled_curve, num, small_plot)
 from app.views.widgets.run_best import better
 from app.views.widgets.run_tail import PacedRedraw, RunTail, Series, clock
+from app.views.widgets.tooltips import CONTINUE_TIP
 
 ACTIVE = ("running", "queued", "paused")
 SFT_KEYS = ("loss", "lr", "grad", "clipped", "tps")
@@ -81,10 +82,7 @@ class MonitorView(QWidget):
         self.stop_save_button = QPushButton("Stop and save")
         self.stop_save_button.setToolTip("Pause: the worker saves a checkpoint after the current "
                                          "step; resume it later from the Runs screen.")
-        self.resume_button = QPushButton("Resume")
-        self.resume_button.setToolTip("Continue the run from its last checkpoint: a paused job "
-                                      "is queued again in its place, a stopped or interrupted "
-                                      "run gets a new job; the worker starts it.")
+        self.continue_button = QPushButton("Continue", toolTip=CONTINUE_TIP)  # as on Runs
         self.stop_discard_button = QPushButton("Stop and discard")
         self.stop_discard_button.setToolTip("Cancel the job after the current step; it is marked "
                                             "cancelled (its files stay on disk).")
@@ -156,7 +154,7 @@ class MonitorView(QWidget):
         split.setSizes([900, 340])
         layout = box(QVBoxLayout, box(QHBoxLayout, (box(QVBoxLayout, self.title,
                                                         self.subtitle), 1),
-                                      self.resume_button, self.stop_save_button,
+                                      self.continue_button, self.stop_save_button,
                                       self.stop_discard_button),
                      self.progress, self.stats_label, (split, 1))
         layout.setContentsMargins(20, 16, 20, 16)
@@ -171,7 +169,7 @@ class MonitorView(QWidget):
         self.tail.status_changed.connect(self._on_status)
         self.stop_save_button.clicked.connect(self.stop_and_save)
         self.stop_discard_button.clicked.connect(self.stop_and_discard)
-        self.resume_button.clicked.connect(self.resume)
+        self.continue_button.clicked.connect(self.continue_run)
         self.compare.changed.connect(lambda: self.redraw.mark(self._headline_plot()))
         self.redraw.add("loss", self._draw_loss)
         for i, key in enumerate(SFT_KEYS[1:], start=2):
@@ -377,33 +375,29 @@ class MonitorView(QWidget):
         self.stop_save_button.setEnabled(active and job.state in ("running", "queued")
                                          and job.requested_action == "none")
         self.stop_discard_button.setEnabled(active and job.requested_action != "cancel")
-        self.resume_button.setEnabled(self._resumable(job))
+        self.continue_button.setEnabled(self._continuable(job))
         if job is None and self.status.get("state") == "running":
             tip = "Started from the command line: press Ctrl-C in its terminal to pause it."
             self.stop_save_button.setToolTip(tip)
 
-    def _resumable(self, job) -> bool:
-        """A paused job (or one asked to pause), or a run with no active job that was stopped
-        (paused) or interrupted and kept a checkpoint: as the Runs screen resumes them."""
-        if job is not None and job.state in ACTIVE:
-            return job.state == "paused" or job.requested_action == "pause"
-        if self.status.get("state") not in ("paused", "interrupted"):
+    def _continuable(self, job) -> bool:
+        """Whether Continue applies (api.can_continue, as on the Runs screen): a paused,
+        failed or cancelled job, or a run outside the queue that stopped with a checkpoint."""
+        if self.run_path is None:
             return False
         try:
-            return any(p.is_dir() for p in RunDir(self.run_path).checkpoints_dir.iterdir())
+            has_checkpoint = any(p.is_dir()
+                                 for p in RunDir(self.run_path).checkpoints_dir.iterdir())
         except OSError:
-            return False
+            has_checkpoint = False
+        return can_continue(job, job.state if job is not None else
+                            str(self.status.get("state") or ""), has_checkpoint)
 
-    def resume(self) -> None:
-        """Resume the followed run (see `_resumable`) and make sure a worker runs it."""
-        job = self.job()
+    def continue_run(self) -> None:
+        """Continue the followed run (JobQueue.continue_run, the Runs screen's Continue) and
+        make sure a worker runs it."""
         try:
-            if job is not None and job.state in ACTIVE:
-                self.ctx.queue.resume(job.id)
-                message = f"Resumed job {job.id}"
-            else:
-                message = f"Queued {Path(self.run_path).name} as job " \
-                          f"{self.ctx.queue.add(self.run_path)}"
+            message = self.ctx.queue.continue_run(self.run_path, self.job())
             self.ctx.ensure_worker()
             self.ctx.status_message.emit(message)
         except EngineError as e:

@@ -30,8 +30,8 @@ from PySide6.QtWidgets import (QAbstractItemView, QHBoxLayout, QHeaderView, QInp
                                QLineEdit, QMessageBox, QPushButton, QSpinBox, QSplitter,
                                QTableView, QVBoxLayout, QWidget)
 
-from app.engine.api import (ConfigError, EngineError, JobStateError, RunDir, forget_run,
-                            rename_run)
+from app.engine.api import (ConfigError, EngineError, JobStateError, RunDir, can_continue,
+                            forget_run, rename_run)
 from app.views.runs.details import DetailsPane
 from app.views.runs.run_rows import Listing, RunLister, RunRow
 from app.views.runs.table import (COL, COLUMNS, PADDING, PATH_ROLE, SAMPLES, ProgressDelegate,
@@ -39,6 +39,7 @@ from app.views.runs.table import (COL, COLUMNS, PADDING, PATH_ROLE, SAMPLES, Pro
 from app.views.widgets.error_panel import BUG_HINT, ErrorPanel
 from app.views.widgets.fit import FlowLayout
 from app.views.widgets.run_tail import BackgroundPoll
+from app.views.widgets.tooltips import CONTINUE_TIP
 
 __all__ = ["COL", "COLUMNS", "RunsView", "error_from_dict"]
 ACTIVE = ("running", "queued", "paused")
@@ -113,9 +114,7 @@ class RunsView(QWidget):
                  "Pause the job: a running job saves a checkpoint after its current step; "
                  "Continue goes on from there"),
                 ("cancel", "Cancel", self.cancel, "Cancel the job"),
-                ("continue", "Continue", self.continue_run,
-                 "Go on with a paused, failed, cancelled or interrupted run from its last "
-                 "checkpoint (from the start if it has none): it joins the queue"),
+                ("continue", "Continue", self.continue_run, CONTINUE_TIP),   # as in Monitor
                 ("extend", "Extend by", self.extend,
                  "Train a finished run for more epochs (continues from its final checkpoint)"),
                 ("rename", "Rename\u2026", self.rename,
@@ -334,14 +333,9 @@ class RunsView(QWidget):
 
     @staticmethod
     def _continuable(row: RunRow | None) -> bool:
-        if row is None:
-            return False
-        job = row.job
-        if job is not None:
-            return (row.state == "paused" or job.requested_action == "pause"
-                    or row.state in ("failed", "cancelled"))
-        return (row.state in ("failed", "cancelled") or
-                (row.has_checkpoint and (row.state == "paused" or row.stalled)))
+        """api.can_continue, as the Monitor's Continue asks it."""
+        return row is not None and can_continue(row.job, row.state, row.has_checkpoint,
+                                                row.stalled)
 
     @staticmethod
     def _busy(row: RunRow) -> bool:
@@ -397,19 +391,13 @@ class RunsView(QWidget):
                   f"Cancelled job {r.job.id}")
 
     def continue_run(self) -> None:
-        """Go on from the last checkpoint: resume a paused job (or take back a pause request),
-        queue a failed or cancelled job again, or queue a run stopped outside the queue."""
+        """Go on from the last checkpoint (JobQueue.continue_run, the Monitor's Continue too):
+        resume a paused job (or take back a pause request), queue a failed or cancelled job
+        again, or queue a run stopped outside the queue."""
         def act(row):
-            job = row.job
-            if job is not None and (row.state == "paused" or job.requested_action == "pause"):
-                self.ctx.queue.resume(job.id)
-                self._start_worker()
-                return f"Resumed job {job.id}"
-            if job is not None and row.state in ("failed", "cancelled"):
-                self.ctx.queue.retry(job.id)
-                self._start_worker()
-                return f"Job {job.id} queued again"
-            return self._queue_up(row)
+            message = self.ctx.queue.continue_run(row.path, row.job)
+            self._start_worker()
+            return message
         self._act("continue", act)
 
     def extend(self, epochs: int | None = None) -> None:

@@ -139,6 +139,12 @@ SETTINGS_TIPS = {
                    "cluster under Run on.", "1", "--workers"),
 }
 
+# Continue, on the Runs screen and in the Monitor: one action (JobQueue.continue_run)
+CONTINUE_TIP = ("Go on with a paused, failed, cancelled or interrupted run from its last "
+                "checkpoint (from the start if it has none): a paused job is queued again in "
+                "its place, a failed or cancelled one at the end, a run stopped outside the "
+                "queue as a new job; the worker starts it")
+
 # The rest of New run
 NEW_RUN_TIPS = {
     "kind": tip("A supervised run copies the answers of a dataset; a GRPO run samples answers "

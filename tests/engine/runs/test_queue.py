@@ -505,3 +505,28 @@ def test_permission_errors_keep_the_permissions_hint(q, monkeypatch):
     with pytest.raises(QueueError, match="cannot be opened or written") as caught:
         q.list()
     assert "writable" in caught.value.hint
+
+
+def test_continue_run_resumes_retries_or_queues_as_can_continue_says(q, tmp_path):
+    """The window's Continue (Runs and Monitor alike, issue 29 item 8): one call."""
+    from app.engine.runs.queue import can_continue
+    paused = RunDir.create(tmp_path / "paused", {"name": "paused"}).path
+    job = q.get(q.pause(q.add(paused)).id)
+    assert can_continue(job, job.state, False)
+    assert q.continue_run(paused, job) == f"Resumed job {job.id}"
+    assert q.get(job.id).state == "queued"
+    failed = RunDir.create(tmp_path / "failed", {"name": "failed"}).path
+    q.add(failed)
+    [claimed] = [j for j in [q.claim_next("w"), q.claim_next("w")] if j.run_dir == str(failed)]
+    q.finish(claimed.id, "w", "failed", {"kind": "bug", "message": "boom", "hint": None,
+                                         "detail": ""})
+    job = q.get(claimed.id)
+    assert can_continue(job, job.state, False)
+    assert q.continue_run(failed, job) == f"Job {job.id} queued again"
+    assert q.get(job.id).state == "queued"
+    outside = RunDir.create(tmp_path / "cli", {"name": "cli"}).path
+    assert not can_continue(None, "interrupted", False)        # nothing to go on from
+    assert can_continue(None, "interrupted", True) and can_continue(None, "running", True, True)
+    assert not can_continue(None, "running", True) and not can_continue(None, "done", True)
+    message = q.continue_run(outside, None)
+    assert message.startswith("Queued cli as job ") and len(q.find(outside)) == 1

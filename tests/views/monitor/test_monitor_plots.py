@@ -127,7 +127,7 @@ def test_a_grpo_run_fits_1280x720(qtbot, ctx):
     legend = g.reward_plot.getPlotItem().legend
     view = g.reward_plot.getPlotItem().getViewBox().sceneBoundingRect()
     assert legend.isVisible() and view.contains(legend.sceneBoundingRect())
-    for button in (monitor.resume_button, monitor.stop_save_button,
+    for button in (monitor.continue_button, monitor.stop_save_button,
                    monitor.stop_discard_button):
         assert inside(button, win)
 
