@@ -31,6 +31,22 @@ def exact_and_magnitude(x, w, transpose=True):
 
 # --- detection and choice -------------------------------------------------------------------
 
+@pytest.fixture(autouse=True)
+def _auto_not_forced(monkeypatch):
+    """The suite sets WORKBENCH_PRECISION=fp32 (tests/conftest.py); here auto is auto."""
+    monkeypatch.delenv(bf16.ENV, raising=False)
+
+
+def test_the_environment_decides_what_auto_means(monkeypatch):
+    device = bf16.detect(flags=frozenset({"avx512_bf16"}), library=True)
+    monkeypatch.setenv(bf16.ENV, "fp32")
+    assert bf16.choose("auto", device).name == "fp32"
+    assert bf16.choose("bf16", device).name == "bf16"          # an explicit choice stays
+    monkeypatch.setenv(bf16.ENV, "bf16")
+    assert bf16.choose("auto", bf16.detect(flags=frozenset(), library=False)).backend == \
+        "emulation"
+
+
 def test_flags_from_cpuinfo_text():
     text = "processor\t: 0\nflags\t\t: fpu sse avx512f avx512_bf16\n\nprocessor\t: 1\n"
     assert bf16.cpu_flags(text) == {"fpu", "sse", "avx512f", "avx512_bf16"}
