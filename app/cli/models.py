@@ -143,7 +143,8 @@ def resolve_model(text: str, rank: int = 16, context: int = 512, check: bool = T
                   progress=None, to_train: bool = False) -> Path:
     """The local file of a model typed as owner/name[:FILE|:QUANT]: the cached one when there
     is one (no network), else downloaded into the cache (after its header's architecture check
-    unless `check` is False). `to_train`: a split model is refused (training reads one file)."""
+    unless `check` is False). `to_train`: for a split model, its parts merged into one file
+    (training reads one; app.engine.hub.merge) and that file's path."""
     from app.engine.hub import client
     from app.engine.hub.names import parse_spec, split_part
 
@@ -154,17 +155,20 @@ def resolve_model(text: str, rank: int = 16, context: int = 512, check: bool = T
         if check:
             fit = client.what_fits(model, rank, context)
             print(f"{model.name}: {fit.note}", file=sys.stderr)
-            if not fit.supported and not model.is_split:
+            if not fit.supported:
                 raise UnsupportedModelError(
                     f"{model.name} cannot be trained here: {fit.note}.",
                     "Pick another model, or download it anyway with "
                     "`workbench models get --any-architecture`.")
         found = client.download(model, progress=progress or _Progress())
-    if to_train and split_part(found.name):
-        raise UnsupportedModelError(
-            f"{text} is split into several files; the workbench trains one-file GGUF models.",
-            f"Merge the parts (llama-gguf-split --merge {found} merged.gguf) and train on "
-            "merged.gguf, or pick a quant of one file.")
+    if to_train and split_part(found.name):        # one file to train: merged once, kept
+        from app.engine.hub.merge import merged_dir, trainable_path
+
+        key = f"{spec.repo_id.replace('/', '--')}/{found.parent.name}"
+        if not (merged_dir() / key).is_dir():
+            print(f"{found.name}: merging the parts into one file to train (once)",
+                  file=sys.stderr)
+        found = trainable_path(found, key)
     return found
 
 

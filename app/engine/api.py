@@ -18,6 +18,7 @@ from app.engine.export.verify import llamacpp_python  # can the llama.cpp cross-
 from app.engine.export.evaluate import compare_perplexity  # perplexity as llama-perplexity
 from app.engine.hub import client as hub  # models from the Hugging Face Hub (Get a model...)
 from app.engine.hub.local import FoundModel, discover_models, model_folders
+from app.engine.hub.merge import trainable_path  # a split model as one file, to train
 from app.engine.model.card import (ModelCard, describe_model, human_bytes, human_count,
                                    lora_param_count)
 from app.engine.model.lora import TARGET_GROUPS, load_adapter
@@ -68,7 +69,7 @@ __all__ = [
     "TARGET_GROUPS", "load_adapter", "load_model", "chat_prompt_ids", "generation_prompt_ids",
     "check_model_targets", "read_chat_template",
     # models on this computer and on the Hugging Face Hub (hub.search, hub.list_models, ...)
-    "FoundModel", "discover_models", "model_folders", "hub",
+    "FoundModel", "discover_models", "model_folders", "hub", "trainable_path",
     # configs, the settings-file schema, datasets, memory
     "DataConfig", "GrpoConfig", "RewardSpec", "RunConfig", "TrainConfig", "build_grpo_config",
     "TRUST_SCOPE", "trust_reward_files", "untrusted_reward_files", "check", "read_config_file",

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from app.cli.main import run_cli
-from tests.conftest import SAMPLE_DATA
+from tests.conftest import GOLDEN, SAMPLE_DATA
 from tests.hub_server import TOKEN, hub, hub_repos  # noqa: F401  (the fixtures)
 
 LLAMA = "wb-test/tiny-llama-GGUF"
@@ -31,6 +31,7 @@ def test_files_lists_models_quants_sizes_and_what_fits(hub, capsys):
     assert run_cli(["models", "files", "wb-test/tiny-mixtral-GGUF", "--fits"]) == 0
     out = capsys.readouterr().out
     assert "tiny-mixtral-F32.gguf" in out and "F32" in out and "split into 2 files" in out
+    assert "merged into one to train" in out
     assert "tiny-mixtral-Q8_0.gguf" in out and "fits: needs about" in out
     assert run_cli(["models", "files", LLAMA, "--json"]) == 0
     listed = json.loads(capsys.readouterr().out)
@@ -121,8 +122,25 @@ def test_train_from_the_hub_resolves_through_the_cache(hub, hub_repos, tmp_path,
     model = Path(json.loads((tmp_path / "r2" / "config.json").read_text())["model"])
     assert model.read_bytes() == hub_repos[LLAMA].files[Q8]   # the cached blob (the run
     assert "models--wb-test--tiny-llama-GGUF" in str(model)     # resolves the snapshot link)
-    # a split model is refused for training, with what to do
+    # a split model: its parts merged once into one file, which the run trains on
     assert run_cli(["train", "-m", "wb-test/tiny-mixtral-GGUF:F32", "-d", data, "-o",
-                    str(tmp_path / "r3")]) == 2
-    assert "llama-gguf-split --merge" in capsys.readouterr().err
-    assert not (tmp_path / "r3").exists()
+                    str(tmp_path / "r3"), "--queue", str(queue)]) == 0
+    assert "merging the parts" in capsys.readouterr().err
+    merged = Path(json.loads((tmp_path / "r3" / "config.json").read_text())["model"])
+    assert merged.name == "tiny-mixtral-F32.gguf" and "merged-models" in str(merged)
+    assert_same_model(merged, GOLDEN / "mixtral-f32.gguf")
+
+
+def assert_same_model(a_path, b_path):
+    """The same tensors (stored bytes, in order) and metadata but gguf-split's split.* keys."""
+    import numpy as np
+
+    from app.engine.io.gguf import read_gguf
+
+    a, b = read_gguf(a_path), read_gguf(b_path)
+    assert list(a.tensors) == list(b.tensors)
+    assert all(np.array_equal(a.raw(n), b.raw(n)) for n in b.tensors)
+    assert a.metadata.keys() == b.metadata.keys()
+    for k, v in b.metadata.items():
+        assert np.array_equal(a.metadata[k], v) if isinstance(v, np.ndarray) else \
+            a.metadata[k] == v, k

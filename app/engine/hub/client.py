@@ -584,17 +584,21 @@ def quant_shown(named: str, fit) -> str:
 
 def what_fits(model: HubModel, rank: int = 16, context: int = 512):
     """app.engine.hub.header.Fit of a remote model, from its header (weights not fetched). A
-    split model: the architecture of its first part, no estimate (training reads one file)."""
+    split model: the architecture of its first part and no estimate (its first part holds only
+    some of the tensors); it trains once merged (app.engine.hub.merge, on its first use)."""
     from app.engine.hub.header import Fit, fits_here
+    from app.engine.model.config import SUPPORTED_ARCHITECTURES
 
     first = model.files[0].path
     header, size = read_header(model.repo_id, first)
-    if model.is_split:
-        fit = fits_here(header, size, first, rank, context)
-        return Fit(fit.architecture, False, None, None,
-                   f"split into {len(model.files)} files: merge them to train here "
-                   "(llama-gguf-split --merge)", fit.quant)
-    return fits_here(header, size, first, rank, context)
+    fit = fits_here(header, size, first, rank, context)
+    if not model.is_split:
+        return fit
+    known = fit.architecture in SUPPORTED_ARCHITECTURES
+    note = (f"split into {len(model.files)} files, merged into one to train; no estimate "
+            "before the download" if known else
+            f"architecture {fit.architecture or 'unknown'} is not one the workbench trains")
+    return Fit(fit.architecture, known, None, None, note, fit.quant)
 
 
 def download(model: HubModel, progress: Progress | None = None, cancel=None,

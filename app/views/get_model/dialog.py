@@ -18,7 +18,7 @@ from PySide6.QtWidgets import (QAbstractItemView, QComboBox, QDialog, QHBoxLayou
                                QLabel, QLineEdit, QProgressBar, QPushButton, QTableWidget,
                                QTableWidgetItem, QVBoxLayout, QWidget)
 
-from app.engine.api import EngineError, human_bytes, hub
+from app.engine.api import EngineError, human_bytes, hub, trainable_path
 from app.views.context import Background
 from app.views.widgets.error_panel import ErrorPanel
 
@@ -75,6 +75,7 @@ class GetModelDialog(QDialog):
         self.models: list = []
         self.fits: dict[str, object] = {}
         self._cancel: threading.Event | None = None
+        self._downloading = None                 # the HubModel being downloaded
         self._bg = Background(self, max_threads=3)
         self._progress = _Progress(self)
         self._progress.changed.connect(self._show_progress)
@@ -253,6 +254,7 @@ class GetModelDialog(QDialog):
             return
         self.error.hide()
         self._cancel = threading.Event()
+        self._downloading = model
         self.download_button.setEnabled(False)
         self.cancel_button.setEnabled(True)
         self.bar.setRange(0, 1000)
@@ -278,8 +280,19 @@ class GetModelDialog(QDialog):
         self._file_selected()
 
     def _downloaded(self, path) -> None:
-        self._end_download()
         self.bar.setValue(1000)
+        model = self._downloading
+        if model is not None and model.is_split:    # one file to train: merged once, kept
+            self.status.setText(f"Merging the {len(model.files)} parts of {model.name} into "
+                                "one file to train\u2026")
+            key = f"{model.repo_id.replace('/', '--')}/{path.parent.name}"
+            self._bg.run("merge", trainable_path, path, key, on_done=self._ready,
+                         on_error=self._download_failed)
+            return
+        self._ready(path)
+
+    def _ready(self, path) -> None:
+        self._end_download()
         self.status.setText(f"Downloaded: {path}")
         self.downloaded.emit(str(path))
         self.accept()

@@ -109,6 +109,24 @@ def test_a_closed_dialog_downloads_on_and_the_model_opens(qtbot, hub, hub_repos,
     assert Path(view.card.path).read_bytes() == hub_repos[LLAMA].files[Q8]
 
 
+def test_a_split_model_is_merged_and_opened_as_one_file(qtbot, hub, ctx):
+    from app.views.new_run.view import NewRunView
+
+    view = NewRunView(ctx, discover=lambda: [])
+    qtbot.addWidget(view)
+    view.picker.get_model()
+    dialog = view.picker.get_dialog
+    _to_files(qtbot, dialog, "mixtral", "wb-test/tiny-mixtral-GGUF")
+    dialog.select_file("tiny-mixtral-F32.gguf")
+    assert dialog.files.item(dialog.files.currentRow(), 3).text().startswith("? llama")
+    with qtbot.waitSignal(dialog.downloaded, timeout=20_000) as got:
+        dialog.download_button.click()
+    assert Path(got.args[0]).name == "tiny-mixtral-F32.gguf"       # the merged file
+    qtbot.waitUntil(lambda: view.card is not None and view.card.path == got.args[0],
+                    timeout=10_000)
+    assert view.card.config.n_expert > 0 and view.card.config.arch == "llama"
+
+
 @pytest.mark.parametrize("fault", ["gated", "server"])
 def test_errors_show_in_the_panel(qtbot, hub, fault):
     dialog = GetModelDialog()
