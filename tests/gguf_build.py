@@ -46,3 +46,15 @@ def write_gguf(path: Path, metadata: dict, tensors: dict[str, np.ndarray],
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def assert_same_model(a_path, b_path):
+    """Two GGUF files hold the same tensors (stored bytes, in order) and metadata (a merged
+    split model against its unsplit source)."""
+    a, b = read_gguf(a_path), read_gguf(b_path)
+    assert list(a.tensors) == list(b.tensors)
+    assert all(np.array_equal(a.raw(n), b.raw(n)) for n in b.tensors)
+    assert a.metadata.keys() == b.metadata.keys()
+    for k, v in b.metadata.items():
+        assert np.array_equal(a.metadata[k], v) if isinstance(v, np.ndarray) else \
+            a.metadata[k] == v, k

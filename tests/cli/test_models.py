@@ -10,6 +10,7 @@ import pytest
 
 from app.cli.main import run_cli
 from tests.conftest import GOLDEN, SAMPLE_DATA
+from tests.gguf_build import assert_same_model
 from tests.hub_server import TOKEN, hub, hub_repos  # noqa: F401  (the fixtures)
 
 LLAMA = "wb-test/tiny-llama-GGUF"
@@ -129,18 +130,3 @@ def test_train_from_the_hub_resolves_through_the_cache(hub, hub_repos, tmp_path,
     merged = Path(json.loads((tmp_path / "r3" / "config.json").read_text())["model"])
     assert merged.name == "tiny-mixtral-F32.gguf" and "merged-models" in str(merged)
     assert_same_model(merged, GOLDEN / "mixtral-f32.gguf")
-
-
-def assert_same_model(a_path, b_path):
-    """The same tensors (stored bytes, in order) and metadata but gguf-split's split.* keys."""
-    import numpy as np
-
-    from app.engine.io.gguf import read_gguf
-
-    a, b = read_gguf(a_path), read_gguf(b_path)
-    assert list(a.tensors) == list(b.tensors)
-    assert all(np.array_equal(a.raw(n), b.raw(n)) for n in b.tensors)
-    assert a.metadata.keys() == b.metadata.keys()
-    for k, v in b.metadata.items():
-        assert np.array_equal(a.metadata[k], v) if isinstance(v, np.ndarray) else \
-            a.metadata[k] == v, k
