@@ -78,21 +78,20 @@ import numpy as np
 from app.engine.data.batches import Batch
 from app.engine.data.formats import Rejection, iter_lines, parse_line
 from app.engine.errors import ConfigError, DatasetError
-from app.engine.model.lora import load_adapter, save_adapter
+from app.engine.model.lora import load_adapter
 from app.engine.model.transformer import Model, load_model
 from app.engine.runtime.backend import peak_rss_mb
 from app.engine.runtime.inputs import StopCheck
 from app.engine.text.chat_template import generation_prompt_ids
 from app.engine.training import events, fingerprints
-from app.engine.training.checkpoints import prune_checkpoints, save_checkpoint
 from app.engine.training.config import TrainConfig
 from app.engine.training.memory import check_run_memory, run_cache_budget
 from app.engine.runtime.schema import AT_LEAST_0, AT_LEAST_1, FRACTION, POSITIVE, TEXT, Range, check
 from app.engine.training.reward_functions import (RewardScorer, RewardSpec, ScoreItem,
                                                   check_reward_trust)
 from app.engine.training.session import TrainSession
-from app.engine.training.sft import (RUN_LENGTHS, before_training, guarded_step, report_norms,
-                                    resume)
+from app.engine.training.sft import (RUN_LENGTHS, before_training, between_steps,
+                                    checkpoint_saver, finish_run, guarded_step, resume)
 
 Report = Callable[[dict], None]
 ShouldStop = Callable[[], "str | None"]
@@ -534,13 +533,7 @@ def train_grpo(config: GrpoConfig, report: Report, should_stop: ShouldStop,
                      for n, s in zip(names, config.rewards)],
             resumed_at=session.step_count, precision=session.precision.reason))
 
-        def save(tag: str = "") -> None:
-            if ckpt_dir is None:
-                return
-            save_checkpoint(ckpt_dir, session.step_count, session.state_dict(copy=False),
-                            {"run": dict(state)})
-            prune_checkpoints(ckpt_dir, config.keep_last, keep=(state["best_step"],))
-            report(events.CHECKPOINT_EVENT(step=session.step_count, tag=tag))
+        save = checkpoint_saver(ckpt_dir, session, state, config.keep_last, report)
 
         def evaluate() -> None:
             if not val_rows:
@@ -644,24 +637,14 @@ def train_grpo(config: GrpoConfig, report: Report, should_stop: ShouldStop,
                 shown = completions[:config.samples_prompts * G]
                 report(events.GRPO_SAMPLES(step=done, items=_sample_items(
                     shown, raw, total_r, adv, names, config.answer_field)))
-            if config.norms_every and done % config.norms_every == 0:
-                report_norms(report, session, routing_window, done)
-                routing_window = {}
-            if config.eval_every and done % config.eval_every == 0:
-                evaluate()
-            if config.save_every and done % config.save_every == 0:
-                save()
+            routing_window = between_steps(config, session, report, routing_window, evaluate,
+                                           save)
             requested = should_stop()
             if requested:
                 stop_reason = "cancelled" if requested == "cancel" else "paused"
-        if stop_reason in ("paused", "cancelled"):
-            save(stop_reason)
-            return stop_reason
-        if state["last_eval_step"] != session.step_count:
-            evaluate()
-        save("final")
-        if ckpt_dir is not None:
-            save_adapter(session.adapter, ckpt_dir.parent / "adapter.gguf", model.config.arch)
+        stopped = finish_run(stop_reason, state, session, ckpt_dir, evaluate, save)
+        if stopped:
+            return stopped
         report(events.GRPO_DONE(step=session.step_count, reason="finished",
                                 skipped_steps=state["skipped_steps"],
                                 elapsed_s=time.perf_counter() - t_start))

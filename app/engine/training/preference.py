@@ -51,7 +51,7 @@ from app.engine.data.batches import Batch
 from app.engine.data.preferences import (KTO, PreferenceItem, Sequence, load_preferences,
                                          unpaired)
 from app.engine.errors import ConfigError, DatasetError
-from app.engine.model.lora import load_adapter, save_adapter
+from app.engine.model.lora import load_adapter
 from app.engine.model.transformer import load_model
 from app.engine.runtime.backend import peak_rss_mb, to_host
 from app.engine.runtime.inputs import StopCheck
@@ -59,13 +59,12 @@ from app.engine.runtime.schema import (AT_LEAST_0, AT_LEAST_1, FRACTION, POSITIV
                                        check)
 from app.engine.training import events, fingerprints
 from app.engine.training import preference_losses as losses
-from app.engine.training.checkpoints import prune_checkpoints, save_checkpoint
 from app.engine.training.config import TrainConfig
 from app.engine.training.grpo import step_prompts
 from app.engine.training.memory import check_run_memory, run_cache_budget
 from app.engine.training.session import TrainSession
-from app.engine.training.sft import (RUN_LENGTHS, before_training, guarded_step, report_norms,
-                                     resume)
+from app.engine.training.sft import (RUN_LENGTHS, before_training, between_steps,
+                                     checkpoint_saver, finish_run, guarded_step, resume)
 
 Report = Callable[[dict], None]
 ShouldStop = Callable[[], "str | None"]
@@ -434,13 +433,7 @@ def train_preference(config: PreferenceConfig, report: Report, should_stop: Shou
         loss_type=config.pref_loss if method == "dpo" else method,
         beta=config.effective_beta, reference=reference, resumed_at=session.step_count))
 
-    def save(tag: str = "") -> None:
-        if ckpt_dir is None:
-            return
-        save_checkpoint(ckpt_dir, session.step_count, session.state_dict(copy=False),
-                        {"run": dict(state)})
-        prune_checkpoints(ckpt_dir, config.keep_last, keep=(state["best_step"],))
-        report(events.CHECKPOINT_EVENT(step=session.step_count, tag=tag))
+    save = checkpoint_saver(ckpt_dir, session, state, config.keep_last, report)
 
     def evaluate() -> None:
         if not val_items:
@@ -490,25 +483,13 @@ def train_preference(config: PreferenceConfig, report: Report, should_stop: Shou
             tokens_per_s=metrics.tokens_per_s, skipped=bad,
             elapsed_s=time.perf_counter() - t_start, eta_s=eta, rss_mb=peak_rss_mb(),
             rows=len(picked), **{k: v for k, v in m.items() if k != "loss"}))
-        done = session.step_count
-        if config.norms_every and done % config.norms_every == 0:
-            report_norms(report, session, routing_window, done)
-            routing_window = {}
-        if config.eval_every and done % config.eval_every == 0:
-            evaluate()
-        if config.save_every and done % config.save_every == 0:
-            save()
+        routing_window = between_steps(config, session, report, routing_window, evaluate, save)
         requested = should_stop()
         if requested:
             stop_reason = "cancelled" if requested == "cancel" else "paused"
-    if stop_reason in ("paused", "cancelled"):
-        save(stop_reason)
-        return stop_reason
-    if state["last_eval_step"] != session.step_count:
-        evaluate()
-    save("final")
-    if session.adapter is not None and ckpt_dir is not None:
-        save_adapter(session.adapter, ckpt_dir.parent / "adapter.gguf", model.config.arch)
+    stopped = finish_run(stop_reason, state, session, ckpt_dir, evaluate, save)
+    if stopped:
+        return stopped
     report(SCHEMAS[method][events.DONE](
         step=session.step_count, reason="finished", best_step=state["best_step"],
         best_accuracy=state["best_accuracy"] if math.isfinite(state["best_accuracy"]) else None,

@@ -246,13 +246,7 @@ def train(config: RunConfig, report: Report, should_stop: ShouldStop,
                             precision=session.precision.reason))
     has_val = bool(dataset.val_batches())
 
-    def save(tag: str = "") -> None:
-        if ckpt_dir is None:
-            return
-        save_checkpoint(ckpt_dir, session.step_count, session.state_dict(copy=False),
-                        {"run": dict(state)})
-        prune_checkpoints(ckpt_dir, config.keep_last, keep=(state["best_step"],))
-        report(events.CHECKPOINT_EVENT(step=session.step_count, tag=tag))
+    save = checkpoint_saver(ckpt_dir, session, state, config.keep_last, report)
 
     def evaluate() -> bool:
         """Evaluate; True when early stopping says stop."""
@@ -359,6 +353,54 @@ def resume(session: TrainSession, checkpoints, state: dict, report: Report) -> P
                               + "; ".join(f"{p.name} is damaged ({why})" for p, why in damaged)
                               + ".", restart_hint(ckpt_dir))
     return ckpt_dir
+
+
+def checkpoint_saver(ckpt_dir: Path | None, session: TrainSession, state: dict, keep_last: int,
+                     report: Report) -> Callable[..., None]:
+    """save(tag=""): a checkpoint of the session with the run's `state` (its best step is kept
+    when older ones are pruned) and its event; nothing without a checkpoint folder."""
+    def save(tag: str = "") -> None:
+        if ckpt_dir is None:
+            return
+        save_checkpoint(ckpt_dir, session.step_count, session.state_dict(copy=False),
+                        {"run": dict(state)})
+        prune_checkpoints(ckpt_dir, keep_last, keep=(state["best_step"],))
+        report(events.CHECKPOINT_EVENT(step=session.step_count, tag=tag))
+    return save
+
+
+def between_steps(config, session: TrainSession, report: Report, routing: dict,
+                  evaluate: Callable[[], None], save: Callable[..., None]) -> dict:
+    """After a step of a GRPO or preference run: the norms and routing events every
+    config.norms_every steps, an evaluation every eval_every, a checkpoint every save_every.
+    Returns the routing window (emptied when reported)."""
+    done = session.step_count
+    if config.norms_every and done % config.norms_every == 0:
+        report_norms(report, session, routing, done)
+        routing = {}
+    if config.eval_every and done % config.eval_every == 0:
+        evaluate()
+    if config.save_every and done % config.save_every == 0:
+        save()
+    return routing
+
+
+def finish_run(stop_reason: str | None, state: dict, session: TrainSession,
+               ckpt_dir: Path | None, evaluate: Callable[[], None],
+               save: Callable[..., None]) -> str | None:
+    """The end of a GRPO or preference run: a pause or cancel saves a checkpoint tagged with it
+    and is returned; else an evaluation unless the last step had one, the final checkpoint and
+    the adapter beside the checkpoints (adapter.gguf), and None."""
+    if stop_reason in ("paused", "cancelled"):
+        save(stop_reason)
+        return stop_reason
+    if state["last_eval_step"] != session.step_count:
+        evaluate()
+    save("final")
+    if session.adapter is not None and ckpt_dir is not None:
+        save_adapter(session.adapter, ckpt_dir.parent / "adapter.gguf",
+                     session.model.config.arch)
+    return None
 
 
 def guarded_step(session: TrainSession, batches, state: dict, max_bad_steps: int,
