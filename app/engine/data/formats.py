@@ -383,6 +383,12 @@ def _from_chat(obj: dict, chat_loss: str) -> dict:
 
 
 def _from_sharegpt(obj: dict, chat_loss: str) -> dict:
+    return _chat(*sharegpt_messages(obj), chat_loss)
+
+
+def sharegpt_messages(obj: dict) -> tuple[list[dict], list[bool]]:
+    """(messages, trained) of a ShareGPT row's "system" and "conversations" (SFT rows, and
+    the prompt of LLaMA-Factory's preference rows). Raises _Bad."""
     turns = obj["conversations"]
     if not isinstance(turns, list):
         raise _Bad(WRONG_TYPE, f'"conversations" must be a list, got {_type_name(turns)}')
@@ -404,7 +410,7 @@ def _from_sharegpt(obj: dict, chat_loss: str) -> dict:
                                      "system or tool)")
         messages.append({"role": role, "content": _string(turn, "value", where)})
         trained.append(_message_trained(turn, where))
-    return _chat(messages, trained, chat_loss)
+    return messages, trained
 
 
 def _from_alpaca(obj: dict, chat_loss: str) -> dict:

@@ -44,7 +44,7 @@ import numpy as np
 from app.engine.data.dataset import DataConfig, split_rows
 from app.engine.data.formats import (EMPTY, MISSING_KEY, SHAREGPT_ROLES, WRONG_TYPE, Example,
                                      Rejection, RejectionLog, _Bad, _openai_messages, _string,
-                                     _type_name, iter_lines, parse_line)
+                                     _type_name, iter_lines, parse_line, sharegpt_messages)
 from app.engine.data.lint import _example, lint_tokenizer   # the SFT report's pieces
 from app.engine.data.loss_masks import Encoded, Encoder
 from app.engine.errors import DatasetError
@@ -145,21 +145,7 @@ def _prompt_of_row(obj: dict):
         return ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": user}]
     if "conversations" in obj:                                  # LLaMA-Factory ShareGPT
-        turns = obj["conversations"]
-        if not isinstance(turns, list) or not turns:
-            raise _Bad(WRONG_TYPE, '"conversations" must be a non-empty list of turns')
-        system = _string(obj, "system", required=False)
-        messages = [{"role": "system", "content": system}] if system else []
-        for i, turn in enumerate(turns):
-            where = f" in turn {i + 1}"
-            if not isinstance(turn, dict):
-                raise _Bad(WRONG_TYPE, f"turn {i + 1} must be an object, got {_type_name(turn)}")
-            source = _string(turn, "from", where)
-            role = SHAREGPT_ROLES.get(source.lower())
-            if role is None:
-                raise _Bad(WRONG_TYPE, f'unknown role "{source}"{where}')
-            messages.append({"role": role, "content": _string(turn, "value", where)})
-        return messages
+        return sharegpt_messages(obj)[0]
     if "prompt" in obj:
         return _messages_or_text(obj["prompt"], "prompt")
     return None

@@ -70,6 +70,18 @@ def _nll_term(logp_c, n_c):
     return float(-logp_c.sum() / total), np.full(len(logp_c), -1.0 / total)
 
 
+def _with_sft_term(losses, d_c, d_r, metrics: dict, logp_c, n_c, sft_weight: float):
+    """The pairs' mean loss plus sft_weight x the chosen tokens' mean NLL (when set: its
+    value is the nll_loss metric), with the derivatives of both."""
+    loss = float(losses.mean())
+    if sft_weight:
+        nll, d_nll = _nll_term(logp_c, n_c)
+        loss += sft_weight * nll
+        d_c = d_c + sft_weight * d_nll
+        metrics["nll_loss"] = nll
+    return LossOutput(loss, d_c, d_r, {"loss": loss, **metrics})
+
+
 def _pair_metrics(rew_c, rew_r, lp_c, lp_r) -> dict:
     return {"rewards/chosen": float(rew_c.mean()), "rewards/rejected": float(rew_r.mean()),
             "rewards/margins": float((rew_c - rew_r).mean()),
@@ -104,15 +116,9 @@ def dpo_loss(logp_c, logp_r, ref_c, ref_r, n_c, n_r, *, beta: float = 0.1,
     else:
         raise ValueError(f"unknown DPO loss {loss_type!r}")
     b = len(z)
-    d_c, d_r = dz / b * scale_c, -dz / b * scale_r
-    loss = float(losses.mean())
-    metrics = _pair_metrics(beta * (lc - rc), beta * (lr - rr), lc, lr)
-    if sft_weight:
-        nll, d_nll = _nll_term(logp_c, n_c)
-        loss += sft_weight * nll
-        d_c = d_c + sft_weight * d_nll
-        metrics["nll_loss"] = nll
-    return LossOutput(loss, d_c, d_r, {"loss": loss, **metrics})
+    return _with_sft_term(losses, dz / b * scale_c, -dz / b * scale_r,
+                          _pair_metrics(beta * (lc - rc), beta * (lr - rr), lc, lr),
+                          logp_c, n_c, sft_weight)
 
 
 def orpo_loss(logp_c, logp_r, n_c, n_r, *, orpo_lambda: float = 0.1) -> LossOutput:
@@ -141,15 +147,8 @@ def simpo_loss(logp_c, logp_r, n_c, n_r, *, beta: float = 2.0, gamma: float = 0.
     z = (lc - lr) - gamma / beta
     losses, dz = _sigmoid_loss(z, beta, label_smoothing)
     b = len(z)
-    d_c, d_r = dz / b / n_c, -dz / b / n_r
-    loss = float(losses.mean())
-    metrics = _pair_metrics(beta * lc, beta * lr, lc, lr)
-    if sft_weight:
-        nll, d_nll = _nll_term(logp_c, n_c)
-        loss += sft_weight * nll
-        d_c = d_c + sft_weight * d_nll
-        metrics["nll_loss"] = nll
-    return LossOutput(loss, d_c, d_r, {"loss": loss, **metrics})
+    return _with_sft_term(losses, dz / b / n_c, -dz / b / n_r,
+                          _pair_metrics(beta * lc, beta * lr, lc, lr), logp_c, n_c, sft_weight)
 
 
 def kto_kl(logp_kl, ref_kl) -> float:

@@ -27,6 +27,7 @@ from app.engine.training.preference import (PreferenceConfig, problems, row_batc
                                             sequence_grads, sequence_log_probs, train_preference,
                                             weighted_batches)
 from tests.conftest import GOLDEN
+from tests.engine.model.test_model_gradients import _lora_params
 
 SAMPLE = "sample_data/tiny-moe.gguf"
 PREFS = "sample_data/preferences.jsonl"
@@ -157,19 +158,6 @@ def _pairs(model, n=3, seed=0):
     return items
 
 
-def _lora(model, adapter):
-    def make(values):
-        ad = type(adapter)(adapter.alpha, {}, adapter.arch)
-        for base in adapter.tensors:
-            ad.tensors[base] = (values[base + ".lora_a"], values[base + ".lora_b"])
-        return model.params(ad, dtype=np.float64, training=True)
-    names, arrays = [], []
-    for base, (a, b) in adapter.tensors.items():
-        names += [base + ".lora_a", base + ".lora_b"]
-        arrays += [a.astype(np.float64), b.astype(np.float64)]
-    return make, names, arrays
-
-
 LOSSES = {
     "dpo": lambda pol, ref, n: L.dpo_loss(pol[0::2], pol[1::2], ref[0::2], ref[1::2], n[0::2],
                                           n[1::2], beta=0.5, sft_weight=0.2),
@@ -190,7 +178,7 @@ def test_loss_gradient_wrt_lora_a_and_b_is_exact(method):
     combined as TrainSession combines them) against float64 central differences of the loss."""
     model = load_model(GOLDEN / "llama-f32.gguf")
     adapter = load_adapter(GOLDEN / "llama-lora.gguf")
-    make, names, arrays = _lora(model, adapter)
+    make, names, arrays = _lora_params(model, adapter)
     rb = row_batch(_pairs(model), "dpo", 64)
     base = model.params(None, dtype=np.float64)
     n = np.array([s.completion_tokens for s in rb.seqs], float)
