@@ -26,7 +26,7 @@ from app.engine.model.lora import check_model_targets  # the start-of-run LoRA t
 from app.engine.model.transformer import load_model
 from app.engine.runs.clusters import Cluster, ClusterError, ClusterStore, PathMap
 from app.engine.runs.executors import Poll, check_cluster, cluster_test, executor_for
-from app.engine.runs.kinds import GRPO, KINDS, SFT, RunKind, kind_of
+from app.engine.runs.kinds import GRPO, KINDS, PREFERENCE_KINDS, SFT, RunKind, kind_of
 from app.engine.runs.queue import LOCAL, PENDING, Job, JobQueue, JobStateError, can_continue
 from app.engine.runs.registry import Registry, forget_run, read_registry, rename_run
 from app.engine.runs.rundir import (RUN_NAME_MAX, RunDir, dedupe_steps, default_run_name,
@@ -63,7 +63,7 @@ __all__ = [
     "Registry", "forget_run", "read_registry", "rename_run",
     "check_context", "default_context",
     "default_lr", "run_entry",
-    "GRPO", "KINDS", "SFT", "RunKind", "kind_of",
+    "GRPO", "KINDS", "PREFERENCE_KINDS", "SFT", "RunKind", "kind_of",
     # models: the card, LoRA targets, loading for the Playground
     "ModelCard", "describe_model", "human_bytes", "human_count", "lora_param_count",
     "TARGET_GROUPS", "load_adapter", "load_model", "chat_prompt_ids", "generation_prompt_ids",

@@ -1,7 +1,8 @@
 """The checkpoints a run keeps, and which of them is its best.
 
 A supervised run's best is its lowest validation loss, a GRPO run's its highest held-out
-reward. Playground and Export offer the kept checkpoints with the best one first, as the engine
+reward, a preference run's (DPO, ORPO, SimPO, KTO) its highest held-out accuracy (then margin:
+the engine's choice, marked "best" in its eval events). Playground and Export offer the kept checkpoints with the best one first, as the engine
 recorded it (`best_checkpoint`; `checkpoint_choices`); Monitor marks the best evaluation's step
 on the curve and Runs shows it, from the eval events (`better`; `BestTracker` reads only the
 new events).
@@ -14,18 +15,20 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.engine.api import GRPO, EngineError, RunDir, best_checkpoint, read_range
+from app.engine.api import (GRPO, PREFERENCE_KINDS, EngineError, RunDir, best_checkpoint,
+                            read_range)
 
 READ_MAX_BYTES = 16 << 20   # of metrics.jsonl per poll: a long run's history comes in pieces
 
 BEST, FINAL = "best", "final"          # checkpoint choices besides a step number
+ACCURACY = "held-out accuracy"         # a preference run's best (Best.metric)
 
 
 @dataclass(frozen=True)
 class Best:
     step: int
     value: float
-    metric: str                        # "validation" (a loss) or "held-out reward"
+    metric: str        # "validation" (a loss), "held-out reward" or "held-out accuracy"
 
     def text(self) -> str:
         return f"step {self.step} ({self.metric} {self.value:.2f})"
@@ -37,6 +40,10 @@ def better(event: dict, kind: str, best: Best | None) -> Best | None:
         value = event.get("reward_mean")
         if isinstance(value, (int, float)) and (best is None or value > best.value):
             return Best(int(event.get("step", 0)), float(value), "held-out reward")
+    elif kind in PREFERENCE_KINDS:
+        value = event.get(PREFERENCE_KINDS[kind].metric)
+        if event.get("best") and isinstance(value, (int, float)):
+            return Best(int(event.get("step", 0)), float(value), ACCURACY)
     elif event.get("best") and isinstance(event.get("loss"), (int, float)):
         return Best(int(event.get("step", 0)), float(event["loss"]), "validation")
     return best
@@ -46,13 +53,14 @@ def run_best(run_dir: str) -> Best | None:
     """The run's best kept checkpoint (None: no evaluation made one, or unreadable)."""
     try:
         found = best_checkpoint(run_dir)
-        grpo = found is not None and RunDir(run_dir).config().get("kind") == GRPO.name
+        kind = RunDir(run_dir).config().get("kind") if found is not None else None
     except EngineError:
         return None
     if found is None:
         return None
     step, _, value = found
-    return Best(step, value, "held-out reward" if grpo else "validation")
+    return Best(step, value, "held-out reward" if kind == GRPO.name else
+                ACCURACY if kind in PREFERENCE_KINDS else "validation")
 
 
 def kept_checkpoints(run_dir: str) -> list[int]:
