@@ -37,6 +37,10 @@ def test_dpo_run_resume_and_export(tmp_path, capsys):
     status = run.status()
     assert status["state"] == "done" and "eval_rewards/accuracies" in status
     assert run_cli(["resume", str(out), "--extend-epochs", "0"]) == 0   # finished: nothing to do
+    capsys.readouterr()
+    assert run_cli(["runs", "list", str(tmp_path)]) == 0   # BEST: the held-out accuracy
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("run "))
+    assert " dpo " in row and "accuracy " in row
     # the adapter exports to GGUF LoRA and loads back (as for SFT)
     target = tmp_path / "dpo-lora.gguf"
     assert run_cli(["export", str(out), "--to", "gguf-lora", "-o", str(target)]) == 0

@@ -527,19 +527,24 @@ def run_entry(path: str | os.PathLike, registered: dict | None = None) -> RunEnt
 
 def best_evaluation(events: Iterable[dict]) -> dict | None:
     """The best evaluation of a run's events: {"metric", "value", "step"}, the lowest
-    validation loss (supervised) or the highest mean reward (GRPO); None without one."""
-    best = None
+    validation loss (supervised), the highest mean reward (GRPO) or the highest held-out
+    accuracy, then margin (preference runs); None without one."""
+    best, best_key = None, None
     for ev in events:
         if event_type(ev) != EVAL:
             continue
         if _finite(ev.get("loss")):
-            value, metric, better = ev["loss"], "val_loss", lambda a, b: a < b
+            value, metric, key = ev["loss"], "val_loss", -ev["loss"]
         elif _finite(ev.get("reward_mean")):
-            value, metric, better = ev["reward_mean"], "reward", lambda a, b: a > b
+            value, metric, key = ev["reward_mean"], "reward", ev["reward_mean"]
+        elif _finite(ev.get("eval_rewards/accuracies")):
+            value, metric = ev["eval_rewards/accuracies"], "accuracy"
+            margin = ev.get("eval_rewards/margins")
+            key = (value, margin if _finite(margin) else -math.inf)
         else:
             continue
-        if best is None or better(value, best["value"]):
-            best = {"metric": metric, "value": value, "step": ev.get("step")}
+        if best is None or key > best_key:
+            best, best_key = {"metric": metric, "value": value, "step": ev.get("step")}, key
     return best
 
 
