@@ -314,3 +314,25 @@ def test_kill_9_mid_run_then_resume_gives_the_uninterrupted_steps(tmp_path, meth
     assert all(problems(e, method) == [] for e in recorded)
     assert run_dir.status()["eval_rewards/accuracies"] == [
         e for e in straight if e["type"] == "eval"][-1]["eval_rewards/accuracies"]
+
+
+@pytest.mark.slow
+def test_the_reference_is_the_starting_adapter_or_the_model_file(tmp_path):
+    """--init-adapter: the adapter the run starts from is its reference (the first DPO loss is
+    ln 2 although the adapter is not zero); full fine-tuning: the model file's weights."""
+    first = []
+    train_preference(_config(), first.append, lambda: None, tmp_path / "a" / "checkpoints")
+    adapter = tmp_path / "a" / "adapter.gguf"
+    assert any(np.abs(b).max() > 0 for _, b in load_adapter(adapter).tensors.values())
+    for config, reference in ((_config(adapter=str(adapter), max_steps=1), "the starting adapter"),
+                              (PreferenceConfig(model=SAMPLE, data=PREFS, max_steps=1, epochs=0,
+                                                val_split=0.1, pairs_per_step=4,
+                                                train=TrainConfig(mode="full", lr=1e-4)),
+                               "the model file")):
+        events = []
+        train_preference(config, events.append, lambda: None)
+        start = next(e for e in events if e["type"] == "start")
+        step = next(e for e in events if e["type"] == "step")
+        assert start["reference"] == reference
+        assert step["loss"] == pytest.approx(math.log(2), abs=1e-6)
+        assert step["rewards/margins"] == 0.0
