@@ -16,6 +16,8 @@ from app.engine.hub import client
 from app.engine.hub.client import ChecksumError, HubAuthError, HubError, HubOfflineError
 from app.engine.hub.names import parse_spec
 from app.engine.runtime.files import DiskFullError
+from tests.conftest import GOLDEN
+from tests.gguf_build import assert_same_model
 from tests.hub_server import TOKEN
 
 LLAMA = "wb-test/tiny-llama-GGUF"
@@ -359,3 +361,21 @@ def test_copy_to_a_folder_takes_every_part(hub, hub_repos, tmp_path):
         "tiny-mixtral-F32-00001-of-00002.gguf", "tiny-mixtral-F32-00002-of-00002.gguf"]
     linked = client.copy_to(path, tmp_path / "linked", link=True)
     assert linked.read_bytes() == hub_repos[MIXTRAL].files[linked.name]
+
+
+def test_a_split_model_in_a_folder_of_the_repository(hub, hub_repos, tmp_path, monkeypatch):
+    from app.engine.hub.merge import trainable_path
+    from tests.hub_server import FakeHub, Repo, point_at
+
+    files = hub_repos[MIXTRAL].files
+    parts = {f"F32/{n}": files[n] for n in sorted(files) if "-of-" in n}
+    with FakeHub({"wb-test/folders-GGUF": Repo("wb-test/folders-GGUF", parts)}) as other:
+        point_at(monkeypatch, other, tmp_path / "hf")
+        [model] = client.list_models("wb-test/folders-GGUF")
+        assert model.name == "F32/tiny-mixtral-F32.gguf" and model.quant == "F32"
+        path = client.download(model)
+        assert path.relative_to(path.parents[1]).as_posix() == \
+            "F32/tiny-mixtral-F32-00001-of-00002.gguf"
+        assert client.find_cached(parse_spec("wb-test/folders-GGUF:F32")) == path
+        monkeypatch.setenv("WORKBENCH_CACHE_DIR", str(tmp_path / "wb"))
+        assert_same_model(trainable_path(path, "folders"), GOLDEN / "mixtral-f32.gguf")
