@@ -307,6 +307,13 @@ class GetModelDialog(QDialog):
 
     def _fail(self, title: str, error: BaseException) -> None:
         self.status.setText("")
+        if getattr(error, "kind", "") == "hub_offline":   # say what is here without the Hub
+            cached = hub.cached_models()
+            names = ", ".join(f"{c.repo_id}:{c.quant or c.name}" for c in cached[:5])
+            self.status.setText(
+                f"Offline. Downloaded before: {names}{', ...' if len(cached) > 5 else ''} "
+                "(listed under On this computer)." if cached else
+                "Offline, and no model was downloaded from the Hub before.")
         self.error.present(title, error)
 
     # Close hides the dialog and a running download goes on (Cancel stops it): the picker's

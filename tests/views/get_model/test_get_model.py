@@ -127,6 +127,21 @@ def test_a_split_model_is_merged_and_opened_as_one_file(qtbot, hub, ctx):
     assert view.card.config.n_expert > 0 and view.card.config.arch == "llama"
 
 
+def test_offline_says_why_and_what_is_here(qtbot, hub, monkeypatch):
+    from app.engine.api import hub as hub_client
+
+    models = hub_client.list_models(LLAMA)
+    hub_client.download(next(m for m in models if m.quant == "Q8_0"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    dialog = GetModelDialog()
+    qtbot.addWidget(dialog)
+    dialog.show()
+    dialog.search()
+    qtbot.waitUntil(dialog.error.isVisible, timeout=10_000)
+    assert "HF_HUB_OFFLINE" in dialog.error.message_label.text()
+    assert f"{LLAMA}:Q8_0" in dialog.status.text()
+
+
 @pytest.mark.parametrize("fault", ["gated", "server"])
 def test_errors_show_in_the_panel(qtbot, hub, fault):
     dialog = GetModelDialog()
