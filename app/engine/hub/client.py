@@ -665,8 +665,9 @@ def download_file(repo_id: str, filename: str, progress: Progress | None = None,
         lock.release()
 
 
-def _hash_file(path: Path, upto: int) -> Any:
-    h = hashlib.sha256()
+def _hash_file(path: Path, upto: int, h=None) -> Any:
+    """`h` (a new sha256 by default) updated with the first `upto` bytes of `path`."""
+    h = hashlib.sha256() if h is None else h
     with open(path, "rb") as f:
         left = upto
         while left > 0:
@@ -678,11 +679,16 @@ def _hash_file(path: Path, upto: int) -> Any:
     return h
 
 
+_DIGESTS = {"sha256": 64, "git": 40, "md5": 32}     # hex digits of each kind
+
+
 def _expected(remote: RemoteFile, sha256: str | None) -> tuple[str, str]:
-    """("sha256" or "git", the hex digest) the file must have."""
-    for kind, digest in (("sha256", sha256), ("sha256", remote.etag), ("git", remote.etag)):
-        if digest and re.fullmatch(r"[0-9a-f]{64}" if kind == "sha256" else r"[0-9a-f]{40}",
-                                   digest.lower()):
+    """(kind, hex digest) the file must have: the listing's LFS sha256, else the ETag read as
+    a sha256 (an LFS file's, the Hub's), a git blob id (a file in git) or an MD5 (plain HTTP
+    servers' usual ETag)."""
+    for kind, digest in (("sha256", sha256), ("sha256", remote.etag), ("git", remote.etag),
+                         ("md5", remote.etag)):
+        if digest and re.fullmatch(f"[0-9a-f]{{{_DIGESTS[kind]}}}", digest.lower()):
             return kind, digest.lower()
     raise HubError(f"The Hub gave no checksum for {remote.filename} (its ETag is "
                    f"{remote.etag[:40]!r}), so a download could not be verified.",
@@ -739,8 +745,9 @@ def _fetch_into(s: HubSettings, remote: RemoteFile, partial: Path, progress: Pro
         progress(have, remote.size, remote.filename)
     if kind == "sha256":
         got = sha.hexdigest()
-    else:                                    # a file in git: the ETag is its git blob id
-        got = hashlib.sha1(b"blob %d\0" % remote.size + partial.read_bytes()).hexdigest()
+    else:                                    # a git blob id (sha1 of "blob N\0" + bytes), MD5
+        h = hashlib.sha1(b"blob %d\0" % remote.size) if kind == "git" else hashlib.md5()
+        got = _hash_file(partial, remote.size, h).hexdigest()
     if got != want:
         partial.unlink(missing_ok=True)
         raise ChecksumError(
@@ -772,9 +779,8 @@ def _stream(s: HubSettings, remote: RemoteFile, partial: Path, have: int, sha, p
                 hf_raise_for_status(r)
             if have and r.status_code != 206:           # the range was not honoured
                 have, sha = 0, hashlib.sha256()
-            elif have:
-                start = (r.headers.get("Content-Range", "").partition(" ")[2]
-                         .partition("-")[0])
+            elif have and r.headers.get("Content-Range"):    # (a 206 without one: trusted)
+                start = r.headers["Content-Range"].partition(" ")[2].partition("-")[0]
                 if start != str(have):
                     raise HubError(f"The Hub sent {remote.filename} from the wrong byte "
                                    f"({start or 'unknown'} instead of {have}).", "Try again.")

@@ -161,6 +161,27 @@ def test_a_wrong_checksum_leaves_nothing(hub):
     assert _leftovers(LLAMA, hub) == {"blobs": [], "snapshots": []}
 
 
+def test_a_plain_server_s_md5_etag_and_a_git_file_are_verified(hub, hub_repos, monkeypatch):
+    import hashlib as h
+
+    from huggingface_hub import file_download
+
+    real = file_download.get_hf_file_metadata
+
+    def md5_etag(*a, **k):                 # an endpoint whose ETag is the body's MD5
+        meta = real(*a, **k)
+        return meta.__class__(**{**meta.__dict__, "etag": h.md5(
+            hub_repos[LLAMA].files[Q8]).hexdigest()})
+
+    monkeypatch.setattr("huggingface_hub.get_hf_file_metadata", md5_etag)
+    assert client.download_file(LLAMA, Q8).read_bytes() == hub_repos[LLAMA].files[Q8]
+    with pytest.raises(ChecksumError):
+        client.download_file(LLAMA, "tiny-llama-F32.gguf")   # its ETag: Q8's MD5, so wrong
+    monkeypatch.setattr("huggingface_hub.get_hf_file_metadata", real)
+    readme = client.download_file(LLAMA, "README.md")        # in git: its blob id
+    assert readme.read_bytes() == hub_repos[LLAMA].files["README.md"]
+
+
 def test_a_body_longer_than_announced_is_refused(hub):
     hub.advertised_size[Q8] = 1000
     with pytest.raises(HubError, match="more of .* than its announced size"):
