@@ -68,3 +68,59 @@ def test_eval_chunks_and_short_texts(tmp_path, capsys):
     short.write_text("Too short.")
     assert run_cli(["eval", "-m", str(GOLDEN / "llama-f32.gguf"), "-f", str(short)]) == 2
     assert "needs at least 1024" in capsys.readouterr().err
+
+
+def test_eval_tasks_base_and_adapters_side_by_side(tmp_path, capsys):
+    """--task (repeatable) with two adapters: one row per model, one column per task; --json
+    has one record per task item and model, whose choices are the engine's."""
+    from app.engine.evaluation import scoring, tasks
+    from tests.conftest import DATA
+
+    model_path, lora = GOLDEN / "gemma3-f32.gguf", str(GOLDEN / "gemma3-lora.gguf")
+    ev = DATA / "eval"
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    args = ["eval", "-m", str(model_path), "-a", lora, "-a", lora,
+            "-t", f"hellaswag:{ev}/hellaswag.txt", "-t", f"winogrande:{ev}/winogrande.csv", "-t", str(ev / "mc.jsonl"), "--limit", "7",
+            "-f", str(text), "-c", "32"]
+    assert run_cli(args + ["--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert list(got["models"]) == ["base", "gemma3-lora.gguf", "gemma3-lora.gguf'"]
+    base = {r["task"]: r for r in got["models"]["base"]}
+    assert list(base) == ["hellaswag:hellaswag.txt", "winogrande:winogrande.csv",
+                          "jsonl:mc.jsonl", "ppl:text.txt"]
+    assert base["ppl:text.txt"]["metric"] == "ppl" and base["ppl:text.txt"]["value"] > 1
+    records = got["records"]
+    assert len(records) == 3 * 3 * 7
+    assert set(records[0]) >= {"model", "task", "index", "choice", "gold", "scores"}
+    model = load_model(model_path)
+    items = tasks.read_tasks("hellaswag", ev / "hellaswag.txt", limit=7)
+    want = scoring.score_tasks(model, model.params(llamacpp_numerics=True), "hellaswag", items)
+    mine = [r for r in records if r["model"] == "base" and r["task"] == "hellaswag:hellaswag.txt"]
+    assert [r["choice"] for r in mine] == [s.choice for s in want]
+    assert [r["gold"] for r in mine] == [t.gold for t in items]
+    adapted = got["models"]["gemma3-lora.gguf"]
+    assert adapted == got["models"]["gemma3-lora.gguf'"]           # the same adapter twice
+    assert [r["value"] for r in adapted] != [r["value"] for r in got["models"]["base"]]
+    acc = base["hellaswag:hellaswag.txt"]
+    assert acc["n"] == 7 and acc["value"] == sum(r["choice"] == r["gold"] for r in mine) / 7
+
+    assert run_cli(args[:5] + ["-t", f"mc:{ev}/mc.bin", "--limit", "3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["model", "mc:mc.bin"]
+    assert lines[1].startswith("base ") and " +- " in lines[1]
+    assert lines[2].startswith("gemma3-lora.gguf ")
+
+
+def test_eval_task_errors(tmp_path, capsys):
+    bad = tmp_path / "bad.txt"
+    bad.write_text("ctx\n1\na\nb\nc\nd\nctx\n7\na\nb\nc\nd\n")
+    model = str(GOLDEN / "llama-f32.gguf")
+    assert run_cli(["eval", "-m", model, "-t", f"hellaswag:{bad}"]) == 2
+    assert "line 8: the gold ending's index must be 0, 1, 2 or 3" in capsys.readouterr().err
+    assert run_cli(["eval", "-m", model, "-t", "nope:x"]) == 2
+    assert "Not a task" in capsys.readouterr().err
+    assert run_cli(["eval", "-m", model]) == 2
+    assert "Nothing to evaluate" in capsys.readouterr().err
+    assert run_cli(["eval", "-m", model, "-t", f"mc:{tmp_path}/missing.bin"]) == 2
+    assert "No task file" in capsys.readouterr().err
