@@ -119,10 +119,24 @@ _GPU_BYTES = 16 << 30
 module.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(
     getDeviceCount=lambda: 1,
     memGetInfo=lambda: (_GPU_BYTES // 2, _GPU_BYTES),
-    getDeviceProperties=lambda i: {"name": b"Fake GPU (tests)", "totalGlobalMem": _GPU_BYTES}))
+    getDeviceProperties=lambda i: {"name": b"Fake GPU (tests)", "totalGlobalMem": _GPU_BYTES}),
+    Device=lambda *a: types.SimpleNamespace(compute_capability=device["compute_capability"]))
+# The device's compute capability (CuPy's string form) and the float32 GEMMs' compute type as
+# set through CuPy's _core._routines_linalg.set_compute_type (1 default, 7 TF32).
+device = {"compute_capability": "80", "float32_compute_type": None}
+
+
+def _set_compute_type(dtype, compute_type):
+    assert np.dtype(dtype) == np.float32
+    device["float32_compute_type"] = compute_type
+
+
+module._core = types.SimpleNamespace(_routines_linalg=types.SimpleNamespace(
+    COMPUTE_TYPE_DEFAULT=1, COMPUTE_TYPE_TF32=7, set_compute_type=_set_compute_type))
 
 
 def install(monkeypatch) -> None:
     import app.engine.runtime.backend as backend
     monkeypatch.setattr(backend, "_cupy", module)
     transfers.update(to_host=0, to_device=0)
+    device.update(compute_capability="80", float32_compute_type=None)

@@ -71,8 +71,9 @@ class Device:
 
 @dataclass(frozen=True)
 class Precision:
-    """The chosen precision of the frozen base's products: `name` "fp32" or "bf16", `backend`
-    "onednn" or "emulation" (bf16 only), `reason` one line for the log, status and Monitor."""
+    """The chosen precision of the frozen base's products: `name` "fp32", "bf16" (the CPU) or
+    "tf32" (a GPU: choose_precision), `backend` "onednn", "emulation" or "cublas", `reason`
+    one line for the log, status and Monitor."""
 
     name: str
     backend: str | None
@@ -192,14 +193,30 @@ def choose(requested: str = "auto", device: Device | None = None) -> Precision:
 
 
 def choose_precision(requested: str, xp=np) -> Precision:
-    """`choose` for a run computing on `xp`: on a GPU (CuPy) the products stay float32 and say
-    so (bf16 on the GPU's tensor cores is not built yet: docs/PERFORMANCE.md)."""
+    """`choose` for a run computing on `xp`. On a GPU (CuPy) every float32 product is cuBLAS's:
+    auto (and bf16, whose GPU path is not built) switch CuPy's float32 GEMMs to TF32 on the
+    tensor cores (inputs rounded to 10 bits, float32 accumulation) where the GPU has them
+    (compute capability 8.0 and later), and fp32 sets them back to plain float32 (the mode is
+    CuPy's, for the whole process)."""
     if xp is np:
         return choose(requested)
     if requested not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {requested!r}")
-    return Precision("fp32", None, "float32: the GPU path computes in float32 (bf16 on its "
-                                   "tensor cores is not built yet)")
+    forced = os.environ.get(ENV, "").strip().lower()
+    if requested == "auto" and forced in ("fp32", "bf16"):     # as on the CPU (`choose`)
+        chosen = choose_precision(forced, xp)
+        return replace(chosen, reason=f"{chosen.reason} ({ENV}={forced})")
+    linalg = xp._core._routines_linalg
+    cc = int(xp.cuda.Device().compute_capability)
+    if requested == "fp32" or cc < 80:
+        linalg.set_compute_type(xp.float32, linalg.COMPUTE_TYPE_DEFAULT)
+        why = ("asked for (--precision fp32)" if requested == "fp32" else
+               f"this GPU (compute capability {cc / 10:.1f}) has no TF32 tensor cores")
+        return Precision("fp32", None, f"float32: {why}")
+    linalg.set_compute_type(xp.float32, linalg.COMPUTE_TYPE_TF32)
+    note = "" if requested == "auto" else " (bf16 on the GPU is not built yet)"
+    return Precision("tf32", "cublas", f"tf32: the float32 products on the GPU's tensor cores "
+                                       f"(compute capability {cc / 10:.1f}){note}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -115,6 +115,23 @@ def test_this_machine_detects_without_error():
     assert bf16.choose("auto").name in ("fp32", "bf16")
 
 
+@pytest.mark.parametrize("cc, requested, name, compute_type", [
+    ("80", "auto", "tf32", 7), ("90", "bf16", "tf32", 7), ("80", "fp32", "fp32", 1),
+    ("75", "auto", "fp32", 1)])
+def test_a_gpu_uses_tf32_where_it_has_tensor_cores(monkeypatch, cc, requested, name,
+                                                   compute_type):
+    from tests import fake_cupy
+    fake_cupy.install(monkeypatch)
+    fake_cupy.device["compute_capability"] = cc
+    got = bf16.choose_precision(requested, fake_cupy.module)
+    assert got.name == name and fake_cupy.device["float32_compute_type"] == compute_type
+    assert (f"compute capability {int(cc) / 10:.1f}" in got.reason) == (requested != "fp32")
+    assert ("not built" in got.reason) == (requested == "bf16")
+    monkeypatch.setenv(bf16.ENV, "fp32")                  # the suite's: plain float32 GEMMs
+    assert bf16.choose_precision("auto", fake_cupy.module).name == "fp32"
+    assert fake_cupy.device["float32_compute_type"] == 1
+
+
 # --- rounding --------------------------------------------------------------------------------
 
 def test_rounding_is_to_nearest_even():

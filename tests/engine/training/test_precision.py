@@ -126,3 +126,15 @@ def test_the_cache_keeps_each_backends_own_packing(monkeypatch):
     monkeypatch.setattr(bf16, "_device", bf16.Device(None, False))
     second = TrainSession(model, TrainConfig(precision="bf16", max_steps=1))
     assert second.params.base_weight(name).backend == "emulation"
+
+
+def test_a_run_on_a_gpu_says_tf32(monkeypatch):
+    """On a GPU (the CuPy stand-in, compute capability 8.0) auto is TF32: cuBLAS's float32
+    GEMMs on the tensor cores, said in the run's reason."""
+    from tests import fake_cupy
+    fake_cupy.install(monkeypatch)
+    monkeypatch.delenv(bf16.ENV, raising=False)
+    model = load_model(GOLDEN / "llama-q8_0.gguf", device="cuda")
+    session = TrainSession(model, TrainConfig(device="cuda", max_steps=1))
+    assert session.precision.name == "tf32" and "tensor cores" in session.precision.reason
+    assert fake_cupy.device["float32_compute_type"] == 7
