@@ -161,7 +161,7 @@ def test_a_wrong_checksum_leaves_nothing(hub):
     assert _leftovers(LLAMA, hub) == {"blobs": [], "snapshots": []}
 
 
-def test_a_plain_server_s_md5_etag_and_a_git_file_are_verified(hub, hub_repos, monkeypatch):
+def test_a_plain_server_s_md5_or_sha1_etag_and_a_git_file_are_verified(hub, hub_repos, monkeypatch):
     import hashlib as h
 
     from huggingface_hub import file_download
@@ -175,8 +175,15 @@ def test_a_plain_server_s_md5_etag_and_a_git_file_are_verified(hub, hub_repos, m
 
     monkeypatch.setattr("huggingface_hub.get_hf_file_metadata", md5_etag)
     assert client.download_file(LLAMA, Q8).read_bytes() == hub_repos[LLAMA].files[Q8]
-    with pytest.raises(ChecksumError):
-        client.download_file(LLAMA, "tiny-llama-F32.gguf")   # its ETag: Q8's MD5, so wrong
+    digest = h.sha1                        # then one whose ETag is the body's plain SHA-1
+    monkeypatch.setattr("huggingface_hub.get_hf_file_metadata", lambda *a, **k: real(
+        *a, **k).__class__(**{**real(*a, **k).__dict__, "etag": digest(
+            hub_repos[LLAMA].files["tiny-llama-F32.gguf"]).hexdigest()}))
+    f32 = client.download_file(LLAMA, "tiny-llama-F32.gguf")
+    assert f32.read_bytes() == hub_repos[LLAMA].files["tiny-llama-F32.gguf"]
+    monkeypatch.setattr("huggingface_hub.get_hf_file_metadata", md5_etag)
+    with pytest.raises(ChecksumError):                       # a file whose ETag is Q8's MD5
+        client.download_file(MIXTRAL, "tiny-mixtral-Q8_0.gguf")
     monkeypatch.setattr("huggingface_hub.get_hf_file_metadata", real)
     readme = client.download_file(LLAMA, "README.md")        # in git: its blob id
     assert readme.read_bytes() == hub_repos[LLAMA].files["README.md"]
