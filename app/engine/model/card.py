@@ -26,6 +26,7 @@ from app.engine.kernels.loss import VOCAB_CHUNK
 from app.engine.model.lora import LoraConfig
 from app.engine.model.params import TRAINABLE_TYPES
 from app.engine.model.weights import default_cache_budget
+from app.engine.runtime.bf16 import choose as choose_precision
 from app.engine.runtime.parallel import thread_count
 
 DEFAULT_LORA_TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output",
@@ -242,6 +243,8 @@ class ModelCard:
             ("Tensor types", types),
             ("File size", human_bytes(self.file_size)),
             ("Chat template", "yes" if self.has_chat_template else "no (ChatML default)"),
+            # what --precision auto picks on this computer, and what the bf16 extra would gain
+            ("Precision (auto)", choose_precision("auto").reason),
             (f"LoRA run estimate (rank {self.lora_rank}, context {self.context})",
              f"{human_bytes(m.total)}: weights {human_bytes(m.weights)}, dequantized weights "
              f"{human_bytes(m.dequantized_in_use(default_cache_budget()))}, adapter+optimizer "

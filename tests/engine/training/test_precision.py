@@ -138,3 +138,15 @@ def test_a_run_on_a_gpu_says_tf32(monkeypatch):
     session = TrainSession(model, TrainConfig(device="cuda", max_steps=1))
     assert session.precision.name == "tf32" and "tensor cores" in session.precision.reason
     assert fake_cupy.device["float32_compute_type"] == 7
+
+
+def test_the_model_card_says_what_auto_picks_and_what_the_extra_would_gain(monkeypatch):
+    from app.engine.model.card import describe_model
+    monkeypatch.delenv(bf16.ENV, raising=False)
+    monkeypatch.setattr(bf16, "_device", bf16.Device("AVX512-BF16", False))
+    rows = dict(describe_model(GOLDEN / "llama-q8_0.gguf").rows())
+    assert "pip install -e '.[bf16]'" in rows["Precision (auto)"]
+    assert "measured" in rows["Precision (auto)"]
+    monkeypatch.setattr(bf16, "_device", bf16.Device(None, True))
+    rows = dict(describe_model(GOLDEN / "llama-q8_0.gguf").rows())
+    assert rows["Precision (auto)"] == "float32: this CPU has no bf16 unit"
