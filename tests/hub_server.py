@@ -14,19 +14,24 @@
 Errors come the Hub's way: `X-Error-Code` RepoNotFound / EntryNotFound / GatedRepo, 401 for a
 gated repository without a token and 403 with a token that has no access.
 
-Faults (attributes of the server, set by a test): `drop_after[file] = n` closes the connection
-after n bytes of that file's body, once (then the entry is removed), in a download (a GET with
-no Range or an open one, `bytes=N-`; not a header's closed range); `corrupt` (file names)
-serves its last byte flipped under the right checksum; `status[key] = code` answers `code` for a request
-whose path contains `key`; `garbage` (path fragments) answers "{not json" with 200;
-`advertised_size[file] = n` announces a size other than the real one; `slow[file] = s`
-sends a download's body in 4 KiB pieces `s` seconds apart; `cdn = True` answers an LFS file's
-resolve URL the Hub's way, a 302 (with X-Linked-Etag/Size) to another origin
-(`http://localhost:PORT/cdn/...`, the server being 127.0.0.1), which serves the bytes;
-`stall` (path fragments) accepts the request and never answers; `no_ranges = True`
-ignores Range headers (200 and the whole body, as some mirrors do); `reset = True` ends a
-`drop_after` with a TCP reset instead of a clean close. `requests` records
-(method, path, Range header) of every request, `authorizations` the Authorization headers.
+Faults (attributes of the server, set by a test):
+
+- `drop_after[file] = n`: close the connection after n bytes of that file's body, once, in a
+  download (a GET with no Range or an open one, `bytes=N-`; not a header's closed range);
+  `reset = True` makes that close a TCP reset (the client's httpx2.ReadError);
+- `corrupt` (file names): serve the last byte flipped under the right checksum;
+- `status[key] = code`: answer `code` to a request whose path contains `key`;
+- `garbage` (path fragments): answer "{not json" with 200;
+- `advertised_size[file] = n`: announce a size other than the real one;
+- `slow[file] = s`: send a download's body in 4 KiB pieces `s` seconds apart;
+- `stall` (path fragments): accept the request and never answer;
+- `no_ranges = True`: ignore Range headers (200 and the whole body, as some mirrors do);
+- `cdn = True`: answer an LFS file's resolve URL the Hub's way, a 302 (with X-Linked-Etag and
+  X-Linked-Size) to another origin (`http://localhost:PORT/cdn/...`, the server being
+  127.0.0.1), which serves the bytes.
+
+`requests` records (method, path, Range header) of every request, `authorizations` their
+Authorization headers.
 
 Tests point the engine at it with HF_ENDPOINT=`hub.url` (the engine reads HF_ENDPOINT, HF_HOME,
 HF_HUB_OFFLINE and HF_TOKEN at each call and hands them to the client explicitly, so the tests
@@ -45,7 +50,7 @@ import socket
 import struct
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit

@@ -206,7 +206,8 @@ def _list(args) -> int:
     return 0
 
 
-def model_argument(text: str | None, rank: int | None = None, context: int | None = None) -> str | None:
+def model_argument(text: str | None, rank: int | None = None,
+                   context: int | None = None) -> str | None:
     """`--model` of train and grpo: a path as given; `owner/name[:FILE|:QUANT]` that is not an
     existing path resolved through the Hub's cache (`resolve_model`, downloading if needed)."""
     from app.engine.hub.names import looks_like_repo

@@ -19,7 +19,8 @@ disk keeps it for the next call too. A finished file is
 checked against the Hub's sha256 and placed the client's way (blobs/<sha256>, a relative link in
 snapshots/<commit>/, refs/<revision>), under the client's own lock file for that blob, so
 `hf_hub_download(..., local_files_only=True)`, the other tools that read the Hugging Face
-cache and a second `models get` find it. Nothing is ever written under snapshots/ but a whole, verified file.
+cache and a second `models get` find it. Nothing is ever written under snapshots/ but a
+whole, verified file.
 (hf-xet is not used for the transfer: the Hub serves Xet-stored files on the same resolve URL.)
 
 The token goes in the Authorization header of the requests and nowhere else: no message, log or
