@@ -171,9 +171,11 @@ def choose(requested: str = "auto", device: Device | None = None) -> Precision:
     if requested not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {requested!r}")
     forced = os.environ.get(ENV, "").strip().lower()
-    if requested == "auto" and forced in ("fp32", "bf16"):
+    if requested == "auto" and forced == "fp32":
+        return Precision("fp32", None, f"float32: {ENV}=fp32")
+    if requested == "auto" and forced == "bf16":
         chosen = choose(forced, device)
-        return replace(chosen, reason=f"{chosen.reason} ({ENV}={forced})")
+        return replace(chosen, reason=f"{chosen.reason} ({ENV}=bf16)")
     if requested == "fp32":
         return Precision("fp32", None, "float32: asked for (--precision fp32)")
     device = detect() if device is None else device
@@ -205,7 +207,8 @@ def choose_precision(requested: str, xp=np) -> Precision:
     forced = os.environ.get(ENV, "").strip().lower()
     if requested == "auto" and forced in ("fp32", "bf16"):     # as on the CPU (`choose`)
         chosen = choose_precision(forced, xp)
-        return replace(chosen, reason=f"{chosen.reason} ({ENV}={forced})")
+        return replace(chosen, reason=f"float32: {ENV}=fp32" if chosen.name == "fp32"
+                       else f"{chosen.reason} ({ENV}={forced})")
     linalg = xp._core._routines_linalg
     cc = int(xp.cuda.Device().compute_capability)
     if requested == "fp32" or cc < 80:
