@@ -197,21 +197,23 @@ def format_impl(label: str, r: dict, row_result: dict) -> str:
     precisions = tuple(row_result.get("precisions", ("fp32",)))
     precision = r.get("precision", precisions[0])
     key = variant(r["impl"], precision, precisions)
-    if key != "ours" and key in row_result.get("ratios", {}):
-        notes = f"{row_result['ratios'][key]:.2f}x ours in {precisions[0]}"
-        peer = row_result.get(variant("torch", precision, precisions), {})
-        if r["impl"] == "ours" and peer.get("tokens_per_s"):
-            notes += f"; {r['tokens_per_s'] / peer['tokens_per_s']:.2f}x the peer in {precision}"
-    elif r["impl"] == "ours":
+    if key == "ours":
         notes = f"GEMM {row_result['matmul_gflops_large']:.0f} GFLOP/s"
         if "ratio" in row_result:
             verdict = "ok" if row_result["meets_target"] else "MISSED"
             notes = (f"{row_result['ratio']:.2f}x the peer (target {row_result['target']}x: "
                      f"{verdict}); {notes}")
+    elif r["impl"] == "ours":             # ours in another precision: against ours and the peer
+        notes = f"{row_result['ratios'][key]:.2f}x ours in {precisions[0]}"
+        peer = row_result.get(variant("torch", precision, precisions), {})
+        if peer.get("tokens_per_s"):
+            notes += f"; {r['tokens_per_s'] / peer['tokens_per_s']:.2f}x the peer in {precision}"
     elif "logits_check" in r:
         notes = f"vs ours: logits rel diff {r['logits_check']['rel']:.0e}"
-        if "loss0_rel_diff" in row_result:
+        if "loss0_rel_diff" in row_result and key == r["impl"]:
             notes += f", step-0 loss rel diff {row_result['loss0_rel_diff']:.0e}"
+        if key in row_result.get("ratios", {}):
+            notes += f"; {row_result['ratios'][key]:.2f}x ours in {precisions[0]}"
     return (f"{head}{r['tokens_per_s']:7.0f} {r['step_ms']:8.1f} |{phases} | {flops} | "
             f"{r['peak_rss_mb']:6.0f} {bound} | {notes}")
 

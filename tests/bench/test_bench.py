@@ -240,6 +240,33 @@ def test_each_implementation_runs_in_each_precision_with_ratios(monkeypatch, tmp
     assert capsys.readouterr().out.split("\n")[3:5] == ["ours bf16 190.0", "torch bf16 120.0"]
 
 
+def test_the_table_prints_each_precisions_line_with_its_ratios(capsys):
+    from bench import table
+
+    phases = {p: 1.0 for p in table.PHASE_COLUMNS}
+
+    def line(impl, precision, tokens_per_s):
+        return {"impl": impl, "precision": precision, "precision_used": precision,
+                "tokens_per_s": tokens_per_s, "step_ms": 1000 / tokens_per_s,
+                "phase_ms": phases, "gflops_per_s": 10.0, "matmul_pct": 5.0,
+                "peak_rss_mb": 300, "memory_bound_mb": {"total": 80}, "rss_over_bound": 3.0,
+                "logits_check": {"rel": 1e-7, "ok": True}}
+    result = {"label": "bench-dense lora", "config": {"peers": ["torch"]},
+              "precisions": ["fp32", "bf16"], "matmul_gflops_large": 100.0, "target": 1.3,
+              "variants": ["ours", "torch", "ours/bf16", "torch/bf16"], "ratio": 1.25,
+              "meets_target": False, "loss0_rel_diff": 1e-8,
+              "ours": line("ours", "fp32", 100), "torch": line("torch", "fp32", 80),
+              "ours/bf16": line("ours", "bf16", 190), "torch/bf16": line("torch", "bf16", 120),
+              "ratios": {"ours": 1.0, "torch": 0.8, "ours/bf16": 1.9, "torch/bf16": 1.2}}
+    table.print_row(result)
+    lines = capsys.readouterr().out.splitlines()
+    assert [ln.split()[-1] if i else ln.split()[2] for i, ln in enumerate(lines)][0] == "fp32"
+    assert "1.25x the peer (target 1.3x: MISSED)" in lines[0]
+    assert "step-0 loss rel diff 1e-08; 0.80x ours in fp32" in lines[1]
+    assert " bf16 " in lines[2] and "1.90x ours in fp32; 1.58x the peer in bf16" in lines[2]
+    assert "step-0" not in lines[3] and "1.20x ours in fp32" in lines[3]
+
+
 def test_attention_pairs_count_what_the_causal_blocks_skip():
     from bench.cost import attention_pairs
 
