@@ -260,7 +260,7 @@ def test_the_table_prints_each_precisions_line_with_its_ratios(capsys):
               "ratios": {"ours": 1.0, "torch": 0.8, "ours/bf16": 1.9, "torch/bf16": 1.2}}
     table.print_row(result)
     lines = capsys.readouterr().out.splitlines()
-    assert [ln.split()[-1] if i else ln.split()[2] for i, ln in enumerate(lines)][0] == "fp32"
+    assert [ln.split("|")[0].split()[-3] for ln in lines] == ["fp32", "fp32", "bf16", "bf16"]
     assert "1.25x the peer (target 1.3x: MISSED)" in lines[0]
     assert "step-0 loss rel diff 1e-08; 0.80x ours in fp32" in lines[1]
     assert " bf16 " in lines[2] and "1.90x ours in fp32; 1.58x the peer in bf16" in lines[2]
