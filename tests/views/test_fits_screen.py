@@ -22,7 +22,8 @@ QT_QPA_PLATFORM=offscreen (conftest)."""
 from __future__ import annotations
 
 import pytest
-from PySide6.QtCore import Qt
+from PySide6.QtCore import QEvent, Qt
+from PySide6.QtTest import QTest
 from PySide6.QtWidgets import (QAbstractButton, QAbstractItemView, QAbstractScrollArea,
                                QAbstractSlider, QAbstractSpinBox, QApplication, QComboBox,
                                QLabel, QLineEdit, QPlainTextEdit, QScrollBar, QSplitterHandle,
@@ -108,6 +109,13 @@ def layout_problems(root: QWidget) -> list[str]:
     return problems
 
 
+def settle() -> None:
+    """Let the layouts settle: a label that wraps anew or a row that wraps asks its parents
+    again, one pass of the event loop per level."""
+    for _ in range(5):
+        QTest.qWait(20)
+
+
 def screen_pages(win: MainWindow, only: str | None = None):
     """Show every screen of the navigation list (or the screen `only`) and, within it, every
     page of its tab widgets (nested ones too); yields a label for each state shown."""
@@ -117,7 +125,7 @@ def screen_pages(win: MainWindow, only: str | None = None):
         if only is not None and key != only:
             continue
         screen = win.screen(key)
-        QApplication.processEvents()
+        settle()
         yield key
         for tabs in screen.findChildren(QTabWidget):
             if not tabs.isVisible():
@@ -126,14 +134,27 @@ def screen_pages(win: MainWindow, only: str | None = None):
                 if not tabs.isTabVisible(i) or not tabs.isTabEnabled(i):
                     continue
                 tabs.setCurrentIndex(i)
-                QApplication.processEvents()
+                settle()
                 yield f"{key} > {tabs.tabText(i)}"
             tabs.setCurrentIndex(0)
+
+
+def drop_orphans() -> None:
+    """Delete the hidden parentless widgets earlier tests' windows left: pyqtgraph makes a
+    context menu and an options widget without a parent for every plot, which outlive it. A
+    style sheet set after their plot was deleted and then set again crashed Qt in this test
+    process (the window never deletes a plot); call it before a test sets a style sheet,
+    while no window of its own is open."""
+    for widget in QApplication.topLevelWidgets():
+        if widget.parent() is None and not widget.isVisible():
+            widget.deleteLater()
+    QApplication.sendPostedEvents(None, QEvent.DeferredDelete)
 
 
 @pytest.fixture(params=[1.0, 1.5], ids=["font-1x", "font-1.5x"])
 def font_scale(request, qapp):
     """The application's font and the style sheet's font sizes scaled (restored after)."""
+    drop_orphans()
     font = qapp.font()
     sheet = qapp.styleSheet()
     theme.apply_theme(qapp, font_scale=request.param)
@@ -142,8 +163,9 @@ def font_scale(request, qapp):
     qapp.setStyleSheet(sheet)
 
 
-@pytest.fixture
-def window(qtbot, ctx, font_scale):
+def window_with_runs(qtbot, ctx) -> tuple[MainWindow, tuple]:
+    """The main window at 1280x720, shown, on three runs: (a) a finished supervised run with
+    evaluations, norms and routing, (b) another supervised one, (g) a GRPO run 5 steps in."""
     a = FakeRun(ctx.runs_root() / "2026-11-28-0647-first-supervised-run", total_steps=30)
     for _ in range(3):
         a.step(10)
@@ -169,10 +191,14 @@ def window(qtbot, ctx, font_scale):
     return win, (a, b, g)
 
 
+@pytest.fixture
+def window(qtbot, ctx, font_scale):
+    return window_with_runs(qtbot, ctx)
+
+
 def check_every_page(qtbot, win: MainWindow) -> dict[str, list[str]]:
     found = {}
     for page in screen_pages(win):
-        qtbot.wait(30)
         problems = layout_problems(win)
         if problems:
             found[page] = problems
@@ -200,7 +226,7 @@ def test_every_screen_fits_1280x720(qtbot, ctx, window):
         view.grpo_panel.rewards.add({"kind": "file"})
     for i in range(view.tabs.count()):
         view.tabs.setCurrentIndex(i)
-        qtbot.wait(30)
+        settle()
         if found := layout_problems(win):
             problems[f"new_run (GRPO) > {view.tabs.tabText(i)}"] = found
     row = view.grpo_panel.rewards.rows[-1]

@@ -26,7 +26,9 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QHBoxLayout, QLabel, QListW
                                QListWidgetItem, QSlider, QStyle, QVBoxLayout, QWidget)
 
 from app.engine.api import RunDir
+from app.views.widgets import theme
 from app.views.widgets.fit import ElidedLabel
+from app.views.widgets.plots import themed
 from app.views.widgets.run_tail import PacedRedraw, RunTail
 
 PROJECTIONS = {"gate": "ffn_gate_exps", "up": "ffn_up_exps", "down": "ffn_down_exps"}
@@ -120,8 +122,9 @@ class Heatmap(pg.PlotWidget):
     """An ImageItem (row-major, row 0 at the top) with a ColorBarItem and labelled axes."""
 
     def __init__(self, title: str, cmap: str):
-        super().__init__(background="w")
-        self.setTitle(title, color="#3a4047", size="10pt")
+        super().__init__()
+        themed(self)                            # background, axes, title: the theme's
+        self.setTitle(title, color=theme.color("plot_title"), size="10pt")
         self.image_item = pg.ImageItem(axisOrder="row-major")
         self.addItem(self.image_item)
         self.invertY(True)
@@ -129,11 +132,11 @@ class Heatmap(pg.PlotWidget):
         self.hideButtons()
         self.getPlotItem().setMenuEnabled(False)
         for axis in ("left", "bottom"):
-            self.getAxis(axis).setTextPen("#4d545c")
-            self.getAxis(axis).setPen("#aab1b8")
+            self.getAxis(axis).setTextPen(theme.color("axis_text"))
+            self.getAxis(axis).setPen(theme.color("axis"))
         self.bar = pg.ColorBarItem(values=(0, 1), colorMap=cmap, interactive=False, width=14)
         self.bar.setImageItem(self.image_item, insert_in=self.getPlotItem())
-        self.bar.getAxis("right").setTextPen("#4d545c")
+        self.bar.getAxis("right").setTextPen(theme.color("axis_text"))
         self.setMinimumSize(280, 240)
         self.getAxis("left").setWidth(36)
         self._layout_key = None
@@ -158,8 +161,8 @@ class Heatmap(pg.PlotWidget):
                 [[(c + 0.5, columns[c]) for c in range(0, cols, every)]])
             step = max(1, math.ceil(rows / 24))
             self.getAxis("left").setTicks([[(r + 0.5, str(r)) for r in range(0, rows, step)]])
-            self.setLabel("bottom", x_label, color="#4d545c")
-            self.setLabel("left", "layer", color="#4d545c")
+            self.setLabel("bottom", x_label, color=theme.color("axis_text"))
+            self.setLabel("left", "layer", color=theme.color("axis_text"))
             self.setRange(xRange=(0, cols), yRange=(0, rows), padding=0)
 
 

@@ -20,10 +20,10 @@ from PySide6.QtWidgets import (QAbstractItemView, QCheckBox, QComboBox, QHBoxLay
                                QLabel, QPlainTextEdit, QSplitter, QTableWidget, QTableWidgetItem,
                                QVBoxLayout, QWidget)
 
+from app.views.widgets import theme
 from app.views.widgets.plots import box
 
 CELL_CHARS = 70
-GOOD, BAD = QColor("#e3f4e8"), QColor("#fbe7e5")
 SOURCES = {"samples": "sampled", "eval": "held-out, greedy"}
 
 
@@ -140,8 +140,9 @@ class CompletionsView(QWidget):
                      + [_number((it.get("rewards") or {}).get(n)) for n in names]
                      + [_number(adv, "{:+.2f}"), str(it.get("length", "")),
                         "yes" if it.get("finished") else "no (clipped)"])
-            tint = GOOD if isinstance(adv, (int, float)) and adv > 0 else \
-                BAD if isinstance(adv, (int, float)) and adv < 0 else None
+            tint = QColor(theme.color("good_tint")) if isinstance(adv, (int, float)) and \
+                adv > 0 else QColor(theme.color("bad_tint")) if isinstance(adv, (int, float)) \
+                and adv < 0 else None
             for c, text in enumerate(texts):
                 cell = QTableWidgetItem(elide(text))
                 if c in (1, 2, 3) and cell.text() != text:

@@ -24,8 +24,8 @@ from collections.abc import Callable
 import pyqtgraph as pg
 from PySide6.QtWidgets import QGridLayout, QVBoxLayout, QWidget
 
-from app.views.widgets.plots import (ACCENT, LEGEND, ORANGE, PALETTE, Band, RunRanges,
-                                     num, small_plot, title_with_keys)
+from app.views.widgets.plots import (ACCENT, LEGEND, ORANGE, PALETTE, RAW, Band, RunRanges,
+                                     num, small_plot, tint, title_with_keys)
 from app.views.widgets.run_tail import PacedRedraw, Series, clock
 
 KEYS = ("reward", "functions", "fractions", "length")
@@ -33,8 +33,8 @@ FUNCTIONS_TITLE = "Functions:"
 
 
 def function_color(i: int) -> str:
-    """The colour of the i-th reward function's curve."""
-    return PALETTE[(i + 1) % len(PALETTE)]
+    """The colour of the i-th reward function's curve (in the current theme)."""
+    return tint(PALETTE[(i + 1) % len(PALETTE)]).name()
 
 
 class GrpoCurves(QWidget):
@@ -58,7 +58,7 @@ class GrpoCurves(QWidget):
         self.reward_plot.addLegend(offset=(-10, -10), **LEGEND)   # bottom right: the
                                                                   # reward rises away from it
         self.reward_band = Band(self.reward_plot, ACCENT, alpha=35, name="\u00b1 1 std")
-        self.reward_curve = self.reward_plot.plot(pen=pg.mkPen("#9db8ec", width=1), name="mean",
+        self.reward_curve = self.reward_plot.plot(pen=pg.mkPen(RAW, width=1), name="mean",
                                                   connect="finite")
         self.reward_smooth_curve = self.reward_plot.plot(pen=pg.mkPen(ACCENT, width=2),
                                                          name="mean (smoothed)",

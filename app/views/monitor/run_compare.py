@@ -28,7 +28,7 @@ from PySide6.QtWidgets import (QHeaderView, QLabel, QListWidget, QListWidgetItem
                                QTableWidgetItem, QVBoxLayout, QWidget)
 
 from app.engine.api import SFT, EngineError, RunDir, RunKind, kind_of, list_runs
-from app.views.widgets.plots import PALETTE, num
+from app.views.widgets.plots import PALETTE, num, tint
 from app.views.widgets.run_tail import BackgroundPoll, RunTail, Series
 from app.views.widgets.setting_labels import setting_label   # New run's names too
 
@@ -127,7 +127,7 @@ class ComparePanel(QWidget):
         """Overlay (or remove) another run's smoothed curve and its evaluations."""
         path = str(RunDir(path).path)
         if on and path not in self._compare and path != self.run_path and self._plot:
-            color = PALETTE[len(self._compare) % len(PALETTE)]
+            color = tint(PALETTE[len(self._compare) % len(PALETTE)])
             name = Path(path).name
             run = Compared(RunTail(self, interval_ms=1000, read_log=False), Series(2),
                            Series(2),

@@ -32,9 +32,9 @@ from app.views.monitor.completions import CompletionsView
 from app.views.monitor.grpo_curves import KEYS as GRPO_KEYS
 from app.views.monitor.grpo_curves import GrpoCurves
 from app.views.monitor.run_compare import ComparePanel
-from app.views.widgets.fit import ElidedLabel
-from app.views.widgets.plots import (ACCENT, LEGEND, ORANGE, BestMark, PacedReveal, RunRanges,
-                                     box, filled_curve, num, small_plot)
+from app.views.widgets.fit import ElidedLabel, WrappedLabel
+from app.views.widgets.plots import (ACCENT, LEGEND, ORANGE, RAW, BestMark, PacedReveal,
+                                     RunRanges, box, filled_curve, num, small_plot)
 from app.views.widgets.run_best import better
 from app.views.widgets.run_tail import PacedRedraw, RunTail, Series, clock
 from app.views.widgets.tooltips import CONTINUE_TIP
@@ -88,8 +88,7 @@ class MonitorView(QWidget):
                                             "cancelled (its files stay on disk).")
         self.progress = QProgressBar(textVisible=True, maximumHeight=20)
         self.progress.setFormat("")
-        self.stats_label = QLabel(objectName="pageSubtitle", textFormat=Qt.PlainText,
-                                  wordWrap=True)
+        self.stats_label = WrappedLabel(objectName="pageSubtitle", textFormat=Qt.PlainText)
         self.stats_label.setSizePolicy(QSizePolicy.Ignored, QSizePolicy.Preferred)
 
         self.redraw = PacedRedraw(self)            # one plot per event-loop pass
@@ -99,7 +98,7 @@ class MonitorView(QWidget):
         self.loss_plot = small_plot("Loss", "loss (nats/token)", grid=True)
         self.loss_plot.setMinimumHeight(170)     # with the four below: fits a 720 px window
         self.loss_plot.addLegend(offset=(-10, 10), **LEGEND)   # top right: the loss falls
-        self.loss_curve = self.loss_plot.plot(pen=pg.mkPen("#9db8ec", width=1), name="train",
+        self.loss_curve = self.loss_plot.plot(pen=pg.mkPen(RAW, width=1), name="train",
                                               connect="finite")
         self.smooth_curve = self.loss_plot.plot(pen=pg.mkPen(ACCENT, width=2),
                                                 name="train (smoothed)", connect="finite")

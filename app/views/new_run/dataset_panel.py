@@ -21,14 +21,14 @@ from PySide6.QtWidgets import (QAbstractItemView, QFileDialog, QHBoxLayout, QHea
 
 from app.engine.api import DataConfig, LintReport, lint_file
 from app.views.context import Background
+from app.views.widgets import theme
 from app.views.widgets.error_panel import ErrorPanel
 from app.views.widgets.fit import WrappedLabel
+from app.views.widgets.plots import pen, plot_widget, tint
 from app.views.widgets.tooltips import NEW_RUN_TIPS
 
 PREVIEW_ROWS = 30
 CELL_CHARS = 160
-TRAINED_BG = QColor("#c9f0d3")
-BAR_BRUSH, OVER_BRUSH = QColor("#2f6fde"), QColor("#d1453b")
 
 
 def read_preview(path: str, n: int = PREVIEW_ROWS) -> tuple[list[str], list[list[str]]]:
@@ -110,18 +110,20 @@ class DatasetPanel(QWidget):
         self.bad_rows_table = make_table(["line", "kind", "reason"])
         self.bad_rows_title = QLabel("Rejected rows", objectName="sectionHeader")
 
-        self.plot = pg.PlotWidget(background="w")
+        self.plot = plot_widget()
         self.plot.setMinimumHeight(170)
         self.plot.setMouseEnabled(x=False, y=False)
         self.plot.hideButtons()
         self.plot.setLabel("bottom", "row length (tokens)")
         self.plot.setLabel("left", "rows")
-        self.plot.setTitle("Row lengths against the context", color="#3a4047", size="10pt")
+        self.plot.setTitle("Row lengths against the context", color=theme.color("plot_title"),
+                           size="10pt")
         self.hist_bars = pg.BarGraphItem(x=[], height=[], width=1.0)
         self.plot.addItem(self.hist_bars)
         self.context_line = pg.InfiniteLine(
-            angle=90, pen=pg.mkPen("#d1453b", width=2, style=Qt.DashLine), label="context",
-            labelOpts={"position": 0.9, "color": "#d1453b", "movable": False})
+            angle=90, pen=pen(theme.LIGHT["curve1"], width=2, style=Qt.DashLine),
+            label="context", labelOpts={"position": 0.9, "color": tint(theme.LIGHT["curve1"]),
+                                        "movable": False})
         self.plot.addItem(self.context_line)
         self.hist_stats = WrappedLabel(objectName="hint", textFormat=Qt.PlainText)
 
@@ -308,7 +310,7 @@ class DatasetPanel(QWidget):
             xs.append((lo + hi) / 2)
             ws.append((hi - lo + 1) * 0.9)
             hs.append(b["rows"])
-            brushes.append(OVER_BRUSH if over else BAR_BRUSH)
+            brushes.append(tint(theme.LIGHT["curve1" if over else "accent"]))
         self.hist_bars.setOpts(x=xs, height=hs, width=ws, brushes=brushes, pen=None)
         self.context_line.setValue(fits + 0.5)
         self.context_line.label.setFormat(f"context {h.get('context', fits - 1)}")
@@ -335,7 +337,7 @@ class DatasetPanel(QWidget):
                                    f"{ex['trained_tokens']} trained")
         view.setPlainText(ex["text"])
         fmt = QTextCharFormat()
-        fmt.setBackground(TRAINED_BG)
+        fmt.setBackground(QColor(theme.color("trained_bg")))
         cursor = QTextCursor(view.document())
         for start, end in ex.get("trained_spans", []):
             cursor.setPosition(start)
@@ -355,7 +357,8 @@ class DatasetPanel(QWidget):
             it = block.begin()
             while not it.atEnd():
                 frag = it.fragment()
-                if frag.isValid() and frag.charFormat().background().color() == TRAINED_BG:
+                if frag.isValid() and frag.charFormat().background().color().name() in \
+                        (theme.LIGHT["trained_bg"], theme.DARK["trained_bg"]):
                     a, b = frag.position(), frag.position() + frag.length()
                     joined = spans and (spans[-1][1] == a or (
                         spans[-1][1] == a - 1 and a == block.position()))  # across a newline

@@ -21,7 +21,7 @@ from PySide6.QtWidgets import (QFileDialog, QFrame, QGridLayout, QHBoxLayout, QL
                                QWidget)
 
 from app.engine.api import FoundModel, ModelCard, describe_model, discover_models, human_bytes
-from app.views.widgets.fit import ElidedLabel
+from app.views.widgets.fit import ElidedLabel, WrappedLabel
 from app.views.widgets.tooltips import NEW_RUN_TIPS
 
 LABEL_WIDTH = 190                       # long labels wrap rather than push the values right
@@ -242,11 +242,10 @@ class ModelPicker(QFrame):
             lst.setSizeAdjustPolicy(QListWidget.AdjustToContents)   # no empty list area
             lst.itemClicked.connect(self._picked)
             lst.itemActivated.connect(self._picked)
-        self.found_hint = QLabel("Looking in the Hugging Face cache, llama.cpp, LM Studio and "
-                                 "Ollama folders\u2026",
-                                 objectName="sidebarHint", wordWrap=True)
-        self.recent_hint = QLabel("Models you open appear here.", objectName="sidebarHint",
-                                  wordWrap=True)
+        # wrapped in the fixed width, never cut (a large font makes them taller)
+        self.found_hint = WrappedLabel("Looking in the Hugging Face cache, llama.cpp, LM Studio "
+                                       "and Ollama folders\u2026", objectName="sidebarHint")
+        self.recent_hint = WrappedLabel("Models you open appear here.", objectName="sidebarHint")
         self.setFixedWidth(290)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(16, 16, 16, 16)

@@ -17,6 +17,7 @@ from PySide6.QtWidgets import QLabel, QScrollArea
 
 from app.engine.api import EngineError, RunDir, best_checkpoint, human_bytes
 from app.views.runs.run_rows import RunRow
+from app.views.widgets import theme
 
 EVALS = "evals.jsonl"
 EVALS_TAIL = 64 * 1024
@@ -105,7 +106,8 @@ def details_html(row: RunRow) -> str:
 
 
 def _table(lines: list[tuple[str, str]]) -> str:
-    rows = "".join(f"<tr><td style='color:#57606a; padding-right:10px'>{html.escape(k)}</td>"
+    muted = theme.color("muted")
+    rows = "".join(f"<tr><td style='color:{muted}; padding-right:10px'>{html.escape(k)}</td>"
                    f"<td>{html.escape(v)}</td></tr>" for k, v in lines)
     return f"<table>{rows}</table>"
 
@@ -125,7 +127,8 @@ class DetailsPane(QScrollArea):
 
     def show_row(self, row: RunRow | None) -> None:
         self.label.setText(details_html(row) if row is not None else
-                           "<span style='color:#57606a'>Select a run to see its folder, "
+                           f"<span style='color:{theme.color('muted')}'>Select a run to see "
+                           "its folder, "
                            "best checkpoint, settings and exports.</span>")
 
     def text(self) -> str:

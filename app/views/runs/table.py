@@ -23,6 +23,7 @@ from PySide6.QtWidgets import QApplication, QStyle, QStyledItemDelegate, QStyleO
 
 from app.engine.api import KINDS, LOCAL
 from app.views.runs.run_rows import RunRow
+from app.views.widgets import theme
 from app.views.widgets.run_tail import clock
 
 COLUMNS = ("Run", "Type", "Model", "Dataset", "Created", "Duration", "Steps", "Best", "Where",
@@ -46,9 +47,9 @@ HEADER_TIPS = {
     "Where": "This computer or the cluster the job runs on, and its attempt from the second on",
     "Status": "The run's state and its ETA while it runs; hover for its job in the queue",
 }
-STATE_COLORS = {"running": "#2f6fde", "done": "#2e7d4f", "failed": "#c0392b",
-                "cancelled": "#6a737d", "paused": "#a15c07", "queued": "#4d545c",
-                "missing": "#a0a7ae"}
+# a state's colour: a name of widgets/theme.py's palettes
+STATE_COLORS = {"running": "accent", "done": "done", "failed": "bad", "cancelled": "muted",
+                "paused": "warn", "queued": "hint", "missing": "disabled_text"}
 PATH_ROLE = Qt.UserRole                 # the run's folder
 PROGRESS_ROLE = Qt.UserRole + 1         # (step, total, done) for the progress delegate
 
@@ -177,7 +178,7 @@ class RunsModel(QAbstractTableModel):
         if role == PATH_ROLE:
             return row.path
         if role == Qt.ForegroundRole and col == COL["Status"]:
-            return QColor(STATE_COLORS.get(row.state, "#1f2328"))
+            return QColor(theme.color(STATE_COLORS.get(row.state, "text")))
         if role == PROGRESS_ROLE:
             return row.step, row.total, row.state == "done"
         return None

@@ -71,7 +71,6 @@ class RunsView(QWidget):
         title = QLabel("Queue and runs", objectName="pageTitle")
         self.summary = QLabel(objectName="pageSubtitle")
         self.problem_label = QLabel(objectName="runsProblem", wordWrap=True)
-        self.problem_label.setStyleSheet("color: #a15c07;")
         self.problem_label.hide()
         self.filter_box = QLineEdit(placeholderText="Filter: name, model, dataset, type, state",
                                     clearButtonEnabled=True, toolTip=(
@@ -129,7 +128,6 @@ class RunsView(QWidget):
         b["details"] = QPushButton("Details", checkable=True, checked=True,
                                    toolTip="Show or hide the selected run's details")
         bar = QWidget(objectName="runActions")
-        bar.setStyleSheet("QPushButton:disabled, QSpinBox:disabled { color: #a7adb4; }")
         # one line when the window is wide enough (about 1,000 px), else wrapped
         actions = FlowLayout(bar)
         for key in ("up", "down", "pause", "cancel", "continue"):

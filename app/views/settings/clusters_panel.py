@@ -134,8 +134,7 @@ class ClustersPanel(QWidget):
         self.test_label = QLabel(objectName="testResult", wordWrap=True,
                                  textFormat=Qt.PlainText)
         self.token_warning = QLabel(objectName="tokenWarning", wordWrap=True,
-                                    textFormat=Qt.PlainText,
-                                    styleSheet="color: #9a6700; font-weight: 600;")
+                                    textFormat=Qt.PlainText)        # coloured by the theme
         self.token_warning.hide()                     # where a token went without a keyring
         self.error_panel = ErrorPanel(margins=0)
         self.error_panel.hide()
@@ -283,14 +282,14 @@ class ClustersPanel(QWidget):
         self.test_button.setEnabled(True)
         self.test_label.setProperty("ok", True)
         self.test_label.setText("\n".join(self._answers))
-        self.test_label.setStyleSheet("color: #1a7f37; font-weight: 600;")
+        self.test_label.style().polish(self.test_label)       # the theme's colour for "ok"
 
     def _test_failed(self, error: BaseException) -> None:
         self.test_button.setEnabled(True)
         self.test_label.setProperty("ok", False)
         self.test_label.setText("\n".join(self._answers + [
             "\u2716 Cannot run a job" if self._answers else "\u2716 Not connected"]))
-        self.test_label.setStyleSheet("color: #c0392b; font-weight: 600;")
+        self.test_label.style().polish(self.test_label)
         self._show_error("Test connection failed", error)
 
     def _show_error(self, title: str, error: BaseException) -> None:

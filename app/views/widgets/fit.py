@@ -303,6 +303,11 @@ class FitArea(QScrollArea):
             self.fit()
         return super().eventFilter(watched, event)
 
+    def viewportEvent(self, event) -> bool:
+        if event.type() == event.Type.LayoutRequest:    # the widget's hints changed
+            self.fit()
+        return super().viewportEvent(event)
+
 
 class WrappedLabel(QLabel):
     """A word-wrapped label whose minimum height is its text's height at its width: a

@@ -20,14 +20,20 @@ from collections.abc import Callable
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QObject, Qt, QTimer
+from PySide6.QtGui import QColor
 from PySide6.QtWidgets import QWidget
 
-ACCENT = "#2f6fde"
-ORANGE = "#e08a1e"
-GREEN = "#1a7f37"
-# a plot's legend: on a white card, so a band or curve under it does not hide its text
-LEGEND = {"labelTextColor": "#1f2328", "brush": (255, 255, 255, 215)}
-PALETTE = ("#d1453b", "#2e9d5b", "#8e44ad", "#e08a1e", "#16a2b8", "#7f8c8d", "#c2185b")
+from app.views.widgets import theme
+
+# The plots' colours, named by their light theme's value (widgets/theme.py): a plot follows the
+# theme (`themed`), which moves every colour of one palette to the same name's in the other.
+ACCENT = theme.LIGHT["accent"]
+ORANGE = theme.LIGHT["orange"]
+GREEN = theme.LIGHT["good"]
+RAW = theme.LIGHT["raw_curve"]               # a raw, noisy curve under its smoothed one
+# a plot's legend: on a card, so a band or curve under it does not hide its text
+LEGEND = {"labelTextColor": theme.LIGHT["legend_text"], "brush": theme.LIGHT["legend_bg"]}
+PALETTE = tuple(theme.LIGHT[name] for name in theme.CURVES)
 
 
 def num(ev: dict, key: str) -> float:
@@ -67,11 +73,108 @@ class StepAxis(pg.AxisItem):
         return levels or [(1.0, 0.0)]
 
 
+# ---------------------------------------------------------------- the theme
+def tint(color) -> QColor:
+    """`color` (a colour of either palette: str, tuple or QColor) in the current theme."""
+    c = pg.mkColor(color)
+    name = c.name(QColor.HexArgb)                    # #aarrggbb
+    moved = QColor(theme.translate(f"#{name[3:]}"))
+    moved.setAlpha(c.alpha())
+    return moved
+
+
+def pen(color, **kwargs):
+    """`pg.mkPen(color, ...)` in the current theme."""
+    return pg.mkPen(tint(color), **kwargs)
+
+
+def _moved_pen(value):
+    if value is None:
+        return None
+    p = pg.mkPen(value)
+    if p.style() == Qt.NoPen:
+        return p
+    p.setColor(tint(p.color()))
+    return p
+
+
+def _moved_brush(value):
+    if value is None:
+        return None
+    if isinstance(value, list) or (isinstance(value, tuple) and value
+                                   and not isinstance(value[0], (int, float))):
+        return [_moved_brush(v) for v in value]        # one per bar
+    b = pg.mkBrush(value)
+    b.setColor(tint(b.color()))
+    return b
+
+
+def restyle_plot(plot: pg.PlotWidget) -> None:
+    """Put `plot` and everything drawn in it in the current theme: its background, titles,
+    axes, legend, curves, fills, bars and lines (a colour of either palette moves to the
+    current one; others stay)."""
+    plot.setBackground(theme.color("plot_bg"))
+    for item in plot.scene().items():
+        if isinstance(item, pg.AxisItem):
+            item.setPen(theme.color("axis"))
+            item.setTextPen(theme.color("axis_text"))
+            if item.labelText:
+                style = {**item.labelStyle, "color": theme.color("axis_text")}
+                item.setLabel(item.labelText, item.labelUnits or None, **style)
+        elif isinstance(item, pg.LabelItem):
+            color = item.opts.get("color")          # the other options are kept
+            opts = {"color": tint(color).name()} if color is not None else {}
+            item.setText(theme.translate(item.text), **opts)
+        elif isinstance(item, pg.LegendItem):
+            item.setBrush(tint(item.opts["brush"].color()) if item.opts.get("brush") is not None
+                          else None)
+            if item.opts.get("labelTextColor") is not None:
+                item.setLabelTextColor(tint(item.opts["labelTextColor"]))
+        elif isinstance(item, pg.PlotDataItem):
+            o = item.opts
+            item.setPen(_moved_pen(o.get("pen")))
+            if o.get("fillBrush") is not None:
+                item.setFillBrush(_moved_brush(o["fillBrush"]))
+            if o.get("symbol") is not None:
+                item.setSymbolBrush(_moved_brush(o.get("symbolBrush")))
+                item.setSymbolPen(_moved_pen(o.get("symbolPen")))
+        elif isinstance(item, pg.FillBetweenItem):
+            item.setBrush(_moved_brush(item.brush()))
+        elif isinstance(item, pg.InfiniteLine):
+            item.setPen(_moved_pen(item.pen))
+            label = getattr(item, "label", None)          # only a labelled line has one
+            if label is not None:
+                label.setColor(tint(label.color))
+        elif isinstance(item, pg.BarGraphItem):
+            o = item.opts
+            if o.get("brushes") is not None:
+                item.setOpts(brushes=_moved_brush(list(o["brushes"])))
+            elif o.get("brush") is not None:
+                item.setOpts(brush=_moved_brush(o["brush"]))
+
+
+def themed(plot: pg.PlotWidget) -> pg.PlotWidget:
+    """`plot` follows the theme: its background now, all of it at every switch, and in a dark
+    theme all of it once its screen is built (the curves, legend and titles the screen adds
+    in light colours after this call; at the next pass of the event loop). An event filter
+    that restyled at the first Show crashed Qt when a plot was deleted."""
+    plot.setBackground(theme.color("plot_bg"))
+    theme.follow(plot, restyle_plot, now=False)
+    if theme.is_dark():
+        QTimer.singleShot(0, plot, lambda: restyle_plot(plot))
+    return plot
+
+
+def plot_widget(**kwargs) -> pg.PlotWidget:
+    """A pg.PlotWidget that follows the theme."""
+    return themed(pg.PlotWidget(**kwargs))
+
+
 def small_plot(title: str, y_label: str, grid: bool = False) -> pg.PlotWidget:
     """A plot of a run's metric over its steps: `title` above, "step" under the x axis and
     `y_label` (the value and its unit) beside the y axis."""
-    plot = pg.PlotWidget(background="w", axisItems={"bottom": StepAxis("bottom")})
-    plot.setTitle(title, color="#3a4047", size="9pt")
+    plot = plot_widget(axisItems={"bottom": StepAxis("bottom")})
+    plot.setTitle(title, color=theme.color("plot_title"), size="9pt")
     plot.showGrid(x=grid, y=grid, alpha=0.12)       # grid lines cost ~3 ms a paint
     plot.setMinimumHeight(100)                 # two rows and a headline plot fit 720 px
     plot.getAxis("left").setWidth(60)          # fixed: a changing label width would relayout
@@ -79,9 +182,9 @@ def small_plot(title: str, y_label: str, grid: bool = False) -> pg.PlotWidget:
     item.setDownsampling(auto=True, mode="peak")
     item.setClipToView(True)
     for axis, label in (("left", y_label), ("bottom", "step")):
-        item.getAxis(axis).setTextPen("#4d545c")
-        item.getAxis(axis).setPen("#aab1b8")
-        item.setLabel(axis, label, color="#4d545c", **{"font-size": "8pt"})
+        item.getAxis(axis).setTextPen(theme.color("axis_text"))
+        item.getAxis(axis).setPen(theme.color("axis"))
+        item.setLabel(axis, label, color=theme.color("axis_text"), **{"font-size": "8pt"})
         item.getAxis(axis).enableAutoSIPrefix(False)   # "(x0.001)" cut the label off
     return plot
 
@@ -90,13 +193,14 @@ def title_with_keys(plot: pg.PlotWidget, title: str, keys: list[tuple[str, str]]
                     mark: str = "\u25ac") -> None:
     """A plot title that is its own legend: `title` then each (name, colour) in its colour,
     after `mark` (a line's sample)."""
-    names = " ".join(f'<span style="color:{color}">{mark} {name}</span>' for name, color in keys)
-    plot.setTitle(f"{title} {names}", color="#3a4047", size="9pt")
+    names = " ".join(f'<span style="color:{tint(color).name()}">{mark} {name}</span>'
+                     for name, color in keys)
+    plot.setTitle(f"{title} {names}", color=theme.color("plot_title"), size="9pt")
 
 
 def filled_curve(plot: pg.PlotWidget, color: str = ACCENT) -> pg.PlotDataItem:
     """A line filled down to 0 (the fill keeps 0 in view)."""
-    c = pg.mkColor(color)
+    c = tint(color)
     return plot.plot(pen=pg.mkPen(c, width=1.5), connect="finite", fillLevel=0,
                      brush=(c.red(), c.green(), c.blue(), 40))
 
@@ -106,7 +210,7 @@ class Band:
 
     def __init__(self, plot: pg.PlotWidget, color: str, alpha: int = 45,
                  name: str | None = None):
-        c = pg.mkColor(color)
+        c = tint(color)
         rgba = (c.red(), c.green(), c.blue(), alpha)
         edge = pg.mkPen((0, 0, 0, 0))          # invisible; pen=None would build no path to fill
         self.upper = pg.PlotDataItem(pen=edge, connect="finite")
@@ -130,7 +234,7 @@ class BestMark:
 
     def __init__(self, plot: pg.PlotWidget, title: str):
         self.plot, self.title, self.text = plot, title, ""
-        self.line = pg.InfiniteLine(angle=90, pen=pg.mkPen(GREEN, width=1.5, style=Qt.DashLine))
+        self.line = pg.InfiniteLine(angle=90, pen=pen(GREEN, width=1.5, style=Qt.DashLine))
         self.line.hide()
         plot.getPlotItem().addItem(self.line, ignoreBounds=True)
 

@@ -24,7 +24,7 @@ import weakref
 from collections.abc import Callable
 from string import Template
 
-from PySide6.QtCore import QObject, Qt, Signal
+from PySide6.QtCore import QObject, Qt, QTimer, Signal
 from PySide6.QtGui import QColor, QGuiApplication, QPalette
 from PySide6.QtWidgets import QApplication, QWidget
 
@@ -146,10 +146,11 @@ QProgressBar { background: $track; border: none; border-radius: 3px; }
                            padding: 3px 10px; font-weight: 700; }
 #outputView, #exampleView, #reportText { background: $output_bg; border: 1px solid $border;
                                          border-radius: 5px; }
-#warnText { color: $warn; }
-#goodText { color: $good; font-weight: 600; }
-#badText { color: $bad; font-weight: 600; }
-#cautionText { color: $warn; font-weight: 600; }
+#runsProblem { color: $warn; }
+#tokenWarning { color: $warn; font-weight: 600; }
+#testResult[ok="true"] { color: $good; font-weight: 600; }
+#testResult[ok="false"] { color: $bad; font-weight: 600; }
+QSpinBox:disabled, QDoubleSpinBox:disabled, QComboBox:disabled { color: $disabled_text; }
 QGroupBox { font-weight: 600; border: 1px solid $border; border-radius: 6px; margin-top: 14px;
             padding-top: 6px; }
 QGroupBox::title { subcontrol-origin: margin; left: 8px; padding: 0 4px; color: $heading; }
@@ -223,6 +224,11 @@ class Theme(QObject):
         self._base_font_pt: float | None = None
         self._followers: list[tuple[weakref.ref, Callable[[QWidget], None]]] = []
         self._listening = False
+        self._system_dark: bool | None = None     # as colorSchemeChanged last said
+
+    def system_dark(self) -> bool:
+        """The system's scheme: what its last change said, else what Qt reports."""
+        return self._system_dark if self._system_dark is not None else system_is_dark()
 
     @property
     def colors(self) -> dict[str, str]:
@@ -237,7 +243,7 @@ class Theme(QObject):
             self.mode = mode
         if font_scale is not None:
             self.font_scale = font_scale
-        self.dark = self.mode == "dark" or (self.mode == "system" and system_is_dark())
+        self.dark = self.mode == "dark" or (self.mode == "system" and self.system_dark())
         if app is None:
             return
         if not self._listening:
@@ -250,7 +256,7 @@ class Theme(QObject):
             self._base_font_pt = font.pointSizeF()
         font.setPointSizeF(self._base_font_pt * self.font_scale)
         app.setFont(font)
-        if self.dark or system_is_dark():
+        if self.dark or self.system_dark():
             app.setPalette(qt_palette(self.colors))
         else:                               # a light system: the style's own light palette
             app.setPalette(app.style().standardPalette())
@@ -258,13 +264,22 @@ class Theme(QObject):
         self._restyle_followers()
         self.changed.emit()
 
-    def _on_system_scheme(self, *_args) -> None:
-        if self.mode == "system" and system_is_dark() != self.dark:
+    def _on_system_scheme(self, scheme: Qt.ColorScheme) -> None:
+        """The system's scheme changed: switch after the signal's other receivers (Qt's own
+        palette and style updates) have run, not inside its emission."""
+        self._system_dark = scheme == Qt.ColorScheme.Dark
+        QTimer.singleShot(0, self._follow_system)
+
+    def _follow_system(self) -> None:
+        if self.mode == "system" and self.system_dark() != self.dark:
             self.apply()
 
-    def follow(self, widget: QWidget, restyle: Callable[[QWidget], None]) -> None:
-        """Call `restyle(widget)` now and after every switch, while `widget` lives."""
-        restyle(widget)
+    def follow(self, widget: QWidget, restyle: Callable[[QWidget], None],
+               now: bool = True) -> None:
+        """Call `restyle(widget)` now (unless not `now`) and after every switch, while
+        `widget` lives."""
+        if now:
+            restyle(widget)
         self._followers.append((weakref.ref(widget), restyle))
 
     def _restyle_followers(self) -> None:
@@ -310,8 +325,8 @@ def is_dark() -> bool:
     return current().dark
 
 
-def follow(widget: QWidget, restyle: Callable[[QWidget], None]) -> None:
-    current().follow(widget, restyle)
+def follow(widget: QWidget, restyle: Callable[[QWidget], None], now: bool = True) -> None:
+    current().follow(widget, restyle, now)
 
 
 _OTHER: dict[str, str] = {}

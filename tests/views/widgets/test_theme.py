@@ -1,0 +1,162 @@
+"""The dark theme (issue 29, item 11; widgets/theme.py): forced with WORKBENCH_THEME or the
+system's colour scheme, every screen's plots are dark with light text and curves that stand
+out; a change of the system's scheme switches the open window live. QT_QPA_PLATFORM=offscreen
+(conftest).
+
+Contrast is WCAG's ratio of relative luminances, (L1 + 0.05) / (L2 + 0.05): at least 4.5 for
+text (axis ticks and titles), 3 for curves and lines (WCAG's figure for graphics)."""
+
+from __future__ import annotations
+
+import pyqtgraph as pg
+import pytest
+from PySide6.QtCore import Qt
+from PySide6.QtGui import QColor, QPalette
+
+from app.views.widgets import theme
+from tests.views.test_fits_screen import drop_orphans, screen_pages, window_with_runs
+
+TEXT, GRAPHICS = 4.5, 3.0
+
+
+def luminance(color: QColor) -> float:
+    def channel(v: float) -> float:
+        return v / 12.92 if v <= 0.04045 else ((v + 0.055) / 1.055) ** 2.4
+    return (0.2126 * channel(color.redF()) + 0.7152 * channel(color.greenF())
+            + 0.0722 * channel(color.blueF()))
+
+
+def contrast(a: QColor, b: QColor) -> float:
+    la, lb = sorted((luminance(a), luminance(b)), reverse=True)
+    return (la + 0.05) / (lb + 0.05)
+
+
+@pytest.fixture
+def restore(qapp):
+    """The application's theme, style sheet, font and scheme as they were."""
+    drop_orphans()
+    t = theme.current()
+    mode, dark = t.mode, t.dark
+    sheet, font, palette = qapp.styleSheet(), qapp.font(), qapp.palette()
+    yield
+    theme.apply_theme(qapp, mode="light", font_scale=1.0)
+    t._system_dark = None
+    qapp.setStyleSheet(sheet)
+    qapp.setFont(font)
+    qapp.setPalette(palette)
+    t.mode, t.dark = mode, dark
+
+
+def plot_problems(plot: pg.PlotWidget, dark: bool) -> list[str]:
+    """What in `plot` does not match the theme (`dark` or light)."""
+    name = plot.getPlotItem().titleLabel.text[:30] or type(plot).__name__
+    bg = plot.backgroundBrush().color()
+    out = []
+    if (luminance(bg) < 0.05) != dark:
+        return [f"{name}: background {bg.name()}"]
+    for item in plot.scene().items():
+        if not item.isVisible():
+            continue
+        if isinstance(item, pg.AxisItem):
+            color = item.textPen().color()
+            if contrast(color, bg) < TEXT:
+                out.append(f"{name}: axis text {color.name()} on {bg.name()}")
+        elif isinstance(item, pg.LabelItem) and item.opts.get("color") is not None:
+            color = pg.mkColor(item.opts["color"])
+            if item.text and contrast(color, bg) < TEXT:
+                out.append(f"{name}: text '{item.text[:20]}' {color.name()} on {bg.name()}")
+        elif isinstance(item, pg.PlotDataItem) and dark:
+            pen = pg.mkPen(item.opts.get("pen"))
+            if pen.style() != Qt.NoPen and pen.color().alpha() > 0 and \
+                    contrast(pen.color(), bg) < GRAPHICS:
+                out.append(f"{name}: curve {pen.color().name()} on {bg.name()}")
+        elif isinstance(item, pg.LegendItem) and item.opts.get("brush") is not None:
+            fill = pg.mkBrush(item.opts["brush"]).color()
+            if (luminance(fill) < 0.05) != dark:
+                out.append(f"{name}: legend {fill.name()}")
+    return out
+
+
+def theme_problems(qtbot, win, dark: bool) -> dict[str, list[str]]:
+    """Every page of every screen: its shown plots and the window's palette."""
+    found = {}
+    for page in screen_pages(win):
+        qtbot.wait(60)                          # Monitor shows its plots one per tick
+        problems = [p for plot in win.findChildren(pg.PlotWidget) if plot.isVisible()
+                    for p in plot_problems(plot, dark)]
+        window = win.palette().color(QPalette.Window)
+        if (luminance(window) < 0.05) != dark:
+            problems.append(f"window background {window.name()}")
+        if problems:
+            found[page] = problems
+    return found
+
+
+def test_forced_dark_every_screen_and_plot_is_dark(qtbot, ctx, qapp, restore, monkeypatch):
+    monkeypatch.setenv(theme.ENV, "dark")
+    assert theme.requested_mode() == "dark"
+    theme.apply_theme(qapp, mode=theme.requested_mode())
+    win, (a, b, g) = window_with_runs(qtbot, ctx)
+    ctx.select_run(a.path)                      # loss, validation, best mark, compare list
+    qtbot.waitUntil(lambda: win.screen("monitor").best is not None)
+    assert theme_problems(qtbot, win, dark=True) == {}
+    ctx.select_run(g.path)                      # rewards: bands, legend, function keys
+    qtbot.waitUntil(lambda: win.screen("monitor").kind.name == "grpo")
+    qtbot.wait(300)
+    assert theme_problems(qtbot, win, dark=True) == {}
+    # the style sheet and the highlighted dataset text are the dark palette's
+    sheet = qapp.styleSheet()
+    assert f"background: {theme.DARK['base']}" in sheet
+    assert f"background: {theme.LIGHT['base']}" not in sheet
+    assert win.new_run.dataset.highlighted_spans()
+
+
+def test_the_window_follows_the_system_scheme_live(qtbot, ctx, qapp, restore):
+    hints = qapp.styleHints()
+    # the offscreen platform cannot change its scheme (setColorScheme does nothing there):
+    # the change is the signal a desktop sends
+    hints.colorSchemeChanged.emit(Qt.ColorScheme.Light)
+    theme.apply_theme(qapp, mode="system")
+    win, (a, b, g) = window_with_runs(qtbot, ctx)
+    ctx.select_run(a.path)
+    win.show_screen("monitor")
+    qtbot.waitUntil(lambda: win.screen("monitor").best is not None)
+    qtbot.wait(200)
+    monitor = win.screen("monitor")
+    assert not theme.is_dark()
+    assert [p for plot in monitor.findChildren(pg.PlotWidget)
+            for p in plot_problems(plot, dark=False)] == []
+
+    hints.colorSchemeChanged.emit(Qt.ColorScheme.Dark)      # the system switches
+    qtbot.waitUntil(theme.is_dark)
+    assert theme_problems(qtbot, win, dark=True) == {}
+    hints.colorSchemeChanged.emit(Qt.ColorScheme.Light)
+    qtbot.waitUntil(lambda: not theme.is_dark())
+    assert theme_problems(qtbot, win, dark=False) == {}
+
+
+def test_a_forced_theme_ignores_the_system(qapp, restore):
+    theme.apply_theme(qapp, mode="light")
+    qapp.styleHints().colorSchemeChanged.emit(Qt.ColorScheme.Dark)
+    assert not theme.is_dark()
+    with pytest.raises(ValueError, match="light, dark, system"):
+        theme.apply_theme(qapp, mode="sepia")
+
+
+def test_palettes_name_the_same_colours_and_translate(qapp, restore, monkeypatch):
+    assert set(theme.LIGHT) == set(theme.DARK)
+    monkeypatch.setenv(theme.ENV, "sepia")
+    assert theme.requested_mode() == "system"
+    theme.apply_theme(qapp, mode="dark")
+    values = list(theme.LIGHT.values())
+    for name, light in theme.LIGHT.items():
+        if values.count(light) == 1:            # a colour two names share maps to the first
+            assert theme.translate(light) == theme.DARK[name], name
+            assert theme.translate(light.upper()) == theme.DARK[name], name
+    assert theme.translate("#123456") == "#123456"
+    text = f'<span style="color:{theme.LIGHT["accent"]}">x</span>'
+    assert theme.translate(text) == f'<span style="color:{theme.DARK["accent"]}">x</span>'
+    theme.apply_theme(qapp, mode="light")
+    assert theme.translate(theme.DARK["accent"]) == theme.LIGHT["accent"]
+    sheet = theme.style_sheet(theme.DARK, font_scale=1.5)
+    assert "$" not in sheet and "font-size: 15pt" in sheet and "font-size: 21pt" in sheet
