@@ -24,6 +24,7 @@ Faults (attributes of the server, set by a test):
 - `garbage` (path fragments): answer "{not json" with 200;
 - `advertised_size[file] = n`: announce a size other than the real one;
 - `slow[file] = s`: send a download's body in 4 KiB pieces `s` seconds apart;
+- `hold[file] = event`: send a download's first 4 KiB, then wait for `event` to send the rest;
 - `stall` (path fragments): accept the request and never answer;
 - `no_ranges = True`: ignore Range headers (200 and the whole body, as some mirrors do);
 - `cdn = True`: answer an LFS file's resolve URL the Hub's way, a 302 (with X-Linked-Etag and
@@ -149,6 +150,7 @@ class FakeHub:
         self.stall: set[str] = set()
         self.no_ranges = False
         self.reset = False
+        self.hold: dict[str, threading.Event] = {}
         self._closing = threading.Event()
         self.requests: list[tuple[str, str, str | None]] = []
         self.authorizations: list[str | None] = []
@@ -369,6 +371,13 @@ class _Handler(BaseHTTPRequestHandler):
                 self.connection.close()
             else:
                 self.connection.shutdown(2)     # the peer sees the body end early
+            return
+        hold = hub.hold.get(file) if downloading else None
+        if hold is not None:                 # the first piece, then wait for the test
+            self.wfile.write(body[:4096])
+            self.wfile.flush()
+            hold.wait(30)
+            self.wfile.write(body[4096:])
             return
         pause = hub.slow.get(file) if downloading else None
         if pause:

@@ -71,7 +71,9 @@ def test_download_with_progress_then_the_picker_opens_it(qtbot, hub, hub_repos, 
 
 
 def test_cancel_keeps_the_window_responsive_and_leaves_no_model(qtbot, hub, hub_repos):
-    hub.slow[Q8] = 0.02                     # 13 pieces of 4 KiB: about a quarter of a second
+    import threading
+
+    hub.hold[Q8] = release = threading.Event()   # 4 KiB, then the rest once cancelled
     dialog = GetModelDialog()
     qtbot.addWidget(dialog)
     dialog.show()
@@ -81,8 +83,9 @@ def test_cancel_keeps_the_window_responsive_and_leaves_no_model(qtbot, hub, hub_
     dialog._progress.changed.connect(lambda d, t, n: seen.append(d))
     dialog.download_button.click()
     assert dialog.is_downloading() and dialog.cancel_button.isEnabled()
-    qtbot.waitUntil(lambda: bool(seen), timeout=10_000)   # events flow while it downloads
+    qtbot.waitUntil(lambda: any(seen), timeout=10_000)    # bytes arrive, the window turns
     dialog.cancel_button.click()
+    release.set()
     qtbot.waitUntil(lambda: not dialog.is_downloading(), timeout=10_000)
     assert "cancelled" in dialog.status.text() and "kept" in dialog.status.text()
     snapshots = Path(os.environ["HF_HOME"]) / "hub" / "models--wb-test--tiny-llama-GGUF" / \
