@@ -1,8 +1,11 @@
 """bf16 products on the CPU's matrix units: one small interface, so the kernels stay NumPy.
 
-What runs in bf16 (issue 30) is the frozen base's products only: x W^T (forward) and dY W
-(backward) with W a frozen weight, bf16 inputs, float32 accumulation. Everything else (LoRA,
-gradients, the optimizer, norms, softmax, the residual stream, the loss) stays float32.
+What runs in bf16 (issue 30) is the base's products: x W^T (forward) and dY W (backward) with
+W a frozen weight (packed once, app.engine.model.weights), or under full fine-tuning a bf16 copy
+of a trained matrix made per pass from its float32 master, whose dW = dY^T x runs in bf16 too
+(app.engine.model.params.Params.base_weight); bf16 inputs, float32 accumulation. Everything
+else (LoRA, its gradients, the optimizer, norms, softmax, the router, the residual stream, the
+loss) stays float32. On a GPU `choose_precision` switches CuPy's float32 GEMMs to TF32 instead.
 
 - `detect()` reads the CPU's flags once (/proc/cpuinfo): `amx_bf16` (Intel AMX) or
   `avx512_bf16` (AVX512-BF16: Zen 4/5, Cooper Lake and later Xeons). AMX tiles may only be
