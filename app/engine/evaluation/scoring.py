@@ -41,6 +41,7 @@ from app.engine.evaluation.tasks import ChoiceTask
 from app.engine.kernels.attention import attention_mask
 from app.engine.model.context import ForwardContext
 from app.engine.runtime.backend import to_host
+from app.engine.text.chat_template import generation_prompt_ids
 
 PACK_TOKENS = 512        # tokens of one forward (several tasks; a longer task goes alone)
 HEAD_ROWS = 64           # rows of the output head at once (Gemma's vocabulary: 64 MB)
@@ -82,7 +83,11 @@ class Tokenized:
 
 
 def tokenize_task(tokenizer, task: ChoiceTask) -> Tokenized:
-    seqs = [tokenizer.encode(t, add_special=True) for t in task.texts]
+    if task.messages is not None:       # a chat prompt, each choice as the assistant's answer
+        prompt = generation_prompt_ids(tokenizer, task.messages)
+        seqs = [prompt + tokenizer.encode(t, add_special=False) for t in task.texts]
+    else:
+        seqs = [tokenizer.encode(t, add_special=True) for t in task.texts]
     shortest = min(len(s) for s in seqs)
     prefix = 0
     while prefix < shortest - 1 and len({s[prefix] for s in seqs}) == 1:

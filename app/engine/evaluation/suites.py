@@ -63,12 +63,13 @@ def _specs(value, line: int, path, folder: Path) -> tuple[RewardSpec, ...]:
     for text in items:
         if text.startswith("contains:"):
             text = _contains(text[len("contains:"):])
+        py = re.match(r"^(file:)?(.+?\.py)(:[^:]*)?$", text)
+        if py and not os.path.isabs(py.group(2)):          # beside the suite
+            text = f"file:{folder / py.group(2)}{py.group(3) or ''}"
         try:
             spec = parse_reward(text)
         except ConfigError as e:
             raise DatasetError(f"{path}, line {line}: {e.message}", e.hint) from None
-        if spec.kind == "file" and not os.path.isabs(spec.arg):
-            spec = parse_reward(f"file:{folder / spec.arg}:{spec.weight}")
         out.append(spec)
     return tuple(out)
 

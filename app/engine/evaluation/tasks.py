@@ -21,7 +21,10 @@ where it came from. The texts are built exactly as llama.cpp builds them:
   100), n strings, n int32 labels (1 = correct). Choice text = question + " " + answer.
 * **JSONL** (the workbench's own): one object a line, `{"question": str, "choices": [str, ...],
   "answer": i}` with an optional `"context": str` put before the question on its own line.
-  Choice text = prompt + " " + choice, as the multiple-choice format.
+  Choice text = prompt + " " + choice, as the multiple-choice format. A chat model's question
+  is `"messages": [{"role", "content"}, ...]` instead of "question": the model's chat template
+  renders it with the generation prompt (special tokens parsed, as generation does) and each
+  choice's tokens follow as the assistant's answer.
 
 A file that does not read as its format is a DatasetError naming the line (the task and byte
 offset for the binary format) and what is wrong.
@@ -51,6 +54,7 @@ class ChoiceTask:
     gold: int                           # the first correct index (what records show)
     where: str                          # "line 7", "task 3": for messages
     base: list[str] = field(default_factory=list)   # winogrande: text up to the option
+    messages: list[dict] | None = None    # JSONL chat rows: the prompt (texts: the choices)
 
 
 def _read(path: str | os.PathLike) -> bytes:
@@ -221,8 +225,14 @@ def read_jsonl(path) -> list[ChoiceTask]:
         if not isinstance(row, dict):
             raise DatasetError(f"{path}, line {n}: not a JSON object.", hint)
         question, choices, answer = row.get("question"), row.get("choices"), row.get("answer")
-        context = row.get("context", "")
-        if not isinstance(question, str) or not isinstance(context, str):
+        context, messages = row.get("context", ""), row.get("messages")
+        if messages is not None:
+            if (not isinstance(messages, list) or not messages or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), str) for m in messages)):
+                raise DatasetError(f"{path}, line {n}: \"messages\" must be a non-empty list "
+                                   'of {"role", "content"} objects with text values.', hint)
+        elif not isinstance(question, str) or not isinstance(context, str):
             raise DatasetError(f"{path}, line {n}: \"question\" (and \"context\") must be "
                                "text.", hint)
         if (not isinstance(choices, list) or not 2 <= len(choices) <= MAX_ANSWERS
@@ -233,6 +243,10 @@ def read_jsonl(path) -> list[ChoiceTask]:
                 0 <= answer < len(choices)):
             raise DatasetError(f"{path}, line {n}: \"answer\" must be the index of the right "
                                f"choice (0 to {len(choices) - 1}).", hint)
+        if messages is not None:
+            tasks.append(ChoiceTask(list(choices), {answer}, answer, f"line {n}",
+                                    messages=messages))
+            continue
         prompt = f"{context}\n{question}" if context else question
         tasks.append(ChoiceTask([prompt + " " + c for c in choices], {answer}, answer,
                                 f"line {n}"))

@@ -114,3 +114,24 @@ def test_jsonl_errors_name_the_line(tmp_path, line, match):
     f.write_text('{"question": "q", "choices": ["a", "b"], "answer": 1}\n' + line + "\n")
     with pytest.raises(DatasetError, match=match):
         read_tasks("jsonl", f)
+
+
+def test_jsonl_chat_rows_and_the_bundled_sample_sets(tmp_path):
+    from app.engine.evaluation.suites import read_suite
+    from app.engine.evaluation.scoring import tokenize_task
+    from app.engine.model.transformer import load_model
+    from app.engine.text.chat_template import generation_prompt_ids
+    from tests.conftest import SAMPLE_DATA
+
+    items = read_tasks("jsonl", SAMPLE_DATA / "eval_tasks.jsonl")
+    assert len(items) == 40 and all(t.messages and len(t.texts) == 3 for t in items)
+    assert len(read_suite(SAMPLE_DATA / "eval_suite.jsonl")) == 40
+    tok = load_model(SAMPLE_DATA / "tiny-moe.gguf").tokenizer
+    t = tokenize_task(tok, items[0])
+    prompt = generation_prompt_ids(tok, items[0].messages)
+    assert t.seqs[0] == prompt + tok.encode(items[0].texts[0], add_special=False)
+    assert t.prefix >= len(prompt)
+    f = tmp_path / "chat.jsonl"
+    f.write_text('{"messages": [{"role": "user"}], "choices": ["a", "b"], "answer": 0}\n')
+    with pytest.raises(DatasetError, match='line 1: "messages" must be'):
+        read_tasks("jsonl", f)
