@@ -92,6 +92,7 @@ def theme_problems(qtbot, win, dark: bool) -> dict[str, list[str]]:
     return found
 
 
+@pytest.mark.slow
 def test_forced_dark_every_screen_and_plot_is_dark(qtbot, ctx, qapp, restore, monkeypatch):
     monkeypatch.setenv(theme.ENV, "dark")
     assert theme.requested_mode() == "dark"
@@ -111,6 +112,7 @@ def test_forced_dark_every_screen_and_plot_is_dark(qtbot, ctx, qapp, restore, mo
     assert win.new_run.dataset.highlighted_spans()
 
 
+@pytest.mark.slow
 def test_the_window_follows_the_system_scheme_live(qtbot, ctx, qapp, restore):
     hints = qapp.styleHints()
     # the offscreen platform cannot change its scheme (setColorScheme does nothing there):
