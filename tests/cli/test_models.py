@@ -130,3 +130,12 @@ def test_train_from_the_hub_resolves_through_the_cache(hub, hub_repos, tmp_path,
     merged = Path(json.loads((tmp_path / "r3" / "config.json").read_text())["model"])
     assert merged.name == "tiny-mixtral-F32.gguf" and "merged-models" in str(merged)
     assert_same_model(merged, GOLDEN / "mixtral-f32.gguf")
+
+
+def test_grpo_from_the_hub_resolves_through_the_cache(hub, hub_repos, tmp_path):
+    queue = str(tmp_path / "q.sqlite3")
+    assert run_cli(["grpo", "-m", "wb-test/tiny-moe-GGUF", "--prompts",
+                    str(SAMPLE_DATA / "addition.jsonl"), "--reward", "exact", "-o",
+                    str(tmp_path / "g"), "--queue", queue]) == 0
+    model = Path(json.loads((tmp_path / "g" / "config.json").read_text())["model"])
+    assert model.read_bytes() == hub_repos["wb-test/tiny-moe-GGUF"].files["tiny-moe.gguf"]
