@@ -84,6 +84,13 @@ def _lines(text: str) -> list[str]:
     return [s[:-1] if s.endswith("\r") else s for s in lines]
 
 
+def _rows(path):
+    """(line number, line) of each non-blank line (CSV and JSONL rows)."""
+    for n, line in enumerate(_lines(_text(path, _read(path))), 1):
+        if line.strip():
+            yield n, line
+
+
 def read_hellaswag(path) -> list[ChoiceTask]:
     lines = _lines(_text(path, _read(path)))
     if not lines:
@@ -128,9 +135,7 @@ def read_winogrande(path) -> list[ChoiceTask]:
     hint = ("A WinoGrande row is index,sentence,option1,option2,answer with one _ in the "
             "sentence and answer 1 or 2.")
     tasks = []
-    for n, line in enumerate(_lines(_text(path, _read(path))), 1):
-        if not line.strip():
-            continue
+    for n, line in _rows(path):
         c = _csv_commas(line)
         if len(c) != 4:
             raise DatasetError(f"{path}, line {n}: {len(c) + 1} fields, not 5.", hint)
@@ -215,9 +220,7 @@ def read_jsonl(path) -> list[ChoiceTask]:
     hint = ('One object a line: {"question": "...", "choices": ["...", "..."], "answer": 0} '
             'with an optional "context".')
     tasks = []
-    for n, line in enumerate(_lines(_text(path, _read(path))), 1):
-        if not line.strip():
-            continue
+    for n, line in _rows(path):
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:

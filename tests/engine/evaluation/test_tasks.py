@@ -27,17 +27,35 @@ def test_hellaswag_texts_are_context_space_ending(tmp_path):
     assert len(read_tasks("hellaswag", EVAL / "hellaswag.txt", limit=5)) == 5
 
 
-@pytest.mark.parametrize("text,match", [
-    ("c\n1\na\nb\nc\nd\nc2\n1\n", r"8 lines, not a multiple of 6: .* \(from line 7\)"),
-    ("c\n1\na\nb\nc\nd\nc2\n4\na\nb\nc\nd\n", r"line 8: the gold ending's index must be"),
-    ("c\nx\na\nb\nc\nd\n", r"line 2: "),
-    ("", r"no tasks"),
+WG = "index,sentence,option1,option2,answer\n"
+JS = '{"question": "q", "choices": ["a", "b"], "answer": 1}\n'
+
+
+@pytest.mark.parametrize("fmt,text,match", [
+    ("hellaswag", "c\n1\na\nb\nc\nd\nc2\n1\n",
+     r"8 lines, not a multiple of 6: .* \(from line 7\)"),
+    ("hellaswag", "c\n1\na\nb\nc\nd\nc2\n4\na\nb\nc\nd\n", r"line 8: the gold ending's index must be"),
+    ("hellaswag", "c\nx\na\nb\nc\nd\n", r"line 2: "),
+    ("hellaswag", "", r"no tasks"),
+    ("winogrande", WG + "0,no blank here,A,B,1\n", "line 2: the sentence has no _"),
+    ("winogrande", WG + "0,a _ b,A,B,3\n", "line 2: the answer must be 1 or 2"),
+    ("winogrande", WG + "0,a _ b,A,1\n", "line 2: 4 fields, not 5"),
+    ("jsonl", JS + "{not json\n", "line 2: not JSON"),
+    ("jsonl", JS + '{"question": "q", "choices": ["a"], "answer": 0}\n',
+     'line 2: "choices" must be a list'),
+    ("jsonl", JS + '{"question": "q", "choices": ["a", "b"], "answer": 2}\n',
+     'line 2: "answer" must be'),
+    ("jsonl", JS + '{"question": "q", "choices": ["a", "b"], "answer": true}\n',
+     'line 2: "answer" must be'),
+    ("jsonl", JS + '{"question": 3, "choices": ["a", "b"], "answer": 0}\n', 'line 2: "question"'),
+    ("jsonl", '{"messages": [{"role": "user"}], "choices": ["a", "b"], "answer": 0}\n',
+     'line 1: "messages" must be'),
 ])
-def test_hellaswag_errors_name_the_line(tmp_path, text, match):
-    f = tmp_path / "hs.txt"
+def test_errors_name_the_line(tmp_path, fmt, text, match):
+    f = tmp_path / "tasks"
     f.write_text(text)
     with pytest.raises(DatasetError, match=match):
-        read_tasks("hellaswag", f)
+        read_tasks(fmt, f)
 
 
 def test_winogrande_fills_the_blank_and_strips_quotes(tmp_path):
@@ -50,18 +68,6 @@ def test_winogrande_fills_the_blank_and_strips_quotes(tmp_path):
     assert a.base == ["At last, Tom", "At last, Lily"]
     assert b.texts[1] == "Sarah was better than Maria so Maria got the easy cases."
     assert b.where == "line 3"
-
-
-@pytest.mark.parametrize("row,match", [
-    ("0,no blank here,A,B,1", "line 2: the sentence has no _"),
-    ("0,a _ b,A,B,3", "line 2: the answer must be 1 or 2"),
-    ("0,a _ b,A,1", "line 2: 4 fields, not 5"),
-])
-def test_winogrande_errors_name_the_line(tmp_path, row, match):
-    f = tmp_path / "wg.csv"
-    f.write_text("index,sentence,option1,option2,answer\n" + row + "\n")
-    with pytest.raises(DatasetError, match=match):
-        read_tasks("winogrande", f)
 
 
 def test_mc_round_trip_and_llamacpp_layout(tmp_path):
@@ -102,21 +108,7 @@ def test_jsonl_tasks(tmp_path):
         [t.texts for t in read_tasks("mc", EVAL / "mc.bin")]
 
 
-@pytest.mark.parametrize("line,match", [
-    ("{not json", "line 2: not JSON"),
-    ('{"question": "q", "choices": ["a"], "answer": 0}', 'line 2: "choices" must be a list'),
-    ('{"question": "q", "choices": ["a", "b"], "answer": 2}', 'line 2: "answer" must be'),
-    ('{"question": "q", "choices": ["a", "b"], "answer": true}', 'line 2: "answer" must be'),
-    ('{"question": 3, "choices": ["a", "b"], "answer": 0}', 'line 2: "question"'),
-])
-def test_jsonl_errors_name_the_line(tmp_path, line, match):
-    f = tmp_path / "mc.jsonl"
-    f.write_text('{"question": "q", "choices": ["a", "b"], "answer": 1}\n' + line + "\n")
-    with pytest.raises(DatasetError, match=match):
-        read_tasks("jsonl", f)
-
-
-def test_jsonl_chat_rows_and_the_bundled_sample_sets(tmp_path):
+def test_jsonl_chat_rows_and_the_bundled_sample_sets():
     from app.engine.evaluation.suites import read_suite
     from app.engine.evaluation.scoring import tokenize_task
     from app.engine.model.transformer import load_model
@@ -131,7 +123,3 @@ def test_jsonl_chat_rows_and_the_bundled_sample_sets(tmp_path):
     prompt = generation_prompt_ids(tok, items[0].messages)
     assert t.seqs[0] == prompt + tok.encode(items[0].texts[0], add_special=False)
     assert t.prefix >= len(prompt)
-    f = tmp_path / "chat.jsonl"
-    f.write_text('{"messages": [{"role": "user"}], "choices": ["a", "b"], "answer": 0}\n')
-    with pytest.raises(DatasetError, match='line 1: "messages" must be'):
-        read_tasks("jsonl", f)
