@@ -10,7 +10,8 @@ Opens the window on a private queue, runs folder and settings (nothing of the us
 touched), with the bundled sample model and dataset; shoots the New run tabs and its "Get a
 model..." dialog (over a loopback test Hub); adds two
 example clusters (no token: nothing reaches the keyring) and shoots Settings > Clusters and New
-run with "Run on" a cluster (`--quick` stops there); starts a short real run (on this computer) in a real worker process; shoots Monitor and Experts when it has finished; exports a
+run with "Run on" a cluster, and the Dataset tab in the dark theme (`new-run-dataset-dark`;
+`--quick` stops there); starts a short real run (on this computer) in a real worker process; shoots Monitor (also dark: `monitor-dark`) and Experts when it has finished; exports a
 GGUF adapter and chats two turns in the Playground; shoots those. Then the GRPO addition demo: its
 New run tabs, a real 40-step run, Monitor's Rewards and Completions pages; then Runs (both
 runs) and an error. The worker it started is stopped at the end.
@@ -128,6 +129,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {path}")
         window.resize(*sizes[0])
 
+    def shoot_dark(name: str) -> None:
+        """`name` in the dark theme (widgets/theme.py), then the theme it had again."""
+        from app.views.widgets import theme
+
+        mode = theme.current().mode
+        theme.apply_theme(app, mode="dark")
+        try:
+            shoot(name, 0.8)
+        finally:
+            theme.apply_theme(app, mode=mode)
+
     with tempfile.TemporaryDirectory(prefix="workbench-shots-") as tmp:
         # the user's state (list of runs, trusted rewards) lives beside the queue: keep it private
         os.environ["WORKBENCH_QUEUE"] = os.path.join(tmp, "queue.sqlite3")
@@ -156,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
             new_run.name_field.setText("moe-on-the-lab")
             shoot("new-run-run-on")
             new_run.run_on.set_executor("local")        # the runs below run here
+            new_run.tabs.setCurrentIndex(1)
+            shoot_dark("new-run-dataset-dark")
+            new_run.tabs.setCurrentIndex(0)
             shoot_get_model(new_run, out, wait, pump)
             if args.quick:
                 return 0
@@ -180,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
             for key in ("monitor", "experts"):
                 window.show_screen(key)
                 shoot(key, 0.8)
+            window.show_screen("monitor")
+            shoot_dark("monitor-dark")
 
             window.show_screen("export")
             export = window.screen("export")

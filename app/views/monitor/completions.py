@@ -78,6 +78,7 @@ class CompletionsView(QWidget):
         layout.addWidget(self.hint)
         layout.addWidget(split, 1)
         self.clear()
+        theme.follow(self, CompletionsView._show_entry, now=False)   # the rows' tints
 
     # ---------------------------------------------------------------- data
     def clear(self) -> None:

@@ -175,6 +175,7 @@ class DatasetPanel(QWidget):
         layout.addWidget(body, 1)
 
     def _connect(self) -> None:
+        theme.follow(self, DatasetPanel._retheme, now=False)   # the highlight's colour
         self._debounce.timeout.connect(self._start_lint)
         self.path_field.editingFinished.connect(self._path_edited)
         self.browse_button.clicked.connect(self.choose)
@@ -327,7 +328,13 @@ class DatasetPanel(QWidget):
         else:
             self.hist_stats.setText("no accepted rows")
 
+    def _retheme(self) -> None:
+        """The theme changed: the example again, highlighted in the new theme's colour."""
+        if getattr(self, "_example", None) is not None:
+            self._show_example(self._example)
+
     def _show_example(self, ex: dict | None) -> None:
+        self._example = ex
         view = self.example_view
         view.clear()
         if not ex:

@@ -77,6 +77,21 @@ def plot_problems(plot: pg.PlotWidget, dark: bool) -> list[str]:
     return out
 
 
+def highlights(panel) -> set[str]:
+    """The background colours of the dataset example's highlighted text."""
+    colors = set()
+    block = panel.example_view.document().begin()
+    while block.isValid():
+        it = block.begin()
+        while not it.atEnd():
+            brush = it.fragment().charFormat().background()
+            if brush.style() != Qt.NoBrush:
+                colors.add(brush.color().name())
+            it += 1
+        block = block.next()
+    return colors
+
+
 def theme_problems(qtbot, win, dark: bool) -> dict[str, list[str]]:
     """Every page of every screen: its shown plots and the window's palette."""
     found = {}
@@ -129,12 +144,16 @@ def test_the_window_follows_the_system_scheme_live(qtbot, ctx, qapp, restore):
     assert [p for plot in monitor.findChildren(pg.PlotWidget)
             for p in plot_problems(plot, dark=False)] == []
 
+    assert highlights(win.new_run.dataset) == {theme.LIGHT["trained_bg"]}
+
     hints.colorSchemeChanged.emit(Qt.ColorScheme.Dark)      # the system switches
     qtbot.waitUntil(theme.is_dark)
     assert theme_problems(qtbot, win, dark=True) == {}
+    assert highlights(win.new_run.dataset) == {theme.DARK["trained_bg"]}
     hints.colorSchemeChanged.emit(Qt.ColorScheme.Light)
     qtbot.waitUntil(lambda: not theme.is_dark())
     assert theme_problems(qtbot, win, dark=False) == {}
+    assert highlights(win.new_run.dataset) == {theme.LIGHT["trained_bg"]}
 
 
 def test_a_forced_theme_ignores_the_system(qapp, restore):
