@@ -11,6 +11,7 @@ column per task, all from one model load."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -39,6 +40,8 @@ def add_eval_parser(sub) -> None:
                    help="prompt suites: tokens per answer (default 64)")
     p.add_argument("--trust-reward-code", action="store_true",
                    help="run the Python reward files a suite names")
+    p.add_argument("--save", metavar="RUN_DIR",
+                   help="also append the results to RUN_DIR/evals.jsonl (all or nothing)")
     p.add_argument("--json", action="store_true",
                    help="print the results as JSON, with one record per task item")
 
@@ -48,7 +51,7 @@ def cmd_eval(args) -> int:
 
     if not args.task and not args.file:
         raise ConfigError("Nothing to evaluate.", "Give --task SPEC (repeatable) or -f TEXT.")
-    if args.file and not args.task:
+    if args.file and not args.task and not args.save:
         return _perplexity(args)
     if args.file:
         args.task.append(f"ppl:{args.file}")
@@ -113,9 +116,20 @@ def _tasks(args) -> int:
         if not args.json and sys.stderr.isatty():
             print(f"\r{label} {task}: {done}/{total}   ", end="", file=sys.stderr, flush=True)
 
-    results = runner.evaluate(model, targets, loaded, n_ctx=args.ctx, samples=args.samples,
-                              seed=args.seed, max_new_tokens=args.max_new_tokens,
-                              progress=progress)
+    lock = _run_lock(args.save) if args.save else None     # refused if the run is busy
+    try:
+        results = runner.evaluate(model, targets, loaded, n_ctx=args.ctx,
+                                  samples=args.samples, seed=args.seed,
+                                  max_new_tokens=args.max_new_tokens, progress=progress)
+        if lock is not None:
+            from app.engine.evaluation.store import save_evals
+            save_evals(args.save, results,
+                       {"base": None, **{label: os.path.abspath(p) for label, p in
+                                        zip(adapter_labels(args.adapter), args.adapter)}},
+                       {s.name: s.to_text() for s in specs})
+    finally:
+        if lock is not None:
+            lock.release()
     if not args.json and sys.stderr.isatty():
         print(file=sys.stderr)
     if args.json:
@@ -126,3 +140,16 @@ def _tasks(args) -> int:
     else:
         print(runner.table(results))
     return 0
+
+
+def _run_lock(path: str):
+    """The run's writer lock, for saving evals.jsonl in it (RunBusyError while it trains)."""
+    from app.engine.errors import ConfigError
+    from app.engine.runs.rundir import RunDir
+    from app.engine.runs.runlock import RunLock
+
+    run = RunDir(path)
+    if not run.config_path.is_file():
+        raise ConfigError(f"{path} is not a run folder (no config.json).",
+                          "Give --save the folder of a run.")
+    return RunLock(run, "workbench eval --save").acquire()

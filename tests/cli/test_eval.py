@@ -124,3 +124,43 @@ def test_eval_task_errors(tmp_path, capsys):
     assert "Nothing to evaluate" in capsys.readouterr().err
     assert run_cli(["eval", "-m", model, "-t", f"mc:{tmp_path}/missing.bin"]) == 2
     assert "No task file" in capsys.readouterr().err
+
+
+def test_eval_save_appends_to_the_runs_evals_whole_or_not_at_all(tmp_path, capsys, monkeypatch):
+    from app.engine.errors import Cancelled
+    from app.engine.evaluation import runner
+    from app.engine.evaluation.store import read_evals
+    from app.engine.runs.runlock import RunLock
+    from tests.conftest import DATA
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text("{}")
+    lora = str(GOLDEN / "gemma3-lora.gguf")
+    args = ["eval", "-m", str(GOLDEN / "gemma3-f32.gguf"), "-a", lora, "--save", str(run),
+            "-t", f"mc:{DATA}/eval/mc.bin", "-t", str(DATA / "eval" / "mc.jsonl"), "--limit", "4"]
+    assert run_cli(args) == 0
+    capsys.readouterr()
+    rows = read_evals(run)
+    assert [(r["model"], r["task"]) for r in rows] == [
+        ("base", "mc:mc.bin"), ("base", "jsonl:mc.jsonl"),
+        ("gemma3-lora.gguf", "mc:mc.bin"), ("gemma3-lora.gguf", "jsonl:mc.jsonl")]
+    assert rows[0]["adapter"] is None and rows[2]["adapter"] == lora
+    assert rows[0]["spec"] == f"mc:{DATA}/eval/mc.bin" and rows[0]["n"] == 4
+    assert len({r["eval_id"] for r in rows}) == 1
+    before = (run / "evals.jsonl").read_bytes()
+
+    def cancelled(*a, **k):        # a cancel after the first task: nothing of it is saved
+        raise Cancelled("The evaluation was cancelled.")
+    monkeypatch.setattr(runner, "run_choice_task", cancelled)
+    assert run_cli(args) == 2
+    assert (run / "evals.jsonl").read_bytes() == before
+    monkeypatch.undo()
+    lock = RunLock(run, "a test").acquire()        # the run is being written: refused
+    try:
+        assert run_cli(args) == 2
+        assert "run" in capsys.readouterr().err.lower()
+    finally:
+        lock.release()
+    assert run_cli(args) == 0
+    assert len(read_evals(run)) == 8 and len({r["eval_id"] for r in read_evals(run)}) == 2
