@@ -131,13 +131,7 @@ class Progress:
             return
         kind = event.get(events.TYPE)
         if kind == events.STEP:
-            now = time.monotonic()
-            final = event["step"] == event["total_steps"]
-            if self.tty or final or now - self.last_print > 5.0:
-                end = "\r" if self.tty and not final else "\n"
-                self.stream.write(_progress_line(event) + end)
-                self.stream.flush()
-                self.last_print = now
+            self._step_line(event, _progress_line)
         elif kind == events.EVAL:
             self._line(f"eval   step {event['step']}: loss={event['loss']:.5f} "
                        f"acc={100 * event['accuracy']:.2f}% ppl={event['perplexity']:.2f}"
@@ -146,6 +140,17 @@ class Progress:
             text = event.get("message") or " ".join(
                 f"{k}={v}" for k, v in event.items() if k not in (events.TYPE, events.TIME))
             self._line(f"{kind:<6} {text}")
+
+    def _step_line(self, event: dict, line) -> None:
+        """A step's progress line `line(event)`: on a terminal at every step, redrawn in place;
+        elsewhere every 5 s and at the last step."""
+        now = time.monotonic()
+        final = event["step"] == event["total_steps"]
+        if self.tty or final or now - self.last_print > 5.0:
+            end = "\r" if self.tty and not final else "\n"
+            self.stream.write(line(event) + end)
+            self.stream.flush()
+            self.last_print = now
 
     def _line(self, text: str) -> None:
         prefix = "\n" if self.tty else ""

@@ -11,7 +11,6 @@ they change; the rule is app.engine.training.reward_functions.check_reward_trust
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from app.cli.models import model_argument
@@ -149,13 +148,7 @@ class GrpoProgress(Progress):
         if self.as_json or kind not in (events.STEP, events.EVAL, events.SAMPLES):
             return super().__call__(event)
         if kind == events.STEP:
-            now = time.monotonic()
-            final = event["step"] == event["total_steps"]
-            if self.tty or final or now - self.last_print > 5.0:
-                end = "\r" if self.tty and not final else "\n"
-                self.stream.write(grpo_progress_line(event) + end)
-                self.stream.flush()
-                self.last_print = now
+            self._step_line(event, grpo_progress_line)
         elif kind == events.EVAL:
             parts = " ".join(f"{n}={v['mean']:.3f}" for n, v in event["rewards"].items())
             text = (f"eval   step {event['step']}: reward={event['reward_mean']:.3f} ({parts}) "

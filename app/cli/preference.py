@@ -12,7 +12,6 @@ SFT-only data options (--format other than auto/preference/kto, --weights, --nor
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 from app.cli.foreground import Progress, clock, run_in_foreground, start_run
@@ -185,17 +184,11 @@ class PreferenceProgress(Progress):
         if self.as_json or kind not in (events.STEP, events.EVAL):
             return super().__call__(event)
         if kind == events.STEP:
-            now = time.monotonic()
-            final = event["step"] == event["total_steps"]
-            if self.tty or final or now - self.last_print > 5.0:
-                end = "\r" if self.tty and not final else "\n"
-                self.stream.write(
-                    f"{event[events.RUN_KIND]}: step {event['step']:>5}/{event['total_steps']} "
-                    f"loss={event['loss']:.5f} acc={event['rewards/accuracies']:.3f} "
-                    f"margin={_number(event['rewards/margins'])} lr={event['lr']:.2e} "
-                    f"{clock(event['elapsed_s'])} eta {clock(event['eta_s'])}" + end)
-                self.stream.flush()
-                self.last_print = now
+            self._step_line(event, lambda e: (
+                f"{e[events.RUN_KIND]}: step {e['step']:>5}/{e['total_steps']} "
+                f"loss={e['loss']:.5f} acc={e['rewards/accuracies']:.3f} "
+                f"margin={_number(e['rewards/margins'])} lr={e['lr']:.2e} "
+                f"{clock(e['elapsed_s'])} eta {clock(e['eta_s'])}"))
         else:
             self._line(f"eval   step {event['step']}: loss={event['eval_loss']:.5f} "
                        f"acc={event['eval_rewards/accuracies']:.3f} "

@@ -637,11 +637,8 @@ def train_grpo(config: GrpoConfig, report: Report, should_stop: ShouldStop,
                 shown = completions[:config.samples_prompts * G]
                 report(events.GRPO_SAMPLES(step=done, items=_sample_items(
                     shown, raw, total_r, adv, names, config.answer_field)))
-            routing_window = between_steps(config, session, report, routing_window, evaluate,
-                                           save)
-            requested = should_stop()
-            if requested:
-                stop_reason = "cancelled" if requested == "cancel" else "paused"
+            routing_window, stop_reason = between_steps(config, session, report, routing_window,
+                                                        evaluate, save, should_stop)
         stopped = finish_run(stop_reason, state, session, ckpt_dir, evaluate, save)
         if stopped:
             return stopped

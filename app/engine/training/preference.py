@@ -483,10 +483,8 @@ def train_preference(config: PreferenceConfig, report: Report, should_stop: Shou
             tokens_per_s=metrics.tokens_per_s, skipped=bad,
             elapsed_s=time.perf_counter() - t_start, eta_s=eta, rss_mb=peak_rss_mb(),
             rows=len(picked), **{k: v for k, v in m.items() if k != "loss"}))
-        routing_window = between_steps(config, session, report, routing_window, evaluate, save)
-        requested = should_stop()
-        if requested:
-            stop_reason = "cancelled" if requested == "cancel" else "paused"
+        routing_window, stop_reason = between_steps(config, session, report, routing_window,
+                                                    evaluate, save, should_stop)
     stopped = finish_run(stop_reason, state, session, ckpt_dir, evaluate, save)
     if stopped:
         return stopped

@@ -370,10 +370,12 @@ def checkpoint_saver(ckpt_dir: Path | None, session: TrainSession, state: dict, 
 
 
 def between_steps(config, session: TrainSession, report: Report, routing: dict,
-                  evaluate: Callable[[], None], save: Callable[..., None]) -> dict:
+                  evaluate: Callable[[], None], save: Callable[..., None],
+                  should_stop: ShouldStop) -> tuple[dict, str | None]:
     """After a step of a GRPO or preference run: the norms and routing events every
-    config.norms_every steps, an evaluation every eval_every, a checkpoint every save_every.
-    Returns the routing window (emptied when reported)."""
+    config.norms_every steps, an evaluation every eval_every, a checkpoint every save_every,
+    then the stop request. Returns (the routing window, emptied when reported; None, or
+    "paused" or "cancelled" when a stop was asked)."""
     done = session.step_count
     if config.norms_every and done % config.norms_every == 0:
         report_norms(report, session, routing, done)
@@ -382,7 +384,9 @@ def between_steps(config, session: TrainSession, report: Report, routing: dict,
         evaluate()
     if config.save_every and done % config.save_every == 0:
         save()
-    return routing
+    requested = should_stop()
+    return routing, (None if not requested else "cancelled" if requested == "cancel"
+                     else "paused")
 
 
 def finish_run(stop_reason: str | None, state: dict, session: TrainSession,
