@@ -14,6 +14,7 @@ tab of a screen's tab widgets is shown in turn and checked (`layout_problems`):
 - no visible widget reaches outside its visible parent (inside a scroll area's viewport the
   content scrolls: only its width is checked, a field under the vertical scroll bar is cut);
 - no two visible interactive siblings overlap;
+- no plot's legend or title reaches past the plot's edge;
 - every visible button, check box and label is at least as wide as its minimum size hint (its
   text is not cut), but for the labels in ELIDES, which elide on purpose.
 
@@ -21,6 +22,7 @@ QT_QPA_PLATFORM=offscreen (conftest)."""
 
 from __future__ import annotations
 
+import pyqtgraph as pg
 import pytest
 from PySide6.QtCore import QEvent, Qt
 from PySide6.QtTest import QTest
@@ -97,6 +99,15 @@ def layout_problems(root: QWidget) -> list[str]:
             if w.width() < need.width():
                 problems.append(f"{_name(w)}: {w.width()} px wide < {need.width()} "
                                 f"(text cut)")
+    for plot in (w for w in visible if isinstance(w, pg.PlotWidget)):
+        area = plot.mapToScene(plot.viewport().rect()).boundingRect()
+        for item in plot.scene().items():     # a legend or title cut by the plot's edge
+            if isinstance(item, (pg.LegendItem, pg.LabelItem)) and item.isVisible() and \
+                    item.sceneBoundingRect().width() > 0 and \
+                    not area.adjusted(-1, -1, 1, 1).contains(item.sceneBoundingRect()):
+                text = getattr(item, "text", "") or "legend"
+                problems.append(f"{_name(plot)}: '{text[:30]}' cut by the plot's edge "
+                                f"{item.sceneBoundingRect().getRect()} in {area.getRect()}")
     by_parent: dict[QWidget, list[QWidget]] = {}
     for w in visible:
         if isinstance(w, INTERACTIVE) and not _inside_a_control(w) and not w.isWindow():

@@ -175,6 +175,9 @@ def small_plot(title: str, y_label: str, grid: bool = False) -> pg.PlotWidget:
     `y_label` (the value and its unit) beside the y axis."""
     plot = plot_widget(axisItems={"bottom": StepAxis("bottom")})
     plot.setTitle(title, color=theme.color("plot_title"), size="9pt")
+    item = plot.getPlotItem()
+    item.layout.removeItem(item.titleLabel)       # the title over the whole width, axis too:
+    item.layout.addItem(item.titleLabel, 0, 0, 1, 3)  # one with keys was cut at 1280 px
     plot.showGrid(x=grid, y=grid, alpha=0.12)       # grid lines cost ~3 ms a paint
     plot.setMinimumHeight(100)                 # two rows and a headline plot fit 720 px
     plot.getAxis("left").setWidth(60)          # fixed: a changing label width would relayout
