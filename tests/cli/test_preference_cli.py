@@ -67,3 +67,18 @@ def test_a_queued_kto_run_names_its_kind(tmp_path, capsys):
                     "--queue", str(queue), "-o", str(tmp_path / "run")]) == 0
     job = JobQueue(queue).list()[0]
     assert RunDir(job.run_dir).config()["kind"] == "kto"
+
+
+def test_a_cluster_node_runs_a_simpo_run_directory(tmp_path, capsys):
+    """`queue run-remote` (what a Ray job runs on a node) finds a preference run's loop in the
+    run-kind table and records it as the worker does."""
+    from app.engine.runs.remote import EXIT_DONE, run_remote
+
+    out = tmp_path / "run"
+    assert run_cli(["train", "--method", "simpo", *SMALL, "--max-steps", "2", "--queue",
+                    str(tmp_path / "q.sqlite3"), "-o", str(out)]) == 0
+    assert run_remote(out) == EXIT_DONE
+    run = RunDir(out)
+    assert run.status()["state"] == "done" and run.status()["step"] == 2
+    assert all(problems(e, "simpo") == [] for e in run.metrics())
+    assert (out / "adapter.gguf").is_file()
