@@ -35,6 +35,7 @@ from app.views.main_window import MainWindow
 from app.views.widgets import theme
 from app.views.widgets.fit import ElidedLabel
 from tests.views.conftest import wait_ready
+from tests.hub_server import hub, hub_repos  # noqa: F401  (fixtures: the local Hugging Face Hub)
 from tests.views.fake_runs import FakeGrpoRun, FakeRun, fake_config
 
 WIDTH, HEIGHT = 1280, 720
@@ -266,3 +267,21 @@ def test_every_screen_fits_1280x720(qtbot, ctx, window):
     assert_fits(win)
     assert row.weight_box.width() > 0 and row.remove_button.width() > 0
 
+
+
+@pytest.mark.slow
+def test_the_get_a_model_dialog_fits(qtbot, hub, font_scale):  # noqa: F811 (hub: a fixture)
+    """"Get a model..." (New run's picker) with search results and a repository's files: its
+    minimum fits 1280x720, and at its default size nothing is cut or overlaps."""
+    from app.views.get_model.dialog import GetModelDialog
+    from tests.views.get_model.test_get_model import _to_files
+
+    dialog = GetModelDialog()
+    qtbot.addWidget(dialog)
+    dialog.show()
+    _to_files(qtbot, dialog)
+    settle()
+    hint = dialog.minimumSizeHint()
+    assert hint.width() <= WIDTH and hint.height() <= HEIGHT, hint
+    assert dialog.width() <= WIDTH and dialog.height() <= HEIGHT, dialog.size()
+    assert layout_problems(dialog) == []
