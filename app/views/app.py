@@ -45,6 +45,7 @@ def run_gui(argv: list[str] | None = None, model_path: str | None = None) -> int
     """Open the main window (with `model_path` pre-selected) and run the event loop."""
     app = prepare_app(argv)
     window = build_window()
+    window.restore_theme()                      # View > Theme's choice, unless the env's
     geometry = window.ctx.settings.value("window/geometry")
     if geometry is None or not window.restoreGeometry(geometry):
         window.resize(1200, 780)

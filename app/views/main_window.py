@@ -18,7 +18,8 @@ import os
 from collections.abc import Callable
 
 from PySide6.QtCore import QSettings, Qt, QTimer, QUrl
-from PySide6.QtGui import QAction, QDesktopServices, QFont, QFontMetrics, QKeySequence
+from PySide6.QtGui import (QAction, QActionGroup, QDesktopServices, QFont, QFontMetrics,
+                           QKeySequence)
 from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QListWidget, QListWidgetItem,
                                QMainWindow, QMessageBox, QPushButton, QSizePolicy,
                                QStackedWidget, QVBoxLayout, QWidget)
@@ -34,6 +35,7 @@ APP_NAME = "GGUF Workbench"
 RECENT_KEY = "recent/models"
 MAX_RECENT = 10
 LAST_RUN_KEY = "window/last_run"
+THEME_KEY = "window/theme"              # View > Theme: system, light or dark
 SCREEN_TITLES = {"new_run": "New run", "runs": "Runs", "monitor": "Monitor",
                  "experts": "Experts", "playground": "Playground", "export": "Export",
                  "settings": "Settings"}
@@ -335,6 +337,18 @@ class MainWindow(QMainWindow):
             action = QAction(SCREEN_TITLES[key], self, shortcut=QKeySequence(f"Ctrl+{i + 1}"))
             action.triggered.connect(lambda _=False, k=key: self.show_screen(k))
             view.addAction(action)
+        view.addSeparator()
+        themes = view.addMenu("&Theme")
+        group = QActionGroup(self)
+        self.theme_actions: dict[str, QAction] = {}
+        for mode, text in (("system", "Like the &system"), ("light", "&Light"),
+                           ("dark", "&Dark")):
+            action = QAction(text, self, checkable=True)
+            action.triggered.connect(lambda _=False, m=mode: self.set_theme(m))
+            group.addAction(action)
+            themes.addAction(action)
+            self.theme_actions[mode] = action
+        self.theme_actions[theme.current().mode].setChecked(True)
         help_menu = self.menuBar().addMenu("&Help")
         guide = QAction("User &guide", self)
         guide.triggered.connect(self._open_guide)
@@ -342,6 +356,23 @@ class MainWindow(QMainWindow):
         about.triggered.connect(lambda: QMessageBox.about(self, APP_NAME, about_text()))
         help_menu.addAction(guide)
         help_menu.addAction(about)
+
+    def set_theme(self, mode: str) -> None:
+        """View > Theme: `mode` (system, light or dark) now, and at the next start unless
+        WORKBENCH_THEME says otherwise."""
+        theme.apply_theme(mode=mode)
+        self.theme_actions[mode].setChecked(True)
+        self.ctx.settings.setValue(THEME_KEY, mode)
+
+    def restore_theme(self) -> None:
+        """At start: the theme chosen in View > Theme last time, unless WORKBENCH_THEME is set
+        (it wins: `WORKBENCH_THEME=light workbench` for one session)."""
+        mode = self.ctx.settings.value(THEME_KEY, "", type=str)
+        if os.environ.get(theme.ENV) or mode not in theme.MODES:
+            mode = theme.requested_mode()
+        if mode != theme.current().mode:
+            theme.apply_theme(mode=mode)
+        self.theme_actions[mode].setChecked(True)
 
     def _open_runs_folder(self) -> None:
         root = self.ctx.runs_root()

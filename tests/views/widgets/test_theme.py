@@ -181,3 +181,22 @@ def test_palettes_name_the_same_colours_and_translate(qapp, restore, monkeypatch
     assert theme.translate(theme.DARK["accent"]) == theme.LIGHT["accent"]
     sheet = theme.style_sheet(theme.DARK, font_scale=1.5)
     assert "$" not in sheet and "font-size: 15pt" in sheet and "font-size: 21pt" in sheet
+
+
+def test_view_menu_theme_is_kept_for_the_next_start(qtbot, ctx, qapp, restore, monkeypatch):
+    from app.views.main_window import THEME_KEY, MainWindow
+
+    monkeypatch.delenv(theme.ENV, raising=False)
+    theme.apply_theme(qapp, mode="light")
+    win = MainWindow(ctx, discover=lambda: [])
+    qtbot.addWidget(win)
+    assert win.theme_actions["light"].isChecked()
+    win.theme_actions["dark"].trigger()
+    assert theme.is_dark() and ctx.settings.value(THEME_KEY) == "dark"
+    assert win.theme_actions["dark"].isChecked() and not win.theme_actions["light"].isChecked()
+    theme.apply_theme(qapp, mode="light")           # a new start: the choice comes back
+    win.restore_theme()
+    assert theme.is_dark() and win.theme_actions["dark"].isChecked()
+    monkeypatch.setenv(theme.ENV, "light")          # the environment wins
+    win.restore_theme()
+    assert not theme.is_dark() and win.theme_actions["light"].isChecked()
