@@ -206,7 +206,7 @@ class MonitorView(QWidget):
     @property
     def best_mark(self) -> BestMark:
         """The best mark on the followed run's headline plot."""
-        return self.best_marks[self.kind]
+        return self.best_marks.get(self.kind, self.best_marks[SFT])   # preference: the loss plot
 
     def _headline_plot(self) -> str:
         """The redraw key of the plot with the run's headline metric (and the runs compared)."""
@@ -262,7 +262,8 @@ class MonitorView(QWidget):
             self.grpo.add_evals(events)
             self.redraw.mark("reward")
         else:
-            self._evals.extend([(e.get("step", 0), num(e, "loss")) for e in events])
+            self._evals.extend([(e.get("step", 0), num(e, "eval_loss" if "eval_loss" in e
+                                                       else "loss")) for e in events])
             self.redraw.mark("loss")
         self._update_progress()
 
