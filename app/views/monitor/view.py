@@ -10,7 +10,10 @@ axis shows the whole run (step 0 to the total) until the user zooms (`ranges`, a
 
 A supervised run shows its loss page alone. A GRPO run (config.json "kind": "grpo") gets three
 pages: Rewards (`grpo`, a `GrpoCurves`), Completions (`completions`, a `CompletionsView`) and
-the same loss page. Test-visible state: `loss_curve` (raw training loss), `smooth_curve` (its
+the same loss page. A preference run (dpo, orpo, simpo, kto) shows the loss page with its
+preference loss (held-out: the validation points), the best step by held-out accuracy, and its
+accuracy and reward margin where a supervised run's clipped fraction and tokens/s are (each
+step's curve, the held-out values as points: `held_out_curves`). Test-visible state: `loss_curve` (raw training loss), `smooth_curve` (its
 EMA), `val_curve`, `best_mark` (the best evaluation's step, `best`, on the headline plot;
 `best_marks` by kind), `lr_curve`, `grad_curve`, `clipped_curve`, `tps_curve`, `pages`, `kind`
 (the run's RunKind), `grpo`, `completions`, `compare`, `progress`, `stats_label`, `log_view`,
@@ -27,11 +30,13 @@ from PySide6.QtWidgets import (QCheckBox, QGridLayout, QHBoxLayout, QLabel, QMes
                                QPlainTextEdit, QProgressBar, QPushButton, QSizePolicy, QSlider,
                                QSplitter, QTabWidget, QVBoxLayout, QWidget)
 
-from app.engine.api import GRPO, SFT, EngineError, RunDir, RunKind, can_continue, kind_of
+from app.engine.api import (GRPO, PREFERENCE_KINDS, SFT, EngineError, RunDir, RunKind,
+                            can_continue, kind_of)
 from app.views.monitor.completions import CompletionsView
 from app.views.monitor.grpo_curves import KEYS as GRPO_KEYS
 from app.views.monitor.grpo_curves import GrpoCurves
 from app.views.monitor.run_compare import ComparePanel
+from app.views.widgets import theme
 from app.views.widgets.fit import ElidedLabel, WrappedLabel
 from app.views.widgets.plots import (ACCENT, LEGEND, ORANGE, RAW, BestMark, PacedReveal,
                                      RunRanges, box, filled_curve, num, small_plot)
@@ -41,6 +46,13 @@ from app.views.widgets.tooltips import CONTINUE_TIP
 
 ACTIVE = ("running", "queued", "paused")
 SFT_KEYS = ("loss", "lr", "grad", "clipped", "tps")
+# A preference run's last two small plots: its accuracy and margin (step, and held-out points)
+# where a supervised run's show the clipped fraction and tokens/s: (title, y label, step field).
+SMALL_PLOTS = {"clipped": ("Clipped fraction", "share", "clipped_fraction"),
+               "tps": ("Tokens / s", "tokens/s", "tokens_per_s")}
+PREFERENCE_PLOTS = {"clipped": ("Accuracy: chosen above rejected", "share",
+                                "rewards/accuracies"),
+                    "tps": ("Reward margin: chosen - rejected", "margin", "rewards/margins")}
 
 
 def run_kind(path: str | None) -> RunKind:
@@ -65,6 +77,7 @@ class MonitorView(QWidget):
         self.confirm = self._confirm_discard       # replaced in tests
         self._steps = Series(6)                    # step, loss, lr, grad_norm, clipped, tok/s
         self._evals = Series(2)
+        self._pref_evals = Series(3)               # step, held-out accuracy, held-out margin
         self._build()
         self._layout()
         self._connect()
@@ -106,11 +119,15 @@ class MonitorView(QWidget):
                                              symbolSize=6, symbolBrush=ORANGE,
                                              symbolPen=None, name="validation")
         plots = [small_plot(*t) for t in (("Learning rate", "lr"), ("Gradient norm", "L2 norm"),
-                                          ("Clipped fraction", "share"),
-                                          ("Tokens / s", "tokens/s"))]
+                                          SMALL_PLOTS["clipped"][:2], SMALL_PLOTS["tps"][:2])]
         self.lr_plot, self.grad_plot, self.clipped_plot, self.tps_plot = plots
         self.lr_curve, self.grad_curve, self.clipped_curve, self.tps_curve = (
             filled_curve(p) for p in plots)
+        # a preference run's held-out accuracy and margin, points on those two plots
+        self.held_out_curves = {key: plot.plot(pen=None, symbol="o", symbolSize=6,
+                                               symbolBrush=ORANGE, symbolPen=None)
+                                for key, plot in (("clipped", self.clipped_plot),
+                                                  ("tps", self.tps_plot))}
         self.plots = dict(zip(SFT_KEYS, [self.loss_plot] + plots))
         for key, plot in self.plots.items():
             self.ranges.watch(plot, y=(0, 1) if key == "clipped" else None)
@@ -197,11 +214,18 @@ class MonitorView(QWidget):
         was drawn outside both)."""
         self.kind = kind
         grpo = kind is GRPO
+        titles = PREFERENCE_PLOTS if self._preference else SMALL_PLOTS
+        for key, plot in (("clipped", self.clipped_plot), ("tps", self.tps_plot)):
+            retitle(plot, *titles[key][:2])
         for i in (0, 1):
             self.pages.setTabVisible(i, grpo)
         self.pages.tabBar().setVisible(grpo)
         self.pages.setCurrentIndex(0 if grpo else 2)
         self.compare.set_target(self.grpo.reward_plot if grpo else self.loss_plot, kind)
+
+    @property
+    def _preference(self) -> bool:
+        return self.kind.name in PREFERENCE_KINDS
 
     @property
     def best_mark(self) -> BestMark:
@@ -230,6 +254,7 @@ class MonitorView(QWidget):
     def _on_reset(self, _path: str) -> None:
         self._steps.clear()
         self._evals.clear()
+        self._pref_evals.clear()
         self.grpo.clear()
         self.completions.clear()
         self.status, self.last_step = {}, {}
@@ -244,9 +269,10 @@ class MonitorView(QWidget):
         self._update_buttons()
 
     def _on_steps(self, events: list) -> None:
+        small = PREFERENCE_PLOTS if self._preference else SMALL_PLOTS
         self._steps.extend([(e.get("step", 0), num(e, "loss"), num(e, "lr"),
-                             num(e, "grad_norm"), num(e, "clipped_fraction"),
-                             num(e, "tokens_per_s")) for e in events])
+                             num(e, "grad_norm"), num(e, small["clipped"][2]),
+                             num(e, small["tps"][2])) for e in events])
         if self.kind is GRPO:
             self.grpo.add_steps(events)
         self.last_step = events[-1]
@@ -265,6 +291,10 @@ class MonitorView(QWidget):
             self._evals.extend([(e.get("step", 0), num(e, "eval_loss" if "eval_loss" in e
                                                        else "loss")) for e in events])
             self.redraw.mark("loss")
+        if self._preference:
+            self._pref_evals.extend([(e.get("step", 0), num(e, "eval_rewards/accuracies"),
+                                      num(e, "eval_rewards/margins")) for e in events])
+            self.redraw.mark("clipped", "tps")
         self._update_progress()
 
     def _on_events(self, events: list) -> None:
@@ -297,7 +327,13 @@ class MonitorView(QWidget):
         curve = {"lr": self.lr_curve, "grad": self.grad_curve, "clipped": self.clipped_curve,
                  "tps": self.tps_curve}[key]
         curve.setData(self._steps.col(0), self._steps.col(column))
-        self.ranges.fit(self.plots[key], [self._steps.col(column)], from_zero=True)
+        ys = [self._steps.col(column)]
+        if key in self.held_out_curves:      # a preference run's held-out points (else none)
+            col = 1 if key == "clipped" else 2
+            points = self._pref_evals if self._preference else Series(3)
+            self.held_out_curves[key].setData(points.col(0), points.col(col))
+            ys.append(points.col(col))
+        self.ranges.fit(self.plots[key], ys, from_zero=True)
 
     def _x_max(self) -> float:
         """The last step the plots show: the run's total, or further when the data go on."""
@@ -435,3 +471,10 @@ class MonitorView(QWidget):
         self.compare.stop()
         self.redraw.timer.stop()
         super().closeEvent(event)
+
+
+def retitle(plot, title: str, y_label: str) -> None:
+    """A small plot's title and y label (as `small_plot` styles them)."""
+    plot.setTitle(title, color=theme.color("plot_title"), size="9pt")
+    plot.getPlotItem().setLabel("left", y_label, color=theme.color("axis_text"),
+                                **{"font-size": "8pt"})
