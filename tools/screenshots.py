@@ -13,8 +13,9 @@ example clusters (no token: nothing reaches the keyring) and shoots Settings > C
 run with "Run on" a cluster, and the Dataset tab in the dark theme (`new-run-dataset-dark`;
 `--quick` stops there); starts a short real run (on this computer) in a real worker process; shoots Monitor (also dark: `monitor-dark`) and Experts when it has finished; exports a
 GGUF adapter and chats two turns in the Playground; shoots those. Then the GRPO addition demo: its
-New run tabs, a real 40-step run, Monitor's Rewards and Completions pages; then Runs (both
-runs) and an error. The worker it started is stopped at the end.
+New run tabs, a real 40-step run, Monitor's Rewards and Completions pages; a 40-step DPO run
+on the sample preferences, in Monitor (`monitor-dpo`: loss, accuracy, margin); then Runs (all
+three runs) and an error. The worker it started is stopped at the end.
 """
 
 from __future__ import annotations
@@ -79,6 +80,28 @@ def shoot_get_model(new_run, out: Path, wait, pump) -> None:
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
+
+
+def shoot_preference_run(ctx, window, pump, shoot) -> None:
+    """A short DPO run on sample_data/preferences.jsonl, trained here (New run does not offer
+    preference runs yet), followed in Monitor: `monitor-dpo` (loss, accuracy and margin)."""
+    from app.engine.runs.reporter import RunReporter
+    from app.engine.runs.rundir import RunDir
+    from app.engine.training.preference import PreferenceConfig, train_preference
+
+    sample = Path(__file__).resolve().parents[1] / "sample_data"
+    config = PreferenceConfig(model=str(sample / "tiny-moe.gguf"),
+                              data=str(sample / "preferences.jsonl"), val_split=0.1,
+                              max_steps=40, epochs=0, eval_every=5)
+    run = RunDir.create(ctx.runs_root() / "dpo-preferences", config.to_dict())
+    reporter = RunReporter(run)
+    reporter.started()
+    train_preference(config, reporter.report, lambda: None, run.checkpoints_dir)
+    reporter.finished("done")
+    ctx.select_run(run.path)
+    window.show_screen("monitor")
+    pump(1.5)                                   # the run's events reach the screen
+    shoot("monitor-dpo", 0.8)
 
 
 def parse_size(text: str) -> tuple[int, int]:
@@ -236,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
             items = table.current_entry()[2]                         # a rewarded completion
             table.table.selectRow(next(r for r, it in enumerate(items) if it["advantage"] > 0))
             shoot("completions", 0.8)
+            shoot_preference_run(ctx, window, pump, shoot)
             window.show_screen("runs")
             shoot("runs", 0.8)
 
