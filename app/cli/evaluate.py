@@ -42,6 +42,9 @@ def add_eval_parser(sub) -> None:
                    help="run the Python reward files a suite names")
     p.add_argument("--save", metavar="RUN_DIR",
                    help="also append the results to RUN_DIR/evals.jsonl (all or nothing)")
+    p.add_argument("--queue", nargs="?", const="", default=None, metavar="QUEUE",
+                   help="with --save: add the evaluation to the job queue (its folder: "
+                        "RUN_DIR/evals/<id>/) instead of running it here")
     p.add_argument("--json", action="store_true",
                    help="print the results as JSON, with one record per task item")
 
@@ -104,6 +107,8 @@ def _tasks(args) -> int:
 
     specs = [runner.parse_task(t) for t in args.task]
     loaded = runner.load_tasks(specs, args.limit)          # every file checked before the load
+    if args.queue is not None:
+        return _queue(args)
     for task in loaded:
         if task.spec.kind == "suite":
             suites.check_trust(task.items, args.trust_reward_code)
@@ -153,3 +158,31 @@ def _run_lock(path: str):
         raise ConfigError(f"{path} is not a run folder (no config.json).",
                           "Give --save the folder of a run.")
     return RunLock(run, "workbench eval --save").acquire()
+
+
+def _queue(args) -> int:
+    """`--queue`: the evaluation as a job of the queue's worker (app.engine.evaluation.job)."""
+    from app.engine.errors import ConfigError
+    from app.engine.evaluation.job import EvalConfig, new_eval_job
+    from app.engine.runs.queue import JobQueue
+
+    if not args.save:
+        raise ConfigError("--queue saves the evaluation with a run.", "Add --save RUN_DIR.")
+    _run_lock(args.save).release()                 # a run folder, not busy now
+    targets = [{"label": "base"}] + [
+        {"label": label, "adapter": os.path.abspath(path), "scale": args.scale}
+        for label, path in zip(adapter_labels(args.adapter), args.adapter)]
+    config = EvalConfig(os.path.abspath(args.model), [_absolute(t) for t in args.task], targets,
+                        args.limit, args.samples, args.seed, args.max_new_tokens, args.ctx)
+    folder = new_eval_job(args.save, config)
+    job_id = JobQueue(args.queue or None).add(folder)
+    print(f"queued job {job_id}: {folder}")
+    return 0
+
+
+def _absolute(spec: str) -> str:
+    """A task spec with its file's absolute path (the worker runs elsewhere in the tree)."""
+    from app.engine.evaluation.runner import parse_task
+
+    task = parse_task(spec)
+    return f"{task.kind}:{os.path.abspath(task.path)}"

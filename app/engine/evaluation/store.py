@@ -53,11 +53,13 @@ def read_evals(run_dir: str | os.PathLike) -> list[dict]:
 
 
 def save_evals(run_dir: str | os.PathLike, results: dict[str, list[TaskResult]],
-               adapters: dict[str, str | None], specs: dict[str, str]) -> str:
+               adapters: dict[str, str | None], specs: dict[str, str],
+               eval_id: str | None = None, when: float | None = None) -> tuple[str, float]:
     """Append one evaluation (`results` as `runner.evaluate` gives them; `adapters`: each
     label's adapter path, None for the base; `specs`: each task name's spec) to the run's
-    evals.jsonl, atomically. Returns its eval_id."""
-    eval_id, now = uuid.uuid4().hex[:12], time.time()
+    evals.jsonl, atomically. Returns (its eval_id, its time): pass them to save the same
+    evaluation elsewhere."""
+    eval_id, now = eval_id or uuid.uuid4().hex[:12], time.time() if when is None else when
     lines = []
     for label, rows in results.items():
         for r in rows:
@@ -69,4 +71,4 @@ def save_evals(run_dir: str | os.PathLike, results: dict[str, list[TaskResult]],
     if old and not old.endswith(b"\n"):
         old += b"\n"
     atomic_write_bytes(path, old + "".join(line + "\n" for line in lines).encode("utf-8"))
-    return eval_id
+    return eval_id, now

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from app.engine.errors import ConfigError
+from app.engine.evaluation import job as eval_job
+from app.engine.runs.runlock import RunLock
 from app.engine.training import grpo, preference, sft
 
 
@@ -40,7 +42,19 @@ PREFERENCE_KINDS = {m: RunKind(m, preference.PreferenceConfig, preference.run_pr
                                title=preference.METHOD_TITLES[m], metric=preference.HEADLINE,
                                lower_is_better=False)
                     for m in preference.METHODS}
-RUN_KINDS = {**KINDS, **PREFERENCE_KINDS}   # every kind a run directory may name
+
+
+def _run_eval_job(run_dir, control) -> str:
+    """An evaluation (app.engine.evaluation.job), saved into its run under the run's lock."""
+    return eval_job.run_eval_job(run_dir, control,
+                                 lambda path: RunLock(path, "an evaluation").acquire())
+
+
+# An evaluation queued from the Evaluate screen or `workbench eval --queue`: its folder is
+# RUN_DIR/evals/<id>/ (not a run of the runs list); its results go to RUN_DIR/evals.jsonl.
+EVAL = RunKind(eval_job.KIND, eval_job.EvalConfig, _run_eval_job, label="Eval",
+               title="Evaluation", metric="step", lower_is_better=False)
+RUN_KINDS = {**KINDS, **PREFERENCE_KINDS, EVAL.name: EVAL}   # every kind a run directory may name
 
 
 def kind_of(config: dict, where: str = "config.json") -> RunKind:
