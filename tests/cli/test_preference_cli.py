@@ -59,6 +59,9 @@ def test_sft_only_options_and_unpaired_data_are_refused(tmp_path, capsys):
                     "1", "--epochs", "0", "-o", str(tmp_path / "b")]) == 2
     assert "needs chosen/rejected pairs" in capsys.readouterr().err
     assert not (tmp_path / "b").exists()          # a run that fails before a step is taken back
+    assert run_cli(["train", "--method", "dpo", "-m", MODEL, "-d", PREFS, "--val-data",
+                    str(kto), "--max-steps", "1", "--epochs", "0", "-o", str(tmp_path / "c")]) == 2
+    assert "kto.jsonl has unpaired (KTO) rows" in capsys.readouterr().err
 
 
 def test_a_queued_kto_run_names_its_kind(tmp_path, capsys):

@@ -372,10 +372,12 @@ def load_rows(config: PreferenceConfig, tokenizer, report: Report, should_stop):
         val_paired = data.paired
     if config.method == KTO:
         train_items, val_items = unpaired(train_items), unpaired(val_items)
-    elif not data.paired:
-        raise DatasetError(f"{Path(config.data).name} has unpaired (KTO) rows: "
-                           f"{config.method.upper()} needs chosen/rejected pairs.",
-                           "Train it with --method kto, or use a file of pairs.")
+    else:
+        for path, paired in ((config.data, data.paired), (config.val_data, val_paired)):
+            if not paired:
+                raise DatasetError(f"{Path(path).name} has unpaired (KTO) rows: "
+                                   f"{config.method.upper()} needs chosen/rejected pairs.",
+                                   "Train it with --method kto, or use a file of pairs.")
     if not train_items:
         raise DatasetError(f"{Path(config.data).name} has no usable preference rows "
                            f"({data.rejections.total} of {data.n_rows} rejected).",
