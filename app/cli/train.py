@@ -216,6 +216,11 @@ def cmd_train(args) -> int:
     if method != "sft":
         return cmd_train_preference(args, method, train_options(args))
     config = run_config_from_args(args)
+    if config.workers > 1 and not args.on:   # only a cluster's job runs data-parallel
+        raise ConfigError(f"--workers {config.workers} trains data-parallel on a Ray cluster; "
+                          "this machine trains a run in one process.",
+                          "Send the run to a cluster with --on CLUSTER (see `workbench cluster "
+                          "list`), or leave --workers out.")
     check_data_files(config.data, config.data_config)   # a pipe, a folder: before a run folder
     # the format up front only for a queued run: reading the first rows of a dataset whose
     # first line is 64 GB takes minutes, which a run in the foreground spends showing progress

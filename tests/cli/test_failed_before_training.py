@@ -114,3 +114,19 @@ def test_a_run_the_queue_refuses_leaves_no_folder_and_no_listed_run(inputs, caps
                     str(inputs / "q.sqlite3"), "--on", "nowhere"]) == 2
     assert "nowhere" in capsys.readouterr().err
     assert not out.exists() and str(out) not in registered_run_paths()
+
+
+def test_workers_without_a_cluster_and_a_bad_chat_template_are_refused_first(inputs, capsys):
+    """`--workers N` trains data-parallel on a Ray cluster only (a run here or queued for this
+    machine failed at its start); `--chat-template` names a file that must be a template."""
+    out = inputs / "dp"
+    for queue in ([], ["--queue", str(inputs / "q.sqlite3")]):
+        assert run_cli(["train", "-m", MODEL, "-d", CHAT, "-o", str(out), "--workers", "2",
+                        *QUICK, *queue]) == 2
+        err = capsys.readouterr().err
+        assert "error: --workers 2 trains data-parallel on a Ray cluster" in err, err
+        assert "--on CLUSTER" in err and not out.exists()
+    (inputs / "t.jinja").write_text("{% for m in messages %}")
+    assert run_cli(["train", "-m", MODEL, "-d", CHAT, "-o", str(out), "--chat-template",
+                    str(inputs / "t.jinja"), *QUICK]) == 2
+    assert "does not compile" in capsys.readouterr().err and not out.exists()
