@@ -64,14 +64,20 @@ class RunRow:
         return os.path.basename(self.path)
 
     @property
+    def state_word(self) -> str:
+        """The state in `workbench queue list`'s words (api.job_state): "submitting" for a job
+        handed to a cluster that has not accepted it yet, where `state` (the queue's) says
+        running."""
+        return job_state(self.job, self.status) if self.job is not None else self.state
+
+    @property
     def label(self) -> str:
         """The state as shown: 'running (pausing...)', 'running?' for a stalled run of the command
         line."""
-        if self.job is not None:     # the words of `workbench queue list` (api.job_state)
-            state = job_state(self.job, self.status)
+        if self.job is not None:     # the words of `workbench queue list`
             if self.job.requested_action in REQUESTED:
-                return f"{state} ({REQUESTED[self.job.requested_action]})"
-            return state
+                return f"{self.state_word} ({REQUESTED[self.job.requested_action]})"
+            return self.state_word
         if self.stalled and self.state == "running":
             return f"{self.state}? (no update for {(time.time() - self.updated_at) / 60:.0f} min)"
         return self.state           # outside the queue: the Where column's tooltip says so

@@ -213,7 +213,7 @@ class RunsView(QWidget):
         self._restore_selection()
         counts: dict[str, int] = {}
         for r in self.rows:
-            counts[r.state] = counts.get(r.state, 0) + 1
+            counts[r.state_word] = counts.get(r.state_word, 0) + 1
         text = ", ".join(f"{n} {s}" for s, n in counts.items())
         if self.model.shown is not self.rows and len(self.model.shown) != len(self.rows):
             text += f" \u00b7 {len(self.model.shown)} shown"

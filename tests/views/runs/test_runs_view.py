@@ -103,7 +103,7 @@ def test_a_job_handed_to_a_cluster_reads_submitting_as_in_queue_list(qtbot, ctx,
     fake.run.write_status(state="submitting")
     assert job.state == "running" and job_state(job, fake.run.status()) == "submitting"
     view = refreshed(qtbot, RunsView(ctx))
-    assert view.text(0, "Status") == "submitting"
+    assert view.text(0, "Status") == "submitting" and view.summary.text() == "1 submitting"
     assert run_cli(["queue", "list", "--queue", str(ctx.queue.path)]) == 0
     [line] = [x for x in capsys.readouterr().out.splitlines() if "on-lab" in x]
     assert line.split()[1] == "submitting"
