@@ -228,7 +228,7 @@ def _config(method="dpo", precision="auto", **kw):
                             train=TrainConfig(lr=3.5e-3, lora_rank=4, precision=precision), **kw)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=pytest.mark.slow)])
 def test_first_dpo_step_is_ln2_and_events_fit_the_schema(tmp_path, precision):
     """The reference's base products are the policy's (bf16 or float32): with B = 0 the two
     forwards make the same calls, so the first loss is ln 2 exactly."""

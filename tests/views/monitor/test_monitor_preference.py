@@ -5,6 +5,8 @@ the held-out ones; a supervised run selected next gets its own plots back."""
 
 from __future__ import annotations
 
+import pytest
+
 from app.engine.api import SFT
 from app.engine.runs.reporter import RunReporter
 from app.engine.runs.rundir import RunDir
@@ -14,6 +16,7 @@ from app.views.monitor.view import MonitorView
 from tests.conftest import REPO
 
 
+@pytest.mark.slow
 def test_monitor_shows_a_dpo_run(ctx, qtbot, tmp_path):
     config = PreferenceConfig(model=str(REPO / "sample_data/tiny-moe.gguf"),
                               data=str(REPO / "sample_data/preferences.jsonl"),
