@@ -277,33 +277,17 @@ def test_kill_9_mid_run_then_resume_gives_the_uninterrupted_steps(tmp_path, meth
     """A queue worker killed with SIGKILL mid-run (it finds the loop through the run-kind
     table): the next worker resumes from the newest checkpoint and every step's loss and
     margin equal those of a run never interrupted."""
-    import signal
-    import subprocess
-    import sys
-    import time
-
     from app.engine.runs.queue import JobQueue
     from app.engine.runs.rundir import RunDir
     from app.engine.runs.worker import run_worker
-    from tests.conftest import REPO
+    from tests.engine.training.test_sft import queue_and_kill_worker
 
     config = _config(method, max_steps=12, save_every=2, eval_every=4)
     straight = []
     train_preference(config, straight.append, lambda: None, tmp_path / "straight")
     run_dir = RunDir.create(tmp_path / "run", config.to_dict())
     queue_path = tmp_path / "q.sqlite3"
-    JobQueue(queue_path).add(run_dir.path)
-    worker = subprocess.Popen([sys.executable, "-m", "app", "queue", "worker", "--queue",
-                               str(queue_path)], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, cwd=REPO)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        steps = [e for e in run_dir.metrics() if e["type"] == "step"]
-        if len(steps) >= 5:
-            break
-        time.sleep(0.02)
-    worker.send_signal(signal.SIGKILL)
-    worker.wait(timeout=30)
+    steps = queue_and_kill_worker(run_dir, queue_path, 5)
     assert 5 <= len(steps) < 12, "the worker finished before the kill"
     assert run_worker(JobQueue(queue_path), once=True, poll_s=0.01, stale_after_s=0) == 1
     assert JobQueue(queue_path).list()[0].state == "done"

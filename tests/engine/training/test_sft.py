@@ -134,6 +134,24 @@ def test_out_of_memory_is_a_clear_error(tmp_path, data_file, monkeypatch):
     assert "checkpoint" in err.value.hint
 
 
+def queue_and_kill_worker(run_dir, queue_path, n_steps: int) -> list[dict]:
+    """Queue the run, start a worker process and kill it with SIGKILL once the run has recorded
+    `n_steps` steps (or after 120 s); the step events recorded by then."""
+    JobQueue(queue_path).add(run_dir.path)
+    worker = subprocess.Popen([sys.executable, "-m", "app", "queue", "worker", "--queue",
+                               str(queue_path)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, cwd=REPO)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        steps = [e for e in run_dir.metrics() if e["type"] == "step"]
+        if len(steps) >= n_steps:
+            break
+        time.sleep(0.02)
+    worker.send_signal(signal.SIGKILL)
+    worker.wait(timeout=30)
+    return steps
+
+
 def test_kill_9_mid_run_then_resume_gives_the_uninterrupted_losses(tmp_path, data_file):
     """A worker process killed with SIGKILL mid-training: the next worker recovers the job,
     resumes from the newest complete checkpoint, and every step's loss equals a run that was
@@ -143,18 +161,7 @@ def test_kill_9_mid_run_then_resume_gives_the_uninterrupted_losses(tmp_path, dat
     train(config, straight.append, lambda: None, tmp_path / "straight")
     run_dir = RunDir.create(tmp_path / "run", config.to_dict())
     queue_path = tmp_path / "q.sqlite3"
-    JobQueue(queue_path).add(run_dir.path)
-    worker = subprocess.Popen([sys.executable, "-m", "app", "queue", "worker", "--queue",
-                               str(queue_path)], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, cwd=REPO)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:                     # wait for a checkpoint and more steps
-        steps = [e for e in run_dir.metrics() if e["type"] == "step"]
-        if len(steps) >= 7:
-            break
-        time.sleep(0.02)
-    worker.send_signal(signal.SIGKILL)
-    worker.wait(timeout=30)
+    steps = queue_and_kill_worker(run_dir, queue_path, 7)  # a checkpoint and more steps
     assert 7 <= len(steps) < len(_steps(straight)), "the worker finished before the kill"
     assert run_worker(JobQueue(queue_path), once=True, poll_s=0.01, stale_after_s=0) == 1
     job = JobQueue(queue_path).list()[0]
