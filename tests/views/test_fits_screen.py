@@ -171,6 +171,7 @@ def font_scale(request, qapp):
     sheet = qapp.styleSheet()
     theme.apply_theme(qapp, font_scale=request.param)
     yield request.param
+    theme.current().font_scale = 1.0           # the next apply_theme at the normal size
     qapp.setFont(font)
     qapp.setStyleSheet(sheet)
 
