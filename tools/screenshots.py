@@ -12,8 +12,9 @@ model..." dialog (over a loopback test Hub); adds two
 example clusters (no token: nothing reaches the keyring) and shoots Settings > Clusters and New
 run with "Run on" a cluster, and the Dataset tab in the dark theme (`new-run-dataset-dark`;
 `--quick` stops there); starts a short real run (on this computer) in a real worker process; shoots Monitor (also dark: `monitor-dark`) and Experts when it has finished; exports a
-GGUF adapter and chats two turns in the Playground; shoots those. Then the GRPO addition demo: its
-New run tabs, a real 40-step run, Monitor's Rewards and Completions pages; a 40-step DPO run
+GGUF adapter and chats two turns in the Playground; evaluates the base and the run's adapter
+on the sample suite and tasks (Evaluate, through the worker); shoots those. Then the GRPO
+addition demo: its New run tabs, a real 40-step run, Monitor's Rewards and Completions pages; a 40-step DPO run
 on the sample preferences, in Monitor (`monitor-dpo`: loss, accuracy, margin); then Runs (all
 three runs) and an error. The worker it started is stopped at the end.
 """
@@ -237,6 +238,14 @@ def main(argv: list[str] | None = None) -> int:
                 play.send()
                 wait(lambda: not play.is_generating(), "the answer")
             shoot("playground")
+
+            window.show_screen("evaluate")      # the first run's adapter on the sample sets
+            evaluate = window.screen("evaluate")
+            evaluate.refresh_runs()
+            evaluate.tick("first-run")
+            evaluate.evaluate()
+            wait(lambda: evaluate.evaluate_button.isEnabled(), "the evaluation", 300)
+            shoot("evaluate", 0.8)
 
             window.show_screen("new_run")
             new_run.grpo_panel.demo_button.click()

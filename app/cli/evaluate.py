@@ -25,7 +25,8 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--adapter", "-a", action="append", default=[],
                    help="GGUF LoRA adapter file or PEFT folder (repeatable: each is a row beside "
                         "the base)")
-    p.add_argument("--scale", "-s", type=float, default=1.0, help="adapter user scale (default 1.0)")
+    p.add_argument("--scale", "-s", type=float, default=1.0,
+                   help="adapter user scale (default 1.0)")
     p.add_argument("--file", "-f", help="UTF-8 text file: its perplexity (as llama-perplexity)")
     p.add_argument("--task", "-t", action="append", default=[], metavar="SPEC",
                    help=f"a task (repeatable): {SPEC_HELP}")

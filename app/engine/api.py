@@ -16,6 +16,9 @@ from app.engine.export.exporter import (ExportTargetExists, export, source_from_
 from app.engine.export.exporter import expected_export_size  # the size before writing
 from app.engine.export.verify import llamacpp_python  # can the llama.cpp cross-check run
 from app.engine.export.evaluate import compare_perplexity  # perplexity as llama-perplexity
+from app.engine.evaluation.job import EvalConfig, new_eval_job  # the Evaluate screen's job
+from app.engine.evaluation.runner import parse_task
+from app.engine.evaluation.store import read_evals  # RUN_DIR/evals.jsonl
 from app.engine.hub import client as hub  # models from the Hugging Face Hub (Get a model...)
 from app.engine.hub.local import FoundModel, discover_models, model_folders
 from app.engine.hub.merge import trainable_path  # a split model as one file, to train
@@ -78,4 +81,6 @@ __all__ = [
     # export
     "ExportTargetExists", "export", "source_from_adapter", "source_from_run",
     "compare_perplexity", "expected_export_size", "llamacpp_python",
+    # evaluation: benchmark tasks and prompt suites, queued as a job (the Evaluate screen)
+    "EvalConfig", "new_eval_job", "parse_task", "read_evals",
 ]

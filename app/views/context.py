@@ -24,7 +24,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 SAMPLE_DATA = REPO_ROOT / "sample_data"
 ORG_NAME = "gguf-workbench"
 SETTINGS_APP = "GGUF Workbench"        # = app.views.main_window.APP_NAME (recent files live here)
-SCREENS = ("new_run", "runs", "monitor", "experts", "playground", "export", "settings")
+SCREENS = ("new_run", "runs", "monitor", "experts", "playground", "export", "evaluate",
+           "settings")
 
 
 def sample_model_path() -> str | None:

@@ -38,13 +38,14 @@ LAST_RUN_KEY = "window/last_run"
 THEME_KEY = "window/theme"              # View > Theme: system, light or dark
 SCREEN_TITLES = {"new_run": "New run", "runs": "Runs", "monitor": "Monitor",
                  "experts": "Experts", "playground": "Playground", "export": "Export",
-                 "settings": "Settings"}
+                 "evaluate": "Evaluate", "settings": "Settings"}
 # key -> (module, class): the other screens are imported lazily, with a placeholder if missing
 SCREEN_CLASSES = {"runs": ("app.views.runs.view", "RunsView"),
                   "monitor": ("app.views.monitor.view", "MonitorView"),
                   "experts": ("app.views.experts.view", "ExpertsView"),
                   "playground": ("app.views.playground.view", "PlaygroundView"),
                   "export": ("app.views.export.view", "ExportView"),
+                  "evaluate": ("app.views.evaluate.view", "EvaluateView"),
                   "settings": ("app.views.settings.view", "SettingsView")}
 STATUS_INTERVAL_MS = 1000
 MESSAGE_MS = 10_000

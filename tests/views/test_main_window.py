@@ -58,7 +58,7 @@ def open_and_wait(qtbot, win, path):
 def test_navigation_lists_every_screen_and_switches(qtbot, window, ctx):
     titles = [window.nav.item(i).text() for i in range(window.nav.count())]
     assert titles == ["New run", "Runs", "Monitor", "Experts", "Playground", "Export",
-                      "Settings"]
+                      "Evaluate", "Settings"]
     assert list(window.screens) == list(SCREENS)
     assert window.placeholders() == []               # every real screen is there
     assert type(window.screen("runs")).__name__ == "RunsView"

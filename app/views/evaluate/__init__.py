@@ -1,0 +1,2 @@
+"""The Evaluate screen: base and adapters on benchmark tasks and prompt suites, run by the
+engine's worker through the queue (view.py)."""
