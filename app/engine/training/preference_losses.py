@@ -177,6 +177,7 @@ def kto_loss(logp, ref, labels, kl: float, *, beta: float = 0.1, desirable_weigh
     both = good.any() and (~good).any()
     metrics["rewards/margins"] = (metrics["rewards/chosen"] - metrics["rewards/rejected"]
                                   if both else None)
-    # rows classified by their reward's sign (pairs: chosen above rejected, by the caller)
-    metrics["rewards/accuracies"] = float(((rewards > 0) == good).mean())
+    # rows classified by their reward's sign, 0 counting as wrong either way as a tie of a
+    # pair does (pairs: chosen above rejected, by the caller)
+    metrics["rewards/accuracies"] = float(np.where(good, rewards > 0, rewards < 0).mean())
     return LossOutput(loss, grad, None, metrics)

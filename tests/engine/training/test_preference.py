@@ -139,6 +139,10 @@ def test_orpo_simpo_kto_match_trl_and_their_derivatives():
                                  undesirable_weight=0.7).loss
         assert k.d_chosen[i] == pytest.approx(_fd(f, pc, i), rel=1e-6)
     assert L.kto_kl(pc - 5, rc) == 0.0                              # clamped at 0
+    r = 0.2 * (pc - rc)
+    assert k.metrics["rewards/accuracies"] == float(np.mean(np.where(labels, r > 0, r < 0)))
+    tie = L.kto_loss(pc, pc, labels, 0.0)                          # every reward 0: none right
+    assert tie.metrics["rewards/accuracies"] == 0.0
 
 
 # ---- exact gradients through a model ---------------------------------------------------------------
