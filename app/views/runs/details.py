@@ -57,7 +57,9 @@ def exports_of(run: RunDir) -> list[str]:
 
 
 def evals_of(run: RunDir) -> str:
-    """How many evaluations RUN/evals.jsonl holds (in its last 64 KB) and the latest one."""
+    """How many evaluations RUN/evals.jsonl holds (in its last 64 KB: the Evaluate screen's and
+    `workbench eval --save`'s, one line per model and task, an eval_id per evaluation) and the
+    latest one's results: "base mc:mc.bin 33.3 +- 21.1, ..."."""
     path = run.path / EVALS
     try:
         with open(path, "rb") as f:
@@ -65,16 +67,33 @@ def evals_of(run: RunDir) -> str:
             lines = [ln for ln in f.read().splitlines() if ln.strip()]
     except OSError:
         return ""
-    try:
-        last = json.loads(lines[-1]) if lines else None
-    except ValueError:
-        last = None
-    text = f"{len(lines)} evaluation(s) in {EVALS}"
-    if isinstance(last, dict):
-        fields = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                           for k, v in list(last.items())[:6])
-        text += f"; the latest: {fields}"
-    return text
+    rows = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    if not rows:
+        return f"{len(lines)} line(s) in {EVALS}, none readable"
+    ids = list(dict.fromkeys(r.get("eval_id", i) for i, r in enumerate(rows)))
+    latest = [r for i, r in enumerate(rows) if r.get("eval_id", i) == ids[-1]]
+    return (f"{len(ids)} evaluation(s) in {EVALS}; the latest: "
+            + ", ".join(_eval_cell(r) for r in latest))
+
+
+def _eval_cell(r: dict) -> str:
+    value, err = r.get("value"), r.get("stderr")
+    if not isinstance(value, (int, float)):
+        return f"{r.get('model', '?')} {r.get('task', '?')}"
+    if r.get("metric") in ("acc", "pass_rate"):
+        shown = f"{100 * value:.1f}" + ("%" if r["metric"] == "pass_rate" else "")
+        if isinstance(err, (int, float)) and err == err and r["metric"] == "acc":
+            shown += f" +- {100 * err:.1f}"
+    else:
+        shown = f"{r.get('metric', '')} {value:.4g}".strip()
+    return f"{r.get('model', '?')} {r.get('task', '?')} {shown}"
 
 
 def details_html(row: RunRow) -> str:

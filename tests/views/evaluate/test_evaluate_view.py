@@ -74,3 +74,22 @@ def test_a_cancelled_evaluation_saves_nothing(qtbot, ctx):
     view.poll()
     assert "cancel" in view.message.text().lower() and not (run / "evals.jsonl").exists()
     assert view.evaluate_button.isEnabled()
+
+
+def test_runs_details_pane_shows_the_latest_evaluation(tmp_path):
+    """Runs' details pane reads RUN/evals.jsonl as the Evaluate screen writes it."""
+    from app.engine.evaluation.results import TaskResult
+    from app.engine.evaluation.store import save_evals
+    from app.engine.runs.rundir import RunDir
+    from app.views.runs.details import evals_of
+
+    run = tmp_path / "run"
+    run.mkdir()
+    old = {"base": [TaskResult("mc:a.bin", "mc", "acc", 0.5, 0.1, 10)]}
+    save_evals(run, old, {"base": None}, {})
+    new = {"base": [TaskResult("mc:a.bin", "mc", "acc", 0.25, 0.05, 10)],
+           "lora": [TaskResult("suite:s.jsonl", "suite", "pass_rate", 0.4, 0.1, 10,
+                               {"passed": 4})]}
+    save_evals(run, new, {"base": None, "lora": "a.gguf"}, {})
+    assert evals_of(RunDir(run)) == ("2 evaluation(s) in evals.jsonl; the latest: base mc:a.bin "
+                                     "25.0 +- 5.0, lora suite:s.jsonl 40.0%")
