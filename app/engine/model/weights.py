@@ -27,6 +27,9 @@ from app.engine.runtime.backend import device_memory
 from app.engine.io.gguf import GGUFFile, dequantize
 
 
+PACK_BLOCK = 1 << 22   # values dequantized and rounded at a time by WeightStore.packed (16 MB)
+
+
 def default_cache_budget(xp=np) -> int:
     """40% of the device's memory (host RAM on the CPU): dequantized float32 copies are 2-8x
     larger than Q8/Q4 weights."""
@@ -82,19 +85,28 @@ class WeightStore:
         return self._cached(name, lambda: self._dequantize(self.gguf.raw(name),
                                                            info.ggml_type).reshape(info.shape))
 
-    def _float32(self, name: str):
-        """The whole tensor as float32, not cached (what `packed` rounds)."""
+    def _packed_rows(self, name: str, backend: str) -> "bf16.Bf16Weight":
+        """A 2-D tensor rounded to bf16 in blocks of rows of about PACK_BLOCK values, each
+        dequantized (or copied) and rounded in turn, so that packing a large matrix (Gemma 3's
+        262,144 x 640 head) never holds it whole in float32, nor the rounding's temporaries."""
         info = self.gguf.tensors[name]
-        if info.ggml_type == 0:
-            return self.gguf.array(name)      # read once, right away, by the rounding
-        return self._dequantize(self.gguf.raw(name), info.ggml_type).reshape(info.shape)
+        n_rows, n_cols = info.shape
+        bits = np.empty((n_rows, n_cols), np.uint16)
+        step = max(1, PACK_BLOCK // n_cols)
+        for lo in range(0, n_rows, step):
+            hi = min(lo + step, n_rows)
+            if info.ggml_type == 0:   # read once, right away, by the rounding
+                block = self.gguf.array(name)[lo:hi]
+            else:
+                block = self._dequantize(self.gguf.raw(name)[lo:hi], info.ggml_type)
+            bits[lo:hi] = bf16.round_bits(block)
+        return bf16.wrap(bits, backend)
 
     def packed(self, name: str, backend: str) -> "bf16.Bf16Weight":
-        """A frozen 2-D weight in bf16 for the base's products (app.engine.runtime.bf16.pack):
+        """A frozen 2-D weight in bf16 for the base's products (app.engine.runtime.bf16):
         what the cache holds under --precision bf16, half the float32 bytes. Its float32
         dequantization is not kept."""
-        return self._cached((name, "bf16", backend),
-                            lambda: bf16.pack(self._float32(name), backend))
+        return self._cached((name, "bf16", backend), lambda: self._packed_rows(name, backend))
 
     def packed_expert(self, name: str, e: int, backend: str) -> "bf16.Bf16Weight":
         """Expert e of a 3-D (E, out, in) tensor in bf16 (out, in), cached one expert at a

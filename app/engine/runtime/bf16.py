@@ -319,7 +319,12 @@ def _library():
 
 def pack(w, backend: str = "emulation") -> Bf16Weight:
     """A float32 weight (out, in) rounded to bf16 once, for `matmul`."""
-    bits = round_bits(w)
+    return wrap(round_bits(w), backend)
+
+
+def wrap(bits: np.ndarray, backend: str = "emulation") -> Bf16Weight:
+    """bf16 bits (uint16, C-contiguous: round_bits' or filled by row blocks of it) as a weight
+    for `matmul` on `backend`, without a copy."""
     if backend != "onednn":
         return Bf16Weight(bits)
     torch = _library()

@@ -31,7 +31,9 @@ def test_the_suite_runs_auto_as_float32():
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_the_weight_cache_holds_bf16_weights_at_half_the_bytes(precision):
+def test_the_weight_cache_holds_bf16_weights_at_half_the_bytes(precision, monkeypatch):
+    from app.engine.model import weights
+    monkeypatch.setattr(weights, "PACK_BLOCK", 1000)      # packed in many blocks of rows
     model = load_model(GOLDEN / "llama-q8_0.gguf")
     session = TrainSession(model, TrainConfig(precision=precision, max_steps=1))
     assert session.precision.name == precision
