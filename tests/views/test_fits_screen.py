@@ -286,3 +286,50 @@ def test_the_get_a_model_dialog_fits(qtbot, hub, font_scale):  # noqa: F811 (hub
     assert hint.width() <= WIDTH and hint.height() <= HEIGHT, hint
     assert dialog.width() <= WIDTH and dialog.height() <= HEIGHT, dialog.size()
     assert layout_problems(dialog) == []
+
+
+SCALED_WINDOW = """
+import json, sys, time
+from PySide6.QtCore import QSettings
+from PySide6.QtWidgets import QApplication
+from app.views.app import build_window, prepare_app
+from tests.views.test_fits_screen import layout_problems, screen_pages
+
+app = prepare_app([])
+tmp = sys.argv[1]
+win = build_window(QSettings(tmp + "/settings.ini", QSettings.IniFormat), tmp + "/queue.sqlite3",
+                   tmp + "/runs", discover=lambda: [])
+win.resize(1280, 720)
+win.show()
+view, deadline = win.new_run, time.monotonic() + 60
+while not (view.card is not None and view.dataset.report is not None
+           and not view.dataset.is_busy() and view.memory_estimate is not None):
+    if time.monotonic() > deadline:
+        sys.exit("New run did not read the sample model and dataset in 60 s")
+    app.processEvents()
+    time.sleep(0.01)
+found = {page: layout_problems(win) for page in screen_pages(win)}
+print(json.dumps({"ratio": app.primaryScreen().devicePixelRatio(),
+                  "size": [win.width(), win.height()],
+                  "problems": {k: v for k, v in found.items() if v}}))
+"""
+
+
+@pytest.mark.slow
+def test_the_window_fits_at_150_percent_scaling(tmp_path):
+    """QT_SCALE_FACTOR=1.5 (1920x1080 at 150%: 1280x720 logical pixels), in a process of its
+    own (the factor is read when Qt starts): every page of every screen as above."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "QT_SCALE_FACTOR": "1.5", "QT_QPA_PLATFORM": "offscreen",
+           "WORKBENCH_QUEUE": str(tmp_path / "queue.sqlite3"), "WORKBENCH_THEME": "light"}
+    done = subprocess.run([sys.executable, "-c", SCALED_WINDOW, str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=180,
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["ratio"] == 1.5 and result["size"] == [WIDTH, HEIGHT]
+    assert result["problems"] == {}
