@@ -81,8 +81,8 @@ def test_eval_tasks_base_and_adapters_side_by_side(tmp_path, capsys):
     text = tmp_path / "text.txt"
     text.write_text(TEXT)
     args = ["eval", "-m", str(model_path), "-a", lora, "-a", lora,
-            "-t", f"hellaswag:{ev}/hellaswag.txt", "-t", f"winogrande:{ev}/winogrande.csv", "-t", str(ev / "mc.jsonl"), "--limit", "7",
-            "-f", str(text), "-c", "32"]
+            "-t", f"hellaswag:{ev}/hellaswag.txt", "-t", f"winogrande:{ev}/winogrande.csv",
+            "-t", str(ev / "mc.jsonl"), "--limit", "7", "-f", str(text), "-c", "32"]
     assert run_cli(args + ["--json"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert list(got["models"]) == ["base", "gemma3-lora.gguf", "gemma3-lora.gguf'"]

@@ -61,19 +61,12 @@ class EvaluateView(QWidget):
         layout.addLayout(row)
 
         lists = QHBoxLayout()
-        left = QVBoxLayout()
-        left.addWidget(QLabel("MODELS", objectName="sectionHeader"))
-        self.targets = QListWidget()
-        self.targets.setToolTip("The base is always evaluated; tick the runs whose adapter "
-                                "(adapter.gguf) joins it.")
-        left.addWidget(self.targets)
-        lists.addLayout(left, 1)
-        right = QVBoxLayout()
-        right.addWidget(QLabel("TASKS", objectName="sectionHeader"))
-        self.tasks = QListWidget()
-        self.tasks.setToolTip("Task specs: hellaswag:FILE, winogrande:FILE, mc:FILE, FILE.jsonl, "
-                              "suite:FILE, ppl:FILE (docs/USER_GUIDE.md, section 11).")
-        right.addWidget(self.tasks)
+        self.targets = _titled_list(lists, "MODELS", "The base is always evaluated; tick the "
+                                    "runs whose adapter (adapter.gguf) joins it.")
+        self.tasks = _titled_list(lists, "TASKS", "Task specs: hellaswag:FILE, winogrande:FILE, "
+                                  "mc:FILE, FILE.jsonl, suite:FILE, ppl:FILE "
+                                  "(docs/USER_GUIDE.md, section 11).")
+        right = lists.itemAt(1).layout()
         add = QHBoxLayout()
         self.format = QComboBox(minimumContentsLength=6)
         self.format.setSizeAdjustPolicy(QComboBox.AdjustToMinimumContentsLengthWithIcon)
@@ -87,7 +80,6 @@ class EvaluateView(QWidget):
         remove.clicked.connect(lambda: self.tasks.takeItem(self.tasks.currentRow()))
         add.addWidget(remove)
         right.addLayout(add)
-        lists.addLayout(right, 1)
         layout.addLayout(lists, 1)
 
         go = QHBoxLayout()
@@ -275,6 +267,16 @@ class EvaluateView(QWidget):
         self.chart.setLabel("left", "accuracy / pass rate (%)")
         self.bars = [(m, t) for m in models for t in tasks
                      if cell.get((m, t)) and cell[(m, t)]["metric"] in ("acc", "pass_rate")]
+
+
+def _titled_list(row: QHBoxLayout, title: str, tip: str) -> QListWidget:
+    """A column of `row`: a section header over a list (returned)."""
+    column = QVBoxLayout()
+    column.addWidget(QLabel(title, objectName="sectionHeader"))
+    widget = QListWidget(toolTip=tip)
+    column.addWidget(widget)
+    row.addLayout(column, 1)
+    return widget
 
 
 def _text(r: dict) -> str:

@@ -34,7 +34,8 @@ JS = '{"question": "q", "choices": ["a", "b"], "answer": 1}\n'
 @pytest.mark.parametrize("fmt,text,match", [
     ("hellaswag", "c\n1\na\nb\nc\nd\nc2\n1\n",
      r"8 lines, not a multiple of 6: .* \(from line 7\)"),
-    ("hellaswag", "c\n1\na\nb\nc\nd\nc2\n4\na\nb\nc\nd\n", r"line 8: the gold ending's index must be"),
+    ("hellaswag", "c\n1\na\nb\nc\nd\nc2\n4\na\nb\nc\nd\n",
+     r"line 8: the gold ending's index must be"),
     ("hellaswag", "c\nx\na\nb\nc\nd\n", r"line 2: "),
     ("hellaswag", "", r"no tasks"),
     ("winogrande", WG + "0,no blank here,A,B,1\n", "line 2: the sentence has no _"),
