@@ -3,7 +3,8 @@ laptop, and 1920x1080 at 150% scaling. At 1.5x scaling (QT_SCALE_FACTOR=1.5) Qt 
 everything alike, so 1280x720 logical pixels is the same layout as 1x; what grows widgets
 against the window is a bigger font (X11's Xft.dpi 144, a desktop's large-text setting): the
 second run of each test scales the application's font and every font size of the style sheet
-by 1.5 (`theme.apply_theme(font_scale=1.5)`).
+by 1.5 (`theme.apply_theme(font_scale=1.5)`); one test starts a window with
+QT_SCALE_FACTOR=1.5 in a process of its own.
 
 The window is built with runs (a finished supervised run with evaluations, a second one ticked
 under Monitor's "Compare with", a GRPO run), resized to 1280x720, shown offscreen; then every
@@ -16,7 +17,8 @@ tab of a screen's tab widgets is shown in turn and checked (`layout_problems`):
 - no two visible interactive siblings overlap;
 - no plot's legend or title reaches past the plot's edge;
 - every visible button, check box and label is at least as wide as its minimum size hint (its
-  text is not cut), but for the labels in ELIDES, which elide on purpose.
+  text is not cut), but for the labels in ELIDES, which elide on purpose, and every wrapped
+  label as high as its text needs at its width.
 
 QT_QPA_PLATFORM=offscreen (conftest)."""
 
