@@ -197,13 +197,14 @@ class ParallelClock:
 
 
 def row(name: str, n_layer: int, ctx: int, steps: int, cache_mb: int | None,
-        expert_rank: int | None = None) -> dict:
+        expert_rank: int | None = None, precision: str = "fp32") -> dict:
     """One timed configuration (bench.train.run), the serial fraction of its timed steps and
     the memory estimate of the run."""
     from bench.train import WARMUP, EngineTrainer, run
 
     path = model_path(name, n_layer)
-    w = _workload_type()(str(path), "lora", RANK, TARGETS, ctx, steps, 0, cache_mb, expert_rank)
+    w = _workload_type()(str(path), "lora", RANK, TARGETS, ctx, steps, 0, cache_mb,
+                         precision=precision, expert_rank=expert_rank)
     clock = ParallelClock()
     clock.wrap_step(EngineTrainer)
     out = run(w)
@@ -226,9 +227,10 @@ def estimate_mb(path: Path, w) -> int:
 
 # ---- the table ---------------------------------------------------------------------------------
 
-def _run_row(name: str, n_layer: int, ctx: int, steps: int, cache: str) -> dict:
+def _run_row(name: str, n_layer: int, ctx: int, steps: int, cache: str,
+             precision: str = "fp32") -> dict:
     cmd = [sys.executable, "-m", "bench.moe_shapes", "row", "--model", name, "--layers",
-           str(n_layer), "--ctx", str(ctx), "--steps", str(steps)]
+           str(n_layer), "--ctx", str(ctx), "--steps", str(steps), "--precision", precision]
     if cache != "default":
         cmd += ["--weight-cache-mb", cache]
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
@@ -255,8 +257,10 @@ def main(argv=None) -> None:
         p.add_argument("--steps", type=int, default=2)
         p.add_argument("--weight-cache-mb", type=int)
         p.add_argument("--expert-rank", type=int)
+        p.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "auto"))
         a = p.parse_args(argv[1:])
-        print(json.dumps(row(a.model, a.layers, a.ctx, a.steps, a.weight_cache_mb, a.expert_rank)))
+        print(json.dumps(row(a.model, a.layers, a.ctx, a.steps, a.weight_cache_mb, a.expert_rank,
+                             a.precision)))
         return
     p.add_argument("--models", default="olmoe,qwen3")
     p.add_argument("--layers", default="1,2")
@@ -264,6 +268,8 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--cache", default="default,0", help="weight cache MB per row: default and/or N")
     p.add_argument("--json", help="write every row here")
+    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "auto"),
+                   help="TrainConfig.precision of every row (issue 30)")
     a = p.parse_args(argv)
     results = []
     print(f"{'model':<8}{'layers':>7}{'cache':>8}{'s/step':>8}{'tok/s':>7}{'dequant s':>10}"
@@ -272,7 +278,7 @@ def main(argv=None) -> None:
         for cache in a.cache.split(","):
             rows = {}
             for n_layer in (int(x) for x in a.layers.split(",")):
-                r = rows[n_layer] = _run_row(name, n_layer, a.ctx, a.steps, cache)
+                r = rows[n_layer] = _run_row(name, n_layer, a.ctx, a.steps, cache, a.precision)
                 results.append(r)
                 print(f"{name:<8}{n_layer:>7}{cache:>8}{r['step_ms'] / 1e3:8.2f}"
                       f"{r['tokens_per_s']:7.0f}{r['phase_ms']['dequant'] / 1e3:10.2f}"
