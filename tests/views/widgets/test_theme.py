@@ -183,6 +183,7 @@ def test_palettes_name_the_same_colours_and_translate(qapp, restore, monkeypatch
     assert "$" not in sheet and "font-size: 15pt" in sheet and "font-size: 21pt" in sheet
 
 
+@pytest.mark.slow
 def test_view_menu_theme_is_kept_for_the_next_start(qtbot, ctx, qapp, restore, monkeypatch):
     from app.views.main_window import THEME_KEY, MainWindow
 
