@@ -381,7 +381,8 @@ def preference_report_text(r: dict) -> str:
     name = os.path.basename(r["path"])
     what = (f"{r['pairs']} pairs" if "pairs" in r else
             f"{r['desirable']} desirable and {r['undesirable']} undesirable rows")
-    out = [f"{name}: {r['format']} format (detected), context {r['context']} positions",
+    how = "detected" if r.get("format_detected", True) else "as chosen"
+    out = [f"{name}: {r['format']} format ({how}), context {r['context']} positions",
            f"rows: {what} accepted, {r['rejected_count']} rejected (of {r['rows']}); "
            f"identical pairs {r['identical']}, empty completions {r['empty']}, longer than the "
            f"context {r['too_long']}"]
@@ -414,7 +415,8 @@ def lint_preference_file(data_path, model_path, config: DataConfig, context: int
                          fmt: str = "auto") -> dict | None:
     """`workbench lint` of a preference file: the report (its "text" the printed form), or None
     when `fmt` is auto and the file is not a preference file (the SFT linter's turn)."""
-    if fmt == "auto":
+    detected = fmt == "auto"
+    if detected:
         fmt = detect_preference_format(data_path)
         if fmt is None:
             return None
@@ -423,6 +425,6 @@ def lint_preference_file(data_path, model_path, config: DataConfig, context: int
                             chat_template=config.chat_template,
                             completion_as_chat=config.completion_as_chat)
     report = preference_report(data, tokenizer, ctx)
-    report["notes"] = notes
+    report["format_detected"], report["notes"] = detected, notes
     report["text"] = preference_report_text(report) + "".join(f"\nnote: {n}" for n in notes)
     return report

@@ -122,6 +122,9 @@ def test_lint_counts_pairs_flags_and_shows_both_completions(tmp_path):
     assert "\u27e65. Have a nice day!<|im_end|>\u27e7" in ex["chosen"]["marked"]
     assert "\u27e65.<|im_end|>\u27e7" in ex["rejected"]["marked"]
     assert "identical pairs 1" in report["text"] and "rejected" in report["text"]
+    assert report["format_detected"] and "(detected)" in report["text"]
+    chosen = lint_preference_file(path, SAMPLE, DataConfig(), None, "preference")
+    assert not chosen["format_detected"] and "(as chosen)" in chosen["text"]
     sft = _write(tmp_path, [{"text": "hello"}], "sft.jsonl")
     assert lint_preference_file(sft, SAMPLE, DataConfig(), None) is None   # the SFT linter's
 
