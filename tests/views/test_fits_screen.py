@@ -211,11 +211,25 @@ def window(qtbot, ctx, font_scale):
     return window_with_runs(qtbot, ctx)
 
 
+# screens seen whole at 1280x720, without scrolling (New run may scroll: its settings, and
+# with a large font its rows of reward functions and its problems)
+WHOLE = ("runs", "monitor", "experts", "playground", "export", "settings")
+
+
+def page_problems(win: MainWindow) -> list[str]:
+    """`layout_problems` of the window, and a screen of WHOLE that scrolls."""
+    problems = layout_problems(win)
+    screen = win.current_screen()
+    viewport = screen.parentWidget()
+    if win.current_screen_key() in WHOLE and screen.height() > viewport.height():
+        problems.append(f"{screen.height()} px high in {viewport.height()}: it scrolls")
+    return problems
+
+
 def check_every_page(qtbot, win: MainWindow) -> dict[str, list[str]]:
     found = {}
     for page in screen_pages(win):
-        problems = layout_problems(win)
-        if problems:
+        if problems := page_problems(win):
             found[page] = problems
     return found
 
@@ -258,12 +272,12 @@ def test_every_screen_fits_1280x720(qtbot, ctx, window):
     qtbot.waitUntil(lambda: b.path in monitor.compare.compare_curves)
     win.show_screen("monitor")
     for page in screen_pages(win, "monitor"):
-        if found := layout_problems(win):
+        if found := page_problems(win):
             problems[f"{page} (compare)"] = found
     ctx.select_run(g.path)
     qtbot.waitUntil(lambda: monitor.kind.name == "grpo")
     for page in screen_pages(win, "monitor"):
-        if found := layout_problems(win):
+        if found := page_problems(win):
             problems[f"{page} (GRPO)"] = found
     assert not problems, "\n".join(f"{page}: {p}" for page, found in problems.items()
                                     for p in found)

@@ -54,7 +54,7 @@ class GrpoCurves(QWidget):
 
         self.reward_title = "Reward (weighted total per completion)"
         self.reward_plot = small_plot(self.reward_title, "reward", grid=True)
-        self.reward_plot.setMinimumHeight(170)   # with the three below: fits a 720 px window
+        self.reward_plot.setMinimumHeight(160)   # with the three below: fits a 720 px window
         self.reward_plot.addLegend(offset=(-10, -10), **LEGEND)   # bottom right: the
                                                                   # reward rises away from it
         self.reward_band = Band(self.reward_plot, ACCENT, alpha=35, name="\u00b1 1 std")

@@ -109,7 +109,7 @@ class MonitorView(QWidget):
         self.ranges = RunRanges(self._x_max)
         self.compare = ComparePanel(self.ctx)
         self.loss_plot = small_plot("Loss", "loss (nats/token)", grid=True)
-        self.loss_plot.setMinimumHeight(170)     # with the four below: fits a 720 px window
+        self.loss_plot.setMinimumHeight(160)     # with the four below: fits a 720 px window
         self.loss_plot.addLegend(offset=(-10, 10), **LEGEND)   # top right: the loss falls
         self.loss_curve = self.loss_plot.plot(pen=pg.mkPen(RAW, width=1), name="train",
                                               connect="finite")
