@@ -204,7 +204,16 @@ def choose_precision(requested: str, xp=np) -> Precision:
     (compute capability 8.0 and later), and fp32 sets them back to plain float32 (the mode is
     CuPy's, for the whole process)."""
     if xp is np:
-        return choose(requested)
+        chosen = choose(requested)
+        if chosen.backend == "onednn":
+            try:                       # the run will use it: load it now, or say why not
+                _library()
+            except Exception as exc:   # noqa: BLE001 - a broken install: float32, said so
+                why = f"the bf16 library failed to load ({type(exc).__name__}: {exc})"
+                if requested == "bf16":
+                    return Precision("bf16", "emulation", f"bf16 emulated in NumPy ({why})")
+                return Precision("fp32", None, f"float32: {why}")
+        return chosen
     if requested not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {requested!r}")
     forced = os.environ.get(ENV, "").strip().lower()

@@ -104,6 +104,19 @@ def test_amx_permission_granted_and_refused():
     assert got.name == "fp32" and "refused AMX" in got.reason
 
 
+def test_a_library_that_fails_to_load_falls_back_with_its_reason(monkeypatch):
+    monkeypatch.setattr(bf16, "_device", bf16.Device("AVX512-BF16", True))
+    monkeypatch.setattr(bf16, "_torch", None)
+
+    def broken():
+        raise OSError("libtorch_cpu.so: cannot open shared object file")
+    monkeypatch.setattr(bf16, "_library", broken)
+    auto = bf16.choose_precision("auto")
+    assert auto.name == "fp32" and "libtorch_cpu.so" in auto.reason
+    forced = bf16.choose_precision("bf16")
+    assert forced.backend == "emulation" and "failed to load" in forced.reason
+
+
 def test_unknown_precision_is_refused():
     with pytest.raises(ValueError, match="auto, fp32, bf16"):
         bf16.choose("fp16")
