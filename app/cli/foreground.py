@@ -135,6 +135,8 @@ class Progress:
         elif kind == events.EVAL:
             self._line(f"eval   step {event['step']}: loss={event['loss']:.5f} "
                        f"acc={100 * event['accuracy']:.2f}% ppl={event['perplexity']:.2f}"
+                       + (f" {event['task']}={100 * event['task_acc']:.1f}%"
+                          if "task_acc" in event else "")
                        + ("  (best)" if event.get("best") else ""))
         elif kind in (events.LOG, events.START, events.DONE):
             text = event.get("message") or " ".join(

@@ -79,6 +79,10 @@ def add_train_parsers(sub) -> None:
     g.add_argument("--save-every", type=int,
                    help="steps between checkpoints (0: each epoch's end)")
     g.add_argument("--patience", type=int, help="early stopping (evaluations without gain)")
+    g.add_argument("--eval-task", metavar="SPEC",
+                   help="a multiple-choice task (hellaswag:FILE, winogrande:FILE, mc:FILE, "
+                        "FILE.jsonl) scored at every evaluation: its accuracy is a curve of the run")
+    g.add_argument("--eval-task-limit", type=int, help="the task's first N items (default 50)")
     g.add_argument("--workers", type=int, help="data-parallel workers: a run sent to a Ray "
                                                "cluster (--on) trains as N ranks")
     add_preference_options(p)
@@ -136,7 +140,7 @@ def run_config_from_args(args):
                        ("max_steps", args.max_steps),
                        ("eval_every", args.eval_every), ("save_every", args.save_every),
                        ("patience", args.patience), ("adapter", args.adapter),
-                       ("workers", args.workers)):
+                       ("workers", args.workers), ("eval_task_limit", args.eval_task_limit)):
         if value is not None:
             base[key] = str(Path(value).resolve()) if key in ("model", "data", "adapter") else value
     train.update(train_options(args))
@@ -145,6 +149,10 @@ def run_config_from_args(args):
                     "normalize": args.normalize, "seed": args.seed, "overflow": args.overflow,
                     "packing": args.packing, "chat_loss": args.chat_loss}
     data.update({k: v for k, v in data_options.items() if v is not None})
+    if args.eval_task:         # its file's absolute path: the run may be resumed from elsewhere
+        from app.engine.evaluation.runner import parse_task
+        task = parse_task(args.eval_task)
+        base["eval_task"] = f"{task.kind}:{Path(task.path).resolve()}"
     if args.allow_negative:
         data["allow_negative_weights"] = True
     for flag in ("strict", "completion_as_chat", "parse_special"):
@@ -201,9 +209,13 @@ def execute_sft(run_dir, as_json: bool, allow_changed_inputs: bool = False) -> i
     although the model or data changed since the checkpoint)."""
     from app.engine.training.sft import RunConfig, train
 
+    from app.engine.evaluation.during_training import task_evaluator
+
     config = RunConfig.from_dict(run_dir.config())
+    on_eval = task_evaluator(config)           # the task file read before the first step
     runner = lambda report, should_stop, checkpoints: train(
-        config, report, should_stop, checkpoints, allow_changed_inputs=allow_changed_inputs)
+        config, report, should_stop, checkpoints, allow_changed_inputs=allow_changed_inputs,
+        on_eval=on_eval)
     return run_in_foreground(run_dir, runner, Progress(as_json))
 
 

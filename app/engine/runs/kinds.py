@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from app.engine.errors import ConfigError
-from app.engine.evaluation import job as eval_job
+from app.engine.evaluation import during_training, job as eval_job
 from app.engine.runs.runlock import RunLock
 from app.engine.training import grpo, preference, sft
 
@@ -29,7 +29,12 @@ class RunKind:
     lower_is_better: bool      # for the headline metric
 
 
-SFT = RunKind(sft.KIND, sft.RunConfig, sft.run_sft_job, label="SFT", title="Supervised (SFT)",
+def _run_sft_job(run_dir, control) -> str:
+    """A supervised run, with its eval_task scored at every evaluation (evaluation layer)."""
+    return sft.run_sft_job(run_dir, control, during_training.task_evaluator)
+
+
+SFT = RunKind(sft.KIND, sft.RunConfig, _run_sft_job, label="SFT", title="Supervised (SFT)",
               metric="loss", lower_is_better=True)
 GRPO = RunKind(grpo.KIND, grpo.GrpoConfig, grpo.run_grpo_job, label="GRPO",
                title="GRPO (reward-driven)", metric="reward_mean", lower_is_better=False)

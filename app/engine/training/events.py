@@ -81,7 +81,8 @@ SFT_START = EventSchema(START, ("total_steps", "epochs", "steps_per_epoch", "tra
                         optional=("precision",))
 SFT_STEP = EventSchema(STEP, TRAIN_STEP + ("epoch_loss", "epoch_loss_se", "epoch_accuracy",
                                            "epoch_accuracy_se"))
-SFT_EVAL = EventSchema(EVAL, ("step", "loss", "accuracy", "perplexity", "best"))
+SFT_EVAL = EventSchema(EVAL, ("step", "loss", "accuracy", "perplexity", "best"),
+                       ("task", "task_acc"))      # --eval-task: its name and accuracy
 SFT_DONE = EventSchema(DONE, ("step", "reason", "best_step", "best_loss", "skipped_steps",
                               "elapsed_s"))
 

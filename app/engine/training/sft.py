@@ -75,10 +75,13 @@ class RunConfig:
     max_bad_steps: int = 5       # consecutive NaN/Inf steps before the run stops
     adapter: str | None = None   # start from an existing GGUF LoRA adapter
     workers: int = 1             # data-parallel ranks (> 1: app.engine.runs.data_parallel)
+    eval_task: str = ""          # a multiple-choice task scored at every evaluation (issue 32)
+    eval_task_limit: int = 50    # its first N items
 
     SCHEMA_RULES: ClassVar[dict] = dict(  # "kind" is not a field: config.json names the run's type
         kind=(KIND,), model=TEXT, data=TEXT, epochs=AT_LEAST_0, max_steps=AT_LEAST_0,
-        patience=AT_LEAST_0, workers=AT_LEAST_1, **RUN_LENGTHS)
+        patience=AT_LEAST_0, workers=AT_LEAST_1, eval_task=TEXT, eval_task_limit=AT_LEAST_1,
+        **RUN_LENGTHS)
 
     def validate(self) -> None:
         self.train.validate()
@@ -92,6 +95,9 @@ class RunConfig:
                               "Set epochs, or max_steps with epochs 0.")
         if self.keep_last < 1 or self.max_bad_steps < 1:
             raise ConfigError("keep_last and max_bad_steps must be at least 1.")
+        if self.eval_task and self.workers > 1:
+            raise ConfigError("An evaluation task is scored by one process: a data-parallel run "
+                              "(workers > 1) cannot take one.", "Leave eval_task empty.")
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -179,7 +185,8 @@ def before_training(load: Callable, should_stop: ShouldStop):
 
 def train(config: RunConfig, report: Report, should_stop: ShouldStop,
           checkpoints: str | Path | None = None, communicator: Communicator | None = None,
-          allow_changed_inputs: bool = False) -> str:
+          allow_changed_inputs: bool = False,
+          on_eval: Callable[[TrainSession], dict] | None = None) -> str:
     """Run (or resume, from the newest checkpoint in `checkpoints`) a training run.
 
     Returns "done", "paused" or "cancelled". Events: start, step, eval, norms, routing,
@@ -188,7 +195,8 @@ def train(config: RunConfig, report: Report, should_stop: ShouldStop,
     checkpoint (unless `allow_changed_inputs`: app.engine.training.fingerprints) and
     TrainingDiverged after `max_bad_steps` consecutive non-finite steps. With a `communicator`
     of config.workers ranks this is one rank of a data-parallel run: only rank 0's `report`,
-    `should_stop` and `checkpoints` are used.
+    `should_stop` and `checkpoints` are used. `on_eval(session)`: more fields for every eval
+    event (rank 0), e.g. a task's accuracy (app.engine.evaluation.during_training).
     """
     config.validate()
     comm = communicator or SingleProcess()
@@ -245,6 +253,9 @@ def train(config: RunConfig, report: Report, should_stop: ShouldStop,
                             resumed_at=session.step_count,
                             precision=session.precision.reason))
     has_val = bool(dataset.val_batches())
+    if on_eval is not None and not has_val:
+        raise ConfigError("The evaluation task runs at every evaluation, and this run has none.",
+                          "Give it a validation split (--val-split or --val-data).")
 
     save = checkpoint_saver(ckpt_dir, session, state, config.keep_last, report)
 
@@ -253,13 +264,14 @@ def train(config: RunConfig, report: Report, should_stop: ShouldStop,
         if not has_val:
             return False
         loss, acc = session.evaluate(dataset.val_batches())
+        extra = on_eval(session) if on_eval is not None and lead else {}
         improved = loss < state["best_loss"]
         if improved:
             state.update(best_loss=loss, best_step=session.step_count, evals_without_gain=0)
         else:
             state["evals_without_gain"] += 1
         report(events.SFT_EVAL(step=session.step_count, loss=loss, accuracy=acc,
-                               perplexity=math.exp(min(loss, 700.0)), best=improved))
+                               perplexity=math.exp(min(loss, 700.0)), best=improved, **extra))
         if improved and ckpt_dir is not None:
             save("best")
         return bool(config.patience and state["evals_without_gain"] >= config.patience)
@@ -473,10 +485,13 @@ def report_norms(report: Report, session: TrainSession, routing: dict, step: int
             for layer, counts in sorted(routing.items())}))
 
 
-def run_sft_job(run_dir, control) -> str:
+def run_sft_job(run_dir, control, task_evaluator: Callable | None = None) -> str:
     """The worker's runner for a supervised run directory (config.json with "kind": "sft", or
-    none): train its config, resuming from its checkpoints."""
+    none): train its config, resuming from its checkpoints. `task_evaluator(config)`: the
+    run's `on_eval` (its eval_task; app.engine.runs.kinds passes the evaluation layer's)."""
     raw = dict(run_dir.config())
     raw.pop("kind", None)
     config = RunConfig.from_dict(raw)
-    return train(config, control.report, control.should_stop, run_dir.checkpoints_dir)
+    on_eval = task_evaluator(config) if task_evaluator is not None else None
+    return train(config, control.report, control.should_stop, run_dir.checkpoints_dir,
+                 on_eval=on_eval)
