@@ -21,7 +21,7 @@ from PySide6.QtCore import QAbstractTableModel, QModelIndex, Qt
 from PySide6.QtGui import QColor
 from PySide6.QtWidgets import QApplication, QStyle, QStyledItemDelegate, QStyleOptionProgressBar
 
-from app.engine.api import KINDS, LOCAL
+from app.engine.api import KINDS, LOCAL, PREFERENCE_KINDS
 from app.views.runs.run_rows import RunRow
 from app.views.widgets import theme
 from app.views.widgets.run_tail import clock
@@ -103,7 +103,8 @@ def where_text(row: RunRow) -> tuple[str, str]:
 
 
 def kind_label(row: RunRow) -> str:
-    return KINDS[row.kind].label if row.kind in KINDS else row.kind
+    kinds = {**KINDS, **PREFERENCE_KINDS}        # DPO, ORPO, SimPO, KTO: not in New run yet
+    return kinds[row.kind].label if row.kind in kinds else row.kind
 
 
 def cells(row: RunRow) -> tuple[tuple[str, ...], tuple[str, ...]]:
