@@ -83,6 +83,9 @@ def add_train_parsers(sub) -> None:
                    help="a multiple-choice task (hellaswag:FILE, winogrande:FILE, mc:FILE, "
                         "FILE.jsonl) scored at every evaluation: its accuracy is a curve of the run")
     g.add_argument("--eval-task-limit", type=int, help="the task's first N items (default 50)")
+    g.add_argument("--best-by", choices=["loss", "task"],
+                   help="the best checkpoint: the lowest validation loss (default) or the "
+                        "highest --eval-task accuracy")
     g.add_argument("--workers", type=int, help="data-parallel workers: a run sent to a Ray "
                                                "cluster (--on) trains as N ranks")
     add_preference_options(p)
@@ -140,7 +143,8 @@ def run_config_from_args(args):
                        ("max_steps", args.max_steps),
                        ("eval_every", args.eval_every), ("save_every", args.save_every),
                        ("patience", args.patience), ("adapter", args.adapter),
-                       ("workers", args.workers), ("eval_task_limit", args.eval_task_limit)):
+                       ("workers", args.workers), ("eval_task_limit", args.eval_task_limit),
+                       ("best_by", args.best_by)):
         if value is not None:
             base[key] = str(Path(value).resolve()) if key in ("model", "data", "adapter") else value
     train.update(train_options(args))

@@ -77,10 +77,12 @@ class RunConfig:
     workers: int = 1             # data-parallel ranks (> 1: app.engine.runs.data_parallel)
     eval_task: str = ""          # a multiple-choice task scored at every evaluation (issue 32)
     eval_task_limit: int = 50    # its first N items
+    best_by: str = "loss"        # the best checkpoint: "loss" (validation) or "task" (eval_task)
 
     SCHEMA_RULES: ClassVar[dict] = dict(  # "kind" is not a field: config.json names the run's type
         kind=(KIND,), model=TEXT, data=TEXT, epochs=AT_LEAST_0, max_steps=AT_LEAST_0,
         patience=AT_LEAST_0, workers=AT_LEAST_1, eval_task=TEXT, eval_task_limit=AT_LEAST_1,
+        best_by=("loss", "task"),
         **RUN_LENGTHS)
 
     def validate(self) -> None:
@@ -95,6 +97,9 @@ class RunConfig:
                               "Set epochs, or max_steps with epochs 0.")
         if self.keep_last < 1 or self.max_bad_steps < 1:
             raise ConfigError("keep_last and max_bad_steps must be at least 1.")
+        if self.best_by == "task" and not self.eval_task:
+            raise ConfigError("best_by task needs an evaluation task.",
+                              "Give eval_task (--eval-task SPEC), or keep best_by loss.")
         if self.eval_task and self.workers > 1:
             raise ConfigError("An evaluation task is scored by one process: a data-parallel run "
                               "(workers > 1) cannot take one.", "Leave eval_task empty.")
@@ -265,9 +270,13 @@ def train(config: RunConfig, report: Report, should_stop: ShouldStop,
             return False
         loss, acc = session.evaluate(dataset.val_batches())
         extra = on_eval(session) if on_eval is not None and lead else {}
-        improved = loss < state["best_loss"]
+        if config.best_by == "task" and "task_acc" in extra:   # the task's accuracy decides
+            improved = extra["task_acc"] > state.get("best_task_acc", -1.0)
+        else:
+            improved = loss < state["best_loss"]
         if improved:
-            state.update(best_loss=loss, best_step=session.step_count, evals_without_gain=0)
+            state.update(best_loss=loss, best_step=session.step_count, evals_without_gain=0,
+                         **({"best_task_acc": extra["task_acc"]} if "task_acc" in extra else {}))
         else:
             state["evals_without_gain"] += 1
         report(events.SFT_EVAL(step=session.step_count, loss=loss, accuracy=acc,

@@ -46,3 +46,23 @@ def test_only_multiple_choice_tasks_and_one_process():
     assert task_evaluator(RunConfig("m.gguf", "d.jsonl")) is None
     with pytest.raises(ConfigError, match="data-parallel"):
         RunConfig("m.gguf", "d.jsonl", eval_task="mc:x.bin", workers=2).validate()
+
+
+def test_the_best_checkpoint_by_the_tasks_accuracy(tmp_path):
+    """--best-by task: the best step is the first evaluation with the highest task accuracy
+    (its checkpoint kept), not the lowest validation loss."""
+    from app.engine.runs.rundir import best_checkpoint
+
+    out = tmp_path / "run"
+    assert run_cli(["train", "-m", str(SAMPLE_DATA / "tiny-moe.gguf"),
+                    "-d", str(SAMPLE_DATA / "chat.jsonl"), "--rank", "4", "--targets", "attn",
+                    "--lr", "0.05", "--epochs", "0", "--max-steps", "6", "--eval-every", "2",
+                    "--val-split", "0.1", "--eval-task", str(SAMPLE_DATA / "eval_tasks.jsonl"),
+                    "--eval-task-limit", "8", "--best-by", "task", "-o", str(out)]) == 0
+    evals = [e for e in RunDir(out).metrics() if e["type"] == "eval"]
+    accs = [e["task_acc"] for e in evals]
+    want = evals[accs.index(max(accs))]["step"]
+    assert [e["step"] for e in evals if e["best"]][-1] == want
+    assert best_checkpoint(out)[0] == want
+    with pytest.raises(ConfigError, match="best_by task needs an evaluation task"):
+        RunConfig("m.gguf", "d.jsonl", best_by="task").validate()
