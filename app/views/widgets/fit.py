@@ -131,9 +131,10 @@ class FlowLayout(QLayout):
                        else item.sizeHint().height() for (_, item, _), w in zip(line, widths)]
             height = max(heights)
             if move:
-                # a stretch on this line: what follows it goes to the right end
-                split = next((k for k, (index, *_) in enumerate(line)
-                              if index in self._breaks), len(line))
+                # from a stretch on: at the right end (its line's rest, and the lines after)
+                first = min(self._breaks, default=len(self._items))
+                split = next((k for k, (index, *_) in enumerate(line) if index >= first),
+                             len(line))
                 tail = sum(widths[split:]) + self._spacing * max(0, len(line) - split - 1)
                 x = area.x()
                 for k, ((_, item, _), w, h) in enumerate(zip(line, widths, heights)):
