@@ -399,6 +399,36 @@ def point_at(monkeypatch, hub: FakeHub, home: Path) -> None:
         monkeypatch.delenv(var, raising=False)
 
 
+def closed_port() -> int:
+    """A loopback port nothing listens on (bound, then released): a refused connection."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+UNRESOLVABLE = "http://hub.workbench-test.invalid"      # .invalid never resolves (RFC 2606)
+
+
+def count_attempts(monkeypatch) -> list[str]:
+    """The URLs of every HTTP request the client's session sends from now on (each retry
+    too), the client's backoff sleeps made instant so that a retry loop costs no time."""
+    import httpx2
+    import huggingface_hub.utils._http as http
+
+    monkeypatch.setattr(http.time, "sleep", lambda s: None)
+    attempts: list[str] = []
+    send = httpx2.Client.send
+
+    def counted(self, request, *a, **k):
+        attempts.append(str(request.url))
+        return send(self, request, *a, **k)
+
+    monkeypatch.setattr(httpx2.Client, "send", counted)
+    return attempts
+
+
 # Fixtures: a test module takes them with `from tests.hub_server import hub, hub_repos`.
 @pytest.fixture(scope="session")
 def hub_repos(tmp_path_factory):
@@ -410,4 +440,7 @@ def hub(hub_repos, tmp_path, monkeypatch):
     """A fresh local Hub (faults cleared) and an empty HF_HOME, the engine pointed at both."""
     with FakeHub(hub_repos) as server:
         point_at(monkeypatch, server, tmp_path / "hf-home")
+        # merged split models go beside the dataset cache: a test's own, so that whether a
+        # merge happens does not depend on which test merged first
+        monkeypatch.setenv("WORKBENCH_CACHE_DIR", str(tmp_path / "workbench-cache"))
         yield server

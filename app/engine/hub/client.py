@@ -7,8 +7,10 @@ cache_dir=, token=): the client reads its own copies of them once, at import, so
 that changes them later (the tests, a window whose user logs in) would otherwise talk to the
 old endpoint.
 
-Search and listing go through the client's `paginate` (Link-header pages, retries on 429/5xx)
-and its ModelInfo/RepoFile, with a timeout that HfApi's list methods do not send; a file's
+Search and listing follow the Hub's Link-header pages through the client's `http_backoff`
+(a timeout that HfApi's list methods do not send; 2 retries of a timeout, a drop, a 429 or 5xx;
+none of a refused connection or a name that does not resolve: "No network" at once) and read
+its ModelInfo/RepoFile; a file's
 metadata (the commit, the ETag that is the LFS sha256, the size) is its
 `get_hf_file_metadata`. The bytes come through the client's HTTP session with our own Range
 requests into a kept partial file, `blobs/<sha256>.workbench.incomplete` in the cache, because
@@ -112,7 +114,19 @@ def _token() -> str | None:
     return token or None
 
 
+def _no_telemetry() -> None:
+    """The client's telemetry off in this process: with it on, the first request of a process
+    first asks https://huggingface.co/api/agent-harnesses (the endpoint read at import, not
+    HF_ENDPOINT; 3 s timeout) to decorate its User-Agent (huggingface_hub 2.4.0), which costs
+    up to 3 s without a network and talks to the Hub where a user pointed HF_ENDPOINT
+    elsewhere. The workbench sends nothing but the requests a user asked for."""
+    from huggingface_hub import constants
+
+    constants.HF_HUB_DISABLE_TELEMETRY = True
+
+
 def hub_settings() -> HubSettings:
+    _no_telemetry()
     offline = (os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or "")
     return HubSettings(
         endpoint=(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/"),
@@ -188,6 +202,8 @@ def hub_error(e: BaseException, s: HubSettings, repo_id: str = "", what: str = "
                             "server error.", "Try again later.")
         return HubError(f"The Hub answered HTTP {status} for{where or ' the request'}.",
                         "Check the name and try again.")
+    if isinstance(e, httpx2.ConnectError):
+        return _no_network(e, s)
     if isinstance(e, httpx2.TransportError):
         reason = type(e).__name__ + (f": {e}" if str(e) else "")
         return HubOfflineError(
@@ -203,6 +219,33 @@ def hub_error(e: BaseException, s: HubSettings, repo_id: str = "", what: str = "
     raise e
 
 
+def _no_network(e: BaseException, s: HubSettings) -> HubOfflineError:
+    """HubOfflineError for a connection that could not be opened: the host does not resolve
+    (no DNS: no network, or a wrong HF_ENDPOINT), or it refused the connection."""
+    import socket
+    from urllib.parse import urlsplit
+
+    host = urlsplit(s.endpoint).hostname or s.endpoint
+    cause, seen = e, set()
+    while cause is not None and id(cause) not in seen:     # the OSError under httpx2's
+        seen.add(id(cause))
+        if isinstance(cause, socket.gaierror):
+            break
+        cause = cause.__cause__ or cause.__context__
+    text = str(e).lower()
+    if isinstance(cause, socket.gaierror) or "name or service" in text or \
+            "name resolution" in text or "getaddrinfo" in text or "nodename" in text:
+        what = f"the name {host} does not resolve"
+    elif "refused" in text or isinstance(cause, ConnectionRefusedError):
+        what = f"{host} refused the connection"
+    else:
+        what = f"cannot connect to {host} ({e or type(e).__name__})"
+    return HubOfflineError(
+        f"No network: {what}, so the Hub ({s.endpoint}) cannot be asked.",
+        "Check the network connection (or HF_ENDPOINT). Downloaded models still work: "
+        "`workbench models list`.")
+
+
 _CLIENT_ERRORS: tuple[type[BaseException], ...] = (OSError, ValueError, TypeError, KeyError,
                                                    AttributeError)
 
@@ -213,23 +256,47 @@ def _client_errors() -> tuple[type[BaseException], ...]:
     return (*_CLIENT_ERRORS, httpx2.HTTPError)
 
 
-def _pages(s: HubSettings, path: str, params: dict, limit: int | None = None) -> Iterable[dict]:
-    """The items of a paginated listing of the Hub API (the client's `paginate`, which follows
-    the Link headers and retries 429/5xx), with a timeout on every request: HfApi's list_models
-    and list_repo_tree send theirs without one, so a server that accepts and never answers
-    would hang them."""
+# The client's retries of a listing request: a timeout, a dropped connection, 429 and 5xx
+# answers are tried LIST_RETRIES more times (1 s, then 2 s apart); a refused connection or a
+# host name that does not resolve is not retried at all (the client's own loop tries 6 times,
+# 1+2+4+8+8 s apart: 23 s before a user without a network hears why).
+LIST_RETRIES = 2
+
+
+def _retried_exceptions() -> tuple[type[BaseException], ...]:
     import httpx2
-    from huggingface_hub.utils import build_hf_headers
-    from huggingface_hub.utils._pagination import paginate
+
+    return (httpx2.TimeoutException, httpx2.ReadError, httpx2.WriteError, httpx2.CloseError,
+            httpx2.RemoteProtocolError)
+
+
+def _pages(s: HubSettings, path: str, params: dict, limit: int | None = None) -> Iterable[dict]:
+    """The items of a paginated listing of the Hub API (the Link headers followed, as the
+    client's `paginate` does), each request through the client's `http_backoff` with a timeout
+    (HfApi's list_models and list_repo_tree send none: a server that accepts and never answers
+    would hang them) and the retries above."""
+    import httpx2
+    from huggingface_hub.utils import build_hf_headers, hf_raise_for_status, http_backoff
 
     headers = build_hf_headers(token=s.token or False, library_name="gguf-workbench")
     timeout = httpx2.Timeout(METADATA_TIMEOUT_S, read=READ_TIMEOUT_S)
-    for n, item in enumerate(paginate(s.endpoint + path, params, headers, timeout=timeout)):
-        if limit is not None and n >= limit:
-            return
-        if not isinstance(item, dict):
-            raise TypeError(f"a listing item is a {type(item).__name__}")
-        yield item
+    url: str | None = s.endpoint + path
+    n = 0
+    while url is not None:
+        r = http_backoff("GET", url, params=params, headers=headers, timeout=timeout,
+                         max_retries=LIST_RETRIES, retry_on_exceptions=_retried_exceptions())
+        hf_raise_for_status(r)
+        page = r.json()
+        if not isinstance(page, list):
+            raise TypeError(f"a listing is a {type(page).__name__}")
+        for item in page:
+            if limit is not None and n >= limit:
+                return
+            if not isinstance(item, dict):
+                raise TypeError(f"a listing item is a {type(item).__name__}")
+            n += 1
+            yield item
+        url, params = r.links.get("next", {}).get("url"), None   # the next link has the query
 
 
 # ---------------------------------------------------------------- search and listing
@@ -547,7 +614,7 @@ def fetch_range(s: HubSettings, remote: RemoteFile, start: int, end: int) -> byt
                         break
                 return bytes(body[:end - start])
         except httpx2.TransportError as e:
-            if attempt == 2:
+            if attempt == 2 or isinstance(e, httpx2.ConnectError):    # no network: at once
                 raise hub_error(e, s, remote.repo_id, remote.filename) from None
         except _client_errors() as e:
             raise hub_error(e, s, remote.repo_id, remote.filename) from None

@@ -355,22 +355,26 @@ def test_offline_lists_the_cache_and_refuses_to_search(hub, hub_repos, monkeypat
     assert [c.name for c in client.cached_models()] == [Q8]
 
 
-def test_no_network_is_said_plainly(tmp_path, monkeypatch):
-    import socket
+@pytest.mark.parametrize("endpoint", ["closed port", "unresolvable host"])
+def test_no_network_is_said_plainly_at_the_first_try(endpoint, tmp_path, monkeypatch):
+    """A refused connection or a name that does not resolve is "No network" after one attempt
+    per call (the client's own loop would try 6 times with 1+2+4+8+8 s of backoff: ~23 s)."""
+    from tests.hub_server import UNRESOLVABLE, closed_port, count_attempts
 
-    import huggingface_hub.utils._http as http
-
-    monkeypatch.setattr(http.time, "sleep", lambda s: None)   # the client's 5 retries, at once
-
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()                                      # nothing listens there now
-    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    attempts = count_attempts(monkeypatch)
+    url = f"http://127.0.0.1:{closed_port()}" if endpoint == "closed port" else UNRESOLVABLE
+    monkeypatch.setenv("HF_ENDPOINT", url)
     monkeypatch.setenv("HF_HOME", str(tmp_path))
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    with pytest.raises(HubOfflineError, match="Cannot reach"):
-        client.list_models(LLAMA)
+    model = client.HubModel(LLAMA, (client.HubFile(Q8, 1000, None),), "Q8_0")
+    for call in (lambda: client.search("tiny"), lambda: client.list_models(LLAMA),
+                 lambda: client.download_file(LLAMA, Q8), lambda: client.what_fits(model)):
+        attempts.clear()
+        with pytest.raises(HubOfflineError, match="^No network: ") as e:
+            call()
+        assert len(attempts) == 1, attempts
+        assert ("refused" if endpoint == "closed port" else "does not resolve") in e.value.message
+        assert "workbench models list" in e.value.hint
 
 
 def test_what_fits_reads_the_header_only(hub, hub_repos):

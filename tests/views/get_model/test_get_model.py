@@ -145,6 +145,29 @@ def test_offline_says_why_and_what_is_here(qtbot, hub, monkeypatch):
     assert f"{LLAMA}:Q8_0" in dialog.status.text()
 
 
+def test_no_network_is_said_at_once_and_the_window_stays_responsive(qtbot, tmp_path,
+                                                                   monkeypatch):
+    from tests.hub_server import closed_port, count_attempts
+
+    attempts = count_attempts(monkeypatch)
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{closed_port()}")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    dialog = GetModelDialog()
+    qtbot.addWidget(dialog)
+    dialog.show()
+    dialog.query.setText("tiny")
+    dialog.search()                       # returns at once: the search runs in the background
+    assert dialog.status.text() == "Searching\u2026"
+    qtbot.waitUntil(dialog.error.isVisible, timeout=10_000)
+    assert dialog.error.message_label.text().startswith("No network: ")
+    assert "refused the connection" in dialog.error.message_label.text()
+    assert "no model was downloaded" in dialog.status.text()
+    assert len(attempts) == 1, attempts
+    os.makedirs("/tmp/shots", exist_ok=True)
+    dialog.grab().save("/tmp/shots/get-model-no-network.png")
+
+
 @pytest.mark.parametrize("fault", ["gated", "server"])
 def test_errors_show_in_the_panel(qtbot, hub, fault):
     dialog = GetModelDialog()
