@@ -650,23 +650,28 @@ def quant_shown(named: str, fit) -> str:
     return shown(named, fit)
 
 
-def what_fits(model: HubModel, rank: int = 16, context: int = 512):
+def what_fits(model: HubModel, rank: int = 16, context: int = 512, revision: str = "main"):
     """app.engine.hub.header.Fit of a remote model, from its header (weights not fetched). A
-    split model: the architecture of its first part and no estimate (its first part holds only
-    some of the tensors); it trains once merged (app.engine.hub.merge, on its first use)."""
-    from app.engine.hub.header import Fit, fits_here
-    from app.engine.model.config import SUPPORTED_ARCHITECTURES
+    split model: every part's header (the first holds the metadata, the tensors are spread
+    over the parts), put together as the file its parts merge into (app.engine.hub.merge), so
+    the estimate is the merged file's."""
+    from dataclasses import replace
 
-    first = model.files[0].path
-    header, size = read_header(model.repo_id, first)
-    fit = fits_here(header, size, first, rank, context)
+    from app.engine.hub.header import fits_here
+    from app.engine.hub.merge import merged_header
+
+    headers = [read_header(model.repo_id, f.path, revision) for f in model.files]
     if not model.is_split:
-        return fit
-    known = fit.architecture in SUPPORTED_ARCHITECTURES
-    note = (f"split into {len(model.files)} files, merged into one to train; no estimate "
-            "before the download" if known else
-            f"architecture {fit.architecture or 'unknown'} is not one the workbench trains")
-    return Fit(fit.architecture, known, None, None, note, fit.quant)
+        header, size = headers[0]
+        return fits_here(header, size, model.files[0].path, rank, context)
+    try:
+        header, size = merged_header(headers)
+    except EngineError as e:
+        raise HubError(f"The parts of {model.name} in {model.repo_id} do not make one model: "
+                       f"{e.message}", "Pick another file of the repository.") from None
+    fit = fits_here(header, size, model.name, rank, context)
+    return replace(fit, note=f"{fit.note} (split into {len(model.files)} files, merged into "
+                             "one to train)")
 
 
 def download(model: HubModel, progress: Progress | None = None, cancel=None,

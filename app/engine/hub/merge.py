@@ -7,12 +7,14 @@ stays quantized), the metadata is the first part's without the split.* keys.
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 from app.engine.data.cache import cache_dir
 from app.engine.errors import ModelFormatError
 from app.engine.hub.names import split_part
-from app.engine.io.gguf import read_gguf, write_gguf
+from app.engine.io.gguf import read_gguf, write_gguf, write_gguf_header
 from app.engine.runtime.files import storage_error
 
 SPLIT_KEYS = ("split.no", "split.count", "split.tensors.count")
@@ -72,3 +74,33 @@ def trainable_path(path: str | Path, key: str = "") -> Path:
         for f in files:
             f.close()
     return out
+
+
+def merged_header(parts: list[tuple[bytes, int]]) -> tuple[bytes, int]:
+    """(the header, the size) of the file `trainable_path` would write from a split model,
+    from each part's (header, file size) in order (its weights never fetched): the first
+    part's metadata without the split.* keys, every part's tensors with their shapes and
+    types. What fits is then read from it as from an unsplit file."""
+    tensors: dict = {}
+    with tempfile.TemporaryDirectory(prefix="wb-split-") as folder:
+        for k, (prefix, size) in enumerate(parts):
+            path = os.path.join(folder, f"part-{k}.gguf")
+            with open(path, "wb") as f:
+                f.write(prefix)
+                f.truncate(max(size, len(prefix)))    # sparse: the reader checks extents
+            g = read_gguf(path)
+            try:
+                if k == 0:
+                    metadata = {n: v for n, v in g.metadata.items() if n not in SPLIT_KEYS}
+                    types = {n: v for n, v in g.value_types.items() if n not in SPLIT_KEYS}
+                    declared = g.metadata.get("split.tensors.count")
+                tensors.update(g.tensors)
+            finally:
+                g.close()
+        if isinstance(declared, int) and declared != len(tensors):
+            raise ModelFormatError(f"The parts of the split model hold {len(tensors)} tensors; "
+                                   f"the first says {declared}.", "Pick another model.")
+        out = os.path.join(folder, "merged.gguf")
+        start, size = write_gguf_header(out, metadata, tensors, types)
+        with open(out, "rb") as f:
+            return f.read(start), size

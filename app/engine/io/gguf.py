@@ -444,15 +444,7 @@ def write_gguf(path: str | os.PathLike, metadata: dict[str, Any], tensors: dict[
     arch = metadata.get("general.architecture", "unknown")
     writer = gguf.GGUFWriter(tmp, arch, use_temp_file=False)
     try:
-        for key, value in metadata.items():
-            if key == "general.architecture":
-                continue
-            vtype, item = (value_types or {}).get(key) or _infer_value_type(key, value)
-            if vtype == _ARRAY:
-                items = value.tolist() if isinstance(value, np.ndarray) else list(value)
-                writer.add_key_value(key, items, _value_type(vtype), _value_type(item))
-            else:
-                writer.add_key_value(key, value, _value_type(vtype))
+        _add_metadata(writer, metadata, value_types)
         for name, tensor in tensors.items():
             if isinstance(tensor, tuple):
                 raw, ggml_type = tensor
@@ -477,6 +469,52 @@ def write_gguf(path: str | os.PathLike, metadata: dict[str, Any], tensors: dict[
             os.remove(tmp)
         if full:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path) from exc
+        raise
+
+
+def _add_metadata(writer, metadata: dict[str, Any],
+                  value_types: dict[str, tuple[int, int | None]] | None) -> None:
+    for key, value in metadata.items():
+        if key == "general.architecture":
+            continue
+        vtype, item = (value_types or {}).get(key) or _infer_value_type(key, value)
+        if vtype == _ARRAY:
+            items = value.tolist() if isinstance(value, np.ndarray) else list(value)
+            writer.add_key_value(key, items, _value_type(vtype), _value_type(item))
+        else:
+            writer.add_key_value(key, value, _value_type(vtype))
+
+
+def write_gguf_header(path: str | os.PathLike, metadata: dict[str, Any],
+                      tensors: dict[str, TensorInfo],
+                      value_types: dict[str, tuple[int, int | None]] | None = None
+                      ) -> tuple[int, int]:
+    """The file `write_gguf` would write for `metadata` and tensors of these shapes and types,
+    without their data: the header as written, then a sparse hole up to the file's full size
+    (the reader checks the tensors' extents against it; nothing reads the weights).
+    (the header's length up to the aligned start of the data, the file's size)."""
+    import gguf
+
+    path = str(path)
+    writer = gguf.GGUFWriter(path, metadata.get("general.architecture", "unknown"),
+                             use_temp_file=False)
+    try:
+        _add_metadata(writer, metadata, value_types)
+        data = 0
+        for name, t in tensors.items():
+            writer.add_tensor_info(name, t.shape, np.dtype(np.float32), t.nbytes,
+                                   raw_dtype=gguf.GGMLQuantizationType(t.ggml_type))
+            data += gguf.GGUFWriter.ggml_pad(t.nbytes, writer.data_alignment)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        writer.close()
+        with open(path, "r+b") as f:
+            start = gguf.GGUFWriter.ggml_pad(f.seek(0, os.SEEK_END), writer.data_alignment)
+            f.truncate(start + data)
+        return start, start + data
+    except BaseException:
+        writer.close()
         raise
 
 

@@ -383,8 +383,34 @@ def test_what_fits_reads_the_header_only(hub, hub_repos):
     assert fit.need > 0 and fit.have > 0
     assert hub.ranges(Q8) == [f"bytes=0-{len(hub_repos[LLAMA].files[Q8]) - 1}"]
     split = client.what_fits(_model(MIXTRAL, "F32"))
-    assert split.supported and split.fits is None and split.architecture == "llama"
+    assert split.supported and split.fits and split.architecture == "llama"
     assert "merged into one to train" in split.note
+
+
+def test_a_split_model_s_estimate_is_the_merged_file_s(hub, hub_repos):
+    """Every part's header read with ranged requests, the estimate before the download equal
+    to the one of the file the parts merge into (and of the unsplit file they were cut from:
+    the same tensors, the same metadata but the split.* keys)."""
+    from dataclasses import replace
+
+    from app.engine.hub.header import fits_here
+    from app.engine.hub.merge import merged_header, trainable_path
+
+    model = _model(MIXTRAL, "F32")
+    fit = client.what_fits(model, rank=8, context=256)
+    parts = [f.path for f in model.files]
+    for name in parts:                                 # closed ranges only: no weights
+        assert hub.ranges(name) and all(r and not r.endswith("-") for r in hub.ranges(name))
+    merged = trainable_path(client.download(model), key="test")
+    header, size = merged_header([client.read_header(MIXTRAL, name) for name in parts])
+    assert size == merged.stat().st_size                 # the merged file's layout exactly
+    assert header == merged.read_bytes()[:len(header)]
+    want = fits_here(merged.read_bytes(), merged.stat().st_size, merged.name, 8, 256)
+    assert fit.need is not None and fit.need == want.need and fit.have == want.have
+    assert replace(fit, note="") == replace(want, note="")
+    golden = GOLDEN / "mixtral-f32.gguf"
+    assert fit.need == fits_here(golden.read_bytes(), golden.stat().st_size, golden.name, 8,
+                                 256).need
 
 
 def test_copy_to_a_folder_takes_every_part(hub, hub_repos, tmp_path):
