@@ -47,6 +47,9 @@ from app.engine.text.chat_template import read_chat_template  # a run's template
 from app.engine.training.config import TrainConfig
 from app.engine.training.config import check_context, default_context, default_lr
 from app.engine.training.grpo import GrpoConfig, build_grpo_config
+from app.engine.training.preference import (DEFAULT_BETA, PreferenceConfig,
+                                            build_preference_config)
+from app.engine.data.preferences import lint_preference_file  # a preference file's lint
 from app.engine.training.memory import TrainingMemory, estimate_memory
 from app.engine.training.reward_functions import (TRUST_SCOPE, RewardSpec, trust_reward_files,
                                                   untrusted_reward_files)
@@ -75,6 +78,7 @@ __all__ = [
     "FoundModel", "discover_models", "model_folders", "hub", "trainable_path",
     # configs, the settings-file schema, datasets, memory
     "DataConfig", "GrpoConfig", "RewardSpec", "RunConfig", "TrainConfig", "build_grpo_config",
+    "DEFAULT_BETA", "PreferenceConfig", "build_preference_config", "lint_preference_file",
     "TRUST_SCOPE", "trust_reward_files", "untrusted_reward_files", "check", "read_config_file",
     "LintReport", "lint_file", "TrainingMemory", "estimate_memory", "gpu_available", "read_range",
     "precision_choice",

@@ -4,6 +4,13 @@ A preview table of the first rows, the detected format, the linter's summary wit
 rows (line and reason), a histogram of row lengths in tokens against the context, and one
 example with the trained spans highlighted. Reading and linting run off the GUI thread; a newer
 request supersedes an older one.
+
+For a preference run (`set_pairs(True)`: DPO, ORPO, SimPO, KTO) the file is linted as pairs by
+the engine's `lint_preference_file` (what `workbench lint` prints for it): the pairs counted
+(KTO's unpaired rows by label), identical, empty and too-long rows flagged among the rejected
+ones, the sequence lengths against the context, and one pair shown with its chosen and rejected
+completions one under the other, each completion's tokens highlighted. `pair_report` is that
+report (a dict); `report` (a supervised run's LintReport) stays None.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from PySide6.QtWidgets import (QAbstractItemView, QFileDialog, QHBoxLayout, QHea
                                QLineEdit, QProgressBar, QPushButton, QSplitter, QTableWidget,
                                QTableWidgetItem, QTextEdit, QVBoxLayout, QWidget)
 
-from app.engine.api import DataConfig, LintReport, lint_file
+from app.engine.api import ConfigError, DataConfig, LintReport, lint_file, lint_preference_file
 from app.views.context import Background
 from app.views.widgets import theme
 from app.views.widgets.error_panel import ErrorPanel
@@ -72,6 +79,20 @@ def _cell(value) -> str:
     return text if len(text) <= CELL_CHARS else text[:CELL_CHARS - 1] + "\u2026"
 
 
+def lint_pairs(data: str, model: str, config: DataConfig) -> dict:
+    """A preference file's lint report (app.engine.api.lint_preference_file) at the context of
+    `config`; a file that is not one is a ConfigError saying which rows a preference run takes."""
+    report = lint_preference_file(data, model, config, config.context)
+    if report is None:
+        raise ConfigError(f"{os.path.basename(data)} is not a preference dataset: its first rows "
+                          'have no "chosen" and "rejected" (nor "completion" with a true/false '
+                          '"label").',
+                          'Use rows {"prompt", "chosen", "rejected"} (DPO, ORPO, SimPO, KTO) or '
+                          '{"prompt", "completion", "label"} (KTO), e.g. '
+                          'sample_data/preferences.jsonl.')
+    return report
+
+
 class DatasetPanel(QWidget):
     """`set_inputs(data, model, config)` (re)checks the dataset; `report` is the last report."""
 
@@ -82,6 +103,8 @@ class DatasetPanel(QWidget):
                  lint: Callable[..., LintReport] = lint_file):
         super().__init__(parent)
         self.report: LintReport | None = None
+        self.pair_report: dict | None = None         # a preference file's (set_pairs)
+        self._pairs = False
         self.error: BaseException | None = None     # why the last check failed
         self._lint = lint
         self._inputs: tuple[str, str, DataConfig] | None = None
@@ -206,7 +229,8 @@ class DatasetPanel(QWidget):
         """Lint `data` with `model`'s tokenizer and `config` (after a short pause, so typing
         in a field does not start a lint per key)."""
         inputs = (data, model, config)
-        if inputs == self._inputs and (self.report is not None or self._bg.busy("lint")):
+        done = self.pair_report if self._pairs else self.report
+        if inputs == self._inputs and (done is not None or self._bg.busy("lint")):
             return
         self._inputs = inputs
         if not data or not model:
@@ -217,6 +241,16 @@ class DatasetPanel(QWidget):
         self.busy.show()
         self._debounce.start()
 
+    def set_pairs(self, pairs: bool) -> None:
+        """Lint the file as preference pairs (True) or as a supervised dataset; the next
+        `set_inputs` checks it again."""
+        if pairs == self._pairs:
+            return
+        self._pairs, self._inputs = pairs, None
+        self._bg.cancel("lint")
+        self.plot.setVisible(not pairs)             # pairs: lengths in words, no histogram
+        self._show_report(None)
+
     def is_busy(self) -> bool:
         return self._debounce.isActive() or self._bg.busy("lint") or self._bg.busy("preview")
 
@@ -224,7 +258,8 @@ class DatasetPanel(QWidget):
         if self._inputs is None:
             return
         data, model, config = self._inputs
-        self._bg.run("lint", self._lint, data, model, config, on_done=self._on_report,
+        lint = lint_pairs if self._pairs else self._lint
+        self._bg.run("lint", lint, data, model, config, on_done=self._on_report,
                      on_error=self._on_error)
 
     def _load_preview(self, path: str) -> None:
@@ -234,10 +269,15 @@ class DatasetPanel(QWidget):
                          on_error=lambda e: self._show_preview(([], [])))
 
     # ---------------------------------------------------------------- results
-    def _on_report(self, report: LintReport) -> None:
+    def _on_report(self, report) -> None:
         self.error = None
         self.busy.hide()
         self.error_panel.hide()
+        if isinstance(report, dict):                # a preference file's (lint_pairs)
+            self._show_report(None)
+            self._show_pairs(report)
+            self.report_ready.emit(None)
+            return
         self._show_report(report)
         self.report_ready.emit(report)
 
@@ -255,6 +295,7 @@ class DatasetPanel(QWidget):
 
     def _show_report(self, r: LintReport | None) -> None:
         self.report = r
+        self.pair_report = None
         if r is None:
             self.format_label.hide()
             self.summary_label.setText("Pick a model and a dataset to check it."
@@ -285,19 +326,75 @@ class DatasetPanel(QWidget):
         self._show_histogram(r.histogram)
         self._show_example(r.example)
 
-    def _show_bad_rows(self, r: LintReport) -> None:
+    def _show_pairs(self, r: dict) -> None:
+        """A preference file's report: counts and flags, rejected rows, one pair."""
+        self.pair_report = r
+        self.format_label.setText(f"{r['format']} "
+                                  f"({'detected' if r['format_detected'] else 'chosen'})")
+        self.format_label.show()
+        what = (f"{r['pairs']:,} pairs" if "pairs" in r else
+                f"{r['desirable']:,} desirable and {r['undesirable']:,} undesirable rows")
+        parts = [f"{r['rows']:,} rows: {what} accepted, {r['rejected_count']:,} rejected",
+                 f"identical pairs {r['identical']}, empty completions {r['empty']}, longer "
+                 f"than the context {r['too_long']}"]
+        self.summary_label.setText(" \u00b7 ".join(parts) +
+                                   "".join(f"\nnote: {n}" for n in r.get("notes", [])))
+        self._show_bad_rows(r)
+        if "lengths" in r:
+            L, C = r["lengths"], r["completion_tokens"]
+            self.hist_stats.setText(
+                f"Sequences (prompt + completion): min {L['min']}, mean {L['mean']:g}, max "
+                f"{L['max']} tokens; a row fits up to {L['fits_up_to']} (context "
+                f"{r['context']}), longer ones are rejected. Completions: min {C['min']}, "
+                f"mean {C['mean']:g}, max {C['max']} tokens.")
+        else:
+            self.hist_stats.setText("no accepted rows")
+        self._show_pair_example(r.get("example"))
+
+    def _show_pair_example(self, ex: dict | None) -> None:
+        """One row's completions under each other (chosen, then rejected; KTO's one by its
+        label), each completion's tokens highlighted, as one example of `_show_example`."""
+        if not ex:
+            self._show_example(None)
+            return
+        text, spans, trained = "", [], 0
+        for key in ("chosen", "rejected"):
+            e = ex[key]
+            if e is None:
+                continue
+            name = key if ex["label"] is None else ("desirable" if ex["label"] else
+                                                    "undesirable")
+            head = f"\u2500\u2500 {name.upper()} ({e['trained_tokens']} completion tokens)\n"
+            at = len(text) + len(head)
+            spans += [(a + at, b + at) for a, b in e.get("trained_spans", [])]
+            text += head + e["text"] + "\n\n"
+            trained += e["trained_tokens"]
+        self._show_example({"line": ex["line"], "text": text.rstrip("\n"),
+                            "trained_spans": spans, "trained_tokens": trained,
+                            "tokens": sum(ex[k]["tokens"] for k in ("chosen", "rejected")
+                                          if ex[k] is not None)})
+        kind = "pair" if ex["rejected"] is not None else "row"
+        self.example_title.setText(f"Example {kind}: line {ex['line']}, "
+                                   + ("chosen and rejected completions highlighted"
+                                      if kind == "pair" else "its completion highlighted"))
+
+    def _show_bad_rows(self, r) -> None:
+        """The rejected rows of a LintReport or of a preference report (a dict)."""
         t = self.bad_rows_table
-        t.setRowCount(len(r.rejected))
-        for i, rej in enumerate(r.rejected):
-            for c, text in enumerate((str(rej.line), rej.kind, rej.reason)):
+        rejected = r["rejected"] if isinstance(r, dict) else [
+            {"line": x.line, "kind": x.kind, "reason": x.reason} for x in r.rejected]
+        count = r["rejected_count"] if isinstance(r, dict) else r.rejected_count
+        t.setRowCount(len(rejected))
+        for i, rej in enumerate(rejected):
+            for c, text in enumerate((str(rej["line"]), rej["kind"], rej["reason"])):
                 item = QTableWidgetItem(text)
                 item.setToolTip(text)
                 t.setItem(i, c, item)
-        more = r.rejected_count - len(r.rejected)
+        more = count - len(rejected)
         self.bad_rows_title.setText(
-            "Rejected rows: none" if not r.rejected_count else
-            f"Rejected rows: {r.rejected_count:,}" + (f" (first {len(r.rejected)} listed)"
-                                                      if more > 0 else ""))
+            "Rejected rows: none" if not count else
+            f"Rejected rows: {count:,}" + (f" (first {len(rejected)} listed)"
+                                          if more > 0 else ""))
 
     def _show_histogram(self, h: dict) -> None:
         bins = h.get("bins") or []

@@ -30,8 +30,9 @@ from PySide6.QtWidgets import (QCheckBox, QFileDialog, QFrame, QGridLayout, QHBo
                                QLineEdit, QPushButton, QScrollArea, QVBoxLayout, QWidget)
 
 from app.engine.api import precision_choice
-from app.engine.api import (GRPO, SFT, TARGET_GROUPS, DataConfig, GrpoConfig, LintReport,
-                            ModelCard, RunConfig, TrainConfig, default_context, default_lr,
+from app.engine.api import (DEFAULT_BETA, GRPO, PREFERENCE_KINDS, SFT, TARGET_GROUPS,
+                            DataConfig, GrpoConfig, LintReport, ModelCard, PreferenceConfig,
+                            RunConfig, TrainConfig, default_context, default_lr,
                             EngineError, gpu_available, human_bytes, human_count,
                             lora_param_count, read_chat_template)
 from app.views.widgets.fit import Columns
@@ -69,6 +70,14 @@ def default_settings(kind: str, card: ModelCard | None = None) -> dict:
     """The settings dict a new run of `kind` starts from (without its inputs: model, data,
     prompts, rewards): a RunConfig's or GrpoConfig's defaults with the first run's choices;
     a supervised run's context is the engine's `default_context(card)` for the model."""
+    train = replace(_T, **FIRST_TRAIN, lr=default_lr(_T.mode, FIRST_TRAIN["lora_alpha"]))
+    if kind in PREFERENCE_KINDS:        # the CLI's `train --method KIND` defaults, 10% held out
+        context = default_context(card) if card is not None else PreferenceConfig.context
+        d = PreferenceConfig(model="", data="", method=kind, train=train, context=context,
+                             val_split=FIRST_VAL_SPLIT).to_dict()
+        for key in ("model", "data"):
+            d.pop(key)
+        return d
     if kind == GRPO.name:
         g = GrpoConfig(model="", prompts="")
         d = replace(g, train=replace(g.train, **FIRST_TRAIN)).to_dict()
@@ -76,7 +85,6 @@ def default_settings(kind: str, card: ModelCard | None = None) -> dict:
             d.pop(key)
         return d
     context = default_context(card) if card is not None else DataConfig.context
-    train = replace(_T, **FIRST_TRAIN, lr=default_lr(_T.mode, FIRST_TRAIN["lora_alpha"]))
     data = DataConfig(val_fraction=FIRST_VAL_SPLIT, context=context)
     d = RunConfig(model="", data="", train=train, data_config=data, **FIRST_SFT).to_dict()
     for key in ("model", "data"):
@@ -120,21 +128,44 @@ CONFIG_KEYS = {**{key: f"{section}.{name}" if section else name
                "weight_field": "data_config.weight_field",
                "weights_path": "data_config.weights_path", "clip": "data_config.clip_range",
                "adapter": "adapter"}
+# A preference run's own settings (PreferenceConfig's top-level keys; the form's keys are theirs)
+# and the methods that use each; beta 0 in its field is None: the method's DEFAULT_BETA.
+PREF_FIELDS = {"pairs_per_step": PREFERENCE_KINDS, "beta": ("dpo", "simpo", "kto"),
+               "pref_loss": ("dpo",), "label_smoothing": ("dpo", "simpo"),
+               "sft_weight": ("dpo", "simpo"), "orpo_lambda": ("orpo",),
+               "simpo_gamma": ("simpo",), "kto_desirable_weight": ("kto",),
+               "kto_undesirable_weight": ("kto",)}
+CONFIG_KEYS.update({key: key for key in PREF_FIELDS})
+# the data settings a preference run has no use for (its rows are pairs, each one sequence)
+NOT_PREFERENCE = ("batch", "grad_accum", "patience", "strict", "workers", "dropout", "format",
+                  "overflow", "packing", "chat_loss", "add_eos", "parse_special", "shuffle")
+# the run-length settings a preference run keeps at the top level of its config
+PREF_LENGTHS = ("epochs", "max_steps", "eval_every", "save_every", "norms_every", "keep_last",
+                "max_bad_steps", "adapter")
 FLOAT_TEXTS = ("lr", "min_lr", "eps")      # typed as text: 1e-4 reads better than 0.000100
 WEIGHT_CACHE_AUTO = -1                     # the spin box's value for weight_cache_mb None
 WEIGHT_SOURCES = (("row", "From each row's field"), ("file", "From a weights file"))
 SFT_ONLY = ("mode", "epochs", "context", "batch", "grad_accum", "patience", "strict",
             "val_path", "workers")
 MODEL_TEMPLATE = "the model's (ChatML when it has none)"   # data_config.chat_template None
-# field -> ((label, special value text) of a supervised run, (the same) of a GRPO run)
-# (GRPO's "Steps": its max_steps is the run's length, not a cap)
+# field -> ((label, special value text) of a supervised run, (the same) of a GRPO run, of a
+# preference run) (GRPO's "Steps": its max_steps is the run's length, not a cap)
 KIND_TEXTS = {"val_split": ((setting_label("data_config.val_fraction"), ""),
-                            (setting_label("val_split"), "")),
-              "max_steps": ((setting_label("max_steps"), "no cap"), ("Steps", "not set")),
+                            (setting_label("val_split"), ""),
+                            (setting_label("data_config.val_fraction"), "")),
+              "max_steps": ((setting_label("max_steps"), "no cap"), ("Steps", "not set"),
+                            (setting_label("max_steps"), "no cap")),
               "eval_every": ((setting_label("eval_every"), "end of epoch"),
+                             (setting_label("eval_every"), "start and end"),
                              (setting_label("eval_every"), "start and end")),
               "save_every": ((setting_label("save_every"), "end of epoch"),
+                             (setting_label("save_every"), "at the end"),
                              (setting_label("save_every"), "at the end"))}
+
+
+def kind_index(kind: str) -> int:
+    """KIND_TEXTS' column of a run kind: 0 supervised, 1 GRPO, 2 a preference method."""
+    return 1 if kind == GRPO.name else 2 if kind in PREFERENCE_KINDS else 0
 
 
 def group_param_counts(card: ModelCard, rank: int,
@@ -167,6 +198,7 @@ class SettingsForm(FormBase):
         self.on_cluster = False                    # Run on: a cluster (data-parallel workers)
         self._template_error: str | None = None    # a chat template file that was refused
         self._layout(self._build())
+        self._pref_box.hide()                      # a preference run's group (set_kind)
         self.set_tooltips(SETTINGS_TIPS)
         here = precision_choice("auto").reason      # detected once per process
         for w in (self.label("precision"), self.fields["precision"]):
@@ -275,6 +307,17 @@ class SettingsForm(FormBase):
         trow.addWidget(self.chat_template_clear)
         self._field(data, "chat_template", template)
 
+        pref = self._group("Preference")
+        self._field(pref, "pairs_per_step", spin(1, 4096, PreferenceConfig.pairs_per_step))
+        self._field(pref, "beta", dspin(0, 1000, 0, 3, 0.05))
+        self._field(pref, "pref_loss", combo(["sigmoid", "hinge", "ipo"]))
+        self._field(pref, "label_smoothing", dspin(0, 0.5, 0, 3, 0.05))
+        self._field(pref, "sft_weight", dspin(0, 1000, 0, 3, 0.1))
+        self._field(pref, "orpo_lambda", dspin(0, 1000, PreferenceConfig.orpo_lambda, 3, 0.05))
+        self._field(pref, "simpo_gamma", dspin(0, 1000, PreferenceConfig.simpo_gamma, 3, 0.1))
+        for key in ("kto_desirable_weight", "kto_undesirable_weight"):
+            self._field(pref, key, dspin(0, 1000, 1, 3, 0.1))
+
         rw = self._group("Reward weights")
         self._row(rw, "weights_source", "Weights", combo(WEIGHT_SOURCES))   # the window's own
         self._field(rw, "weight_field", QLineEdit(placeholderText="weight or reward"))
@@ -323,8 +366,9 @@ class SettingsForm(FormBase):
         self._field(adv, "strict", QCheckBox())
         self._field(adv, "workers", spin(1, 1024, 1))
 
-        self._sft_boxes = (data.parentWidget(), rw.parentWidget())
-        return (train, ev, data), (opt, length, rw, adv)
+        self._data_box, self._rw_box = data.parentWidget(), rw.parentWidget()
+        self._pref_box = pref.parentWidget()
+        return (train, pref, ev, data), (opt, length, rw, adv)
 
     def _field(self, grid: QGridLayout, key: str, widget: QWidget) -> None:
         """A row for the field `key`, named as the one table names its setting
@@ -458,7 +502,9 @@ class SettingsForm(FormBase):
             return (cap or None), False
         if not self.train_windows:
             return None, True
-        per_epoch = math.ceil(self.train_windows / (f["batch"].value() * f["grad_accum"].value()))
+        per_step = (f["pairs_per_step"].value() if self.kind in PREFERENCE_KINDS
+                    else f["batch"].value() * f["grad_accum"].value())
+        per_epoch = math.ceil(self.train_windows / per_step)
         total = per_epoch * f["epochs"].value()
         return (min(total, cap) if cap else total), True
 
@@ -473,6 +519,12 @@ class SettingsForm(FormBase):
                        if self.fields["packing"].currentData() == "pack"
                        else report.training_rows + report.split)   # dropped rows: no window
             self.train_windows = max(1, round(windows * split))
+        self._update_warmup()
+
+    def set_training_rows(self, rows: int | None) -> None:
+        """A preference file's usable rows (its linter's pairs; KTO's rows): the steps' estimate."""
+        split = 1 - self.fields["val_split"].value()
+        self.train_windows = max(1, round(rows * split)) if rows else None
         self._update_warmup()
 
     def _update_warmup(self) -> None:
@@ -511,6 +563,8 @@ class SettingsForm(FormBase):
     def values(self) -> dict:
         """The RunConfig dict without model and data; of a GRPO run, its GrpoConfig keys."""
         v = self._run_values()
+        if self.kind in PREFERENCE_KINDS:
+            return self._preference_values(v)
         if self.kind != GRPO.name:
             return v
         skip = ("mode", "full_targets", "grad_accum")
@@ -519,6 +573,19 @@ class SettingsForm(FormBase):
                 "val_split": v["data_config"]["val_fraction"],
                 **{k: v[k] for k in ("max_steps", "eval_every", "save_every", "norms_every",
                                      "keep_last", "max_bad_steps", "adapter")}}
+
+    def _preference_values(self, v: dict) -> dict:
+        """A PreferenceConfig dict (without model and data) from the form's run values `v`:
+        its data settings at the top level; every preference field, the method's or not, so
+        the dict is the same one the CLI writes (the others keep their defaults)."""
+        f, dc = self.fields, v["data_config"]
+        pref = {key: field_value(f[key]) for key in PREF_FIELDS}
+        pref["beta"] = pref["beta"] or None                 # 0: the method's default
+        return {"kind": self.kind,
+                "train": {k: x for k, x in v["train"].items() if k != "grad_accum"},
+                "context": dc["context"], "val_split": dc["val_fraction"],
+                "val_data": dc["val_path"], "completion_as_chat": dc["completion_as_chat"],
+                "chat_template": dc["chat_template"], **{k: v[k] for k in PREF_LENGTHS}, **pref}
 
     def _run_values(self) -> dict:
         f = self.fields
@@ -573,14 +640,19 @@ class SettingsForm(FormBase):
         base = default_settings(self.kind, self.card)
         t = {**base["train"], **(d.get("train") or {})}
         top = {**base, **d}
-        if self.kind == GRPO.name:          # the supervised-only settings stay hidden
+        preference = self.kind in PREFERENCE_KINDS
+        if self.kind == GRPO.name or preference:    # the supervised-only settings stay hidden
             sft = default_settings(SFT.name, self.card)
             top = {**sft, **top}
             dc = {**sft["data_config"], "val_fraction": top["val_split"]}
+            if preference:                  # its data settings are top-level keys
+                dc.update(context=top["context"], val_path=top["val_data"],
+                          completion_as_chat=top["completion_as_chat"],
+                          chat_template=top["chat_template"])
         else:
             dc = {**base["data_config"], **(d.get("data_config") or {})}
-        self._context_auto = "context" not in (d.get("data_config") or {})
-        if "lr" not in (d.get("train") or {}) and self.kind == SFT.name:
+        self._context_auto = "context" not in (d if preference else d.get("data_config") or {})
+        if "lr" not in (d.get("train") or {}) and self.kind != GRPO.name:
             t["lr"] = default_lr(t["mode"], float(t["lora_alpha"]))
         f = self.fields
         self._loading = True
@@ -606,6 +678,9 @@ class SettingsForm(FormBase):
             self.clip_lo.setValue(float(clip[0]))
             self.clip_hi.setValue(float(clip[1]))
             self._set_chat_template(dc.get("chat_template"), "from the settings")
+            if preference:
+                for key in PREF_FIELDS:
+                    set_field(f[key], top[key] if top[key] is not None else 0)
         finally:
             self._loading = False
         self._fit_context()
@@ -649,15 +724,19 @@ class SettingsForm(FormBase):
         if kind == self.kind:
             return
         kept = self.values()
-        if self._context_auto and "data_config" in kept:
-            del kept["data_config"]["context"]
+        if self._context_auto:
+            (kept.get("data_config") or kept).pop("context", None)
         self._per_kind[self.kind] = kept
         self.kind = kind
         grpo = kind == GRPO.name
-        for box in self._sft_boxes:
-            box.setVisible(not grpo)
+        self._data_box.setVisible(not grpo)
+        self._rw_box.setVisible(kind == SFT.name)
+        self._pref_box.setVisible(kind in PREFERENCE_KINDS)
+        if kind in PREFERENCE_KINDS:
+            self.fields["beta"].setSpecialValueText(
+                f"default ({DEFAULT_BETA[kind]:g})")
         for key, texts in KIND_TEXTS.items():
-            label, special = texts[grpo]
+            label, special = texts[kind_index(kind)]
             self.label(key).setText(label)
             if special:
                 self.fields[key].setSpecialValueText(special)
@@ -688,9 +767,16 @@ class SettingsForm(FormBase):
                                 "compute on the CPU, or queue the run on a GPU machine.")
         if self.kind == GRPO.name and not f["max_steps"].value():
             errors["max_steps"] = "A GRPO run counts steps: set how many."
-        if self.kind == GRPO.name and f["optimizer"].currentData() == "lbfgs":
-            errors["optimizer"] = "GRPO runs use AdamW or SGD: L-BFGS needs the same batch " \
-                                  "at every step."
+        if self.kind != SFT.name and f["optimizer"].currentData() == "lbfgs":
+            errors["optimizer"] = (f"{'GRPO' if self.kind == GRPO.name else 'Preference'} runs "
+                                   "use AdamW or SGD: L-BFGS needs the same batch at every "
+                                   "step.")
+        if self.kind in PREFERENCE_KINDS and f["dropout"].value():
+            errors["dropout"] = ("Preference runs take no LoRA dropout (the loss's weights are "
+                                 "computed without it): set it to 0.")
+        if self.kind in PREFERENCE_KINDS and f["val_split"].value() and field_value(
+                f["val_path"]):
+            errors["val_path"] = "Choose a validation file or a validation split, not both."
         if self.card is not None and f["context"].value() > self.card.config.context_length:
             errors["context"] = (f"The model was trained with a context of "
                                  f"{self.card.config.context_length:,} tokens; use at most that.")
@@ -714,7 +800,7 @@ class SettingsForm(FormBase):
                 errors["weights_path"] = f"There is no file {path}."
         if f["normalize"].currentData() == "clip" and self.clip_lo.value() >= self.clip_hi.value():
             errors["clip"] = "The lower bound must be below the upper bound."
-        if self.kind != GRPO.name and f["workers"].value() > 1 and not self.on_cluster:
+        if self.kind == SFT.name and f["workers"].value() > 1 and not self.on_cluster:
             errors["workers"] = ("Training data-parallel needs a Ray cluster: choose one under "
                                  "Run on, or use 1 worker.")
         if self._template_error:
@@ -731,7 +817,8 @@ class SettingsForm(FormBase):
             self.context_note.hide()
         if key in ("mode", "weights_source", "normalize"):
             self._update_visibility()
-        if key in ("epochs", "max_steps", "batch", "grad_accum", "warmup_fraction"):
+        if key in ("epochs", "max_steps", "batch", "grad_accum", "warmup_fraction",
+                   "pairs_per_step"):
             self._update_warmup()
         if key in ("rank", "expert_rank", "mode", "targets"):
             self._update_counts()
@@ -740,12 +827,18 @@ class SettingsForm(FormBase):
     def _update_visibility(self) -> None:
         mode = self.mode()
         lora = mode in ("lora", "hybrid")
+        preference = self.kind in PREFERENCE_KINDS
         for key in ("rank", "alpha", "rslora", "dropout", "targets", "trainable"):
             self._show(key, lora or key == "trainable")
         self._show("expert_rank", lora and self.has_experts())
         self._show("full_targets", mode == "hybrid")
         for key in SFT_ONLY:
             self._show(key, self.kind != GRPO.name)
+        for key in NOT_PREFERENCE:
+            if preference:
+                self._show(key, False)
+        for key, methods in PREF_FIELDS.items():
+            self._show(key, self.kind in methods)
         self.context_note.setVisible(self.kind != GRPO.name and bool(self.context_note.text()))
         source = self.fields["weights_source"].currentData()
         self._show("weight_field", source == "row")

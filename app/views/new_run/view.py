@@ -35,9 +35,10 @@ from PySide6.QtWidgets import (QFileDialog, QHBoxLayout, QLabel, QLineEdit, QMes
                                QPushButton, QSizePolicy, QStackedWidget, QTabWidget, QVBoxLayout,
                                QWidget)
 
-from app.engine.api import (GRPO, KINDS, LOCAL, RUN_NAME_MAX, SFT, ConfigError, DataConfig,
-                            EngineError, GrpoConfig, LintReport, ModelCard, RunConfig,
-                            build_grpo_config, check_model_targets, default_run_name,
+from app.engine.api import (GRPO, KINDS, LOCAL, PREFERENCE_KINDS, RUN_NAME_MAX, SFT,
+                            ConfigError, DataConfig, EngineError, GrpoConfig, LintReport,
+                            ModelCard, RunConfig, build_grpo_config, build_preference_config,
+                            check_model_targets, default_run_name,
                             describe_model, estimate_memory, human_bytes, lint_file,
                             TRUST_SCOPE, trust_reward_files, untrusted_reward_files)
 from app.views.context import AppContext, Background, sample_dataset_path, sample_model_path
@@ -53,13 +54,15 @@ from app.views.widgets.error_panel import ErrorPanel
 from app.views.widgets.fit import FlowLayout, scrolled
 from app.views.widgets.form_fields import combo, set_combo
 from app.views.widgets.plots import box
-from app.views.widgets.tooltips import NEW_RUN_TIPS
+from app.views.widgets.tooltips import KIND_TIPS, NEW_RUN_TIPS
 
 ESTIMATE_ROW = "LoRA run estimate"
 DATA_KEY, PROMPTS_KEY = "recent/dataset", "recent/prompts"
 TABS = ("model", "dataset", "training")
-RUN_TYPES = tuple((k.name, k.title) for k in KINDS.values())
-DATA_TABS = {SFT.name: "2  Dataset", GRPO.name: "2  Prompts and rewards"}
+# the run types: supervised, GRPO and the preference methods (DPO, ORPO, SimPO, KTO)
+RUN_TYPES = tuple((k.name, k.title) for k in (*KINDS.values(), *PREFERENCE_KINDS.values()))
+DATA_TABS = {SFT.name: "2  Dataset", GRPO.name: "2  Prompts and rewards",
+             **{name: "2  Preference pairs" for name in PREFERENCE_KINDS}}
 MAX_REJECTIONS_ASKED = 10           # rejected lines named in the question before a run
 _NAME_OK = re.compile(r"^[\w.\-+ ]+$")
 
@@ -107,6 +110,8 @@ class NewRunView(QWidget):
                                    textFormat=Qt.PlainText)
         self.kind_box = combo(RUN_TYPES)
         self.kind_box.setToolTip(NEW_RUN_TIPS["kind"])
+        for i, (name, _title) in enumerate(RUN_TYPES):      # each choice says what it does
+            self.kind_box.setItemData(i, KIND_TIPS[name], Qt.ToolTipRole)
         self.name_field = QLineEdit(placeholderText="default: date-time-dataset")
         self.name_field.ensurePolished()                  # the style sheet's font
         hint_width = self.name_field.fontMetrics().horizontalAdvance(
@@ -234,6 +239,7 @@ class NewRunView(QWidget):
             return
         self._data_stack.setCurrentIndex(kind == GRPO.name)
         self.tabs.setTabText(1, DATA_TABS[kind])
+        self.dataset.set_pairs(kind in PREFERENCE_KINDS)   # lint as a preference file
         self.form.set_kind(kind)
         self.presets.setVisible(kind == SFT.name)      # the presets set a supervised run
         self._relint()
@@ -336,10 +342,18 @@ class NewRunView(QWidget):
 
     def _on_report(self, report: LintReport | None) -> None:
         self.form.set_lint_report(report)
+        pairs = self.dataset.pair_report
+        if self.kind() in PREFERENCE_KINDS:
+            self.form.set_training_rows(pairs and (pairs.get("pairs") or pairs["accepted"]))
         self._update_summary()
 
     def _relint(self) -> None:
-        cfg = None if self.kind() == GRPO.name else self.data_config()
+        if self.kind() in PREFERENCE_KINDS:     # the form's preference settings as DataConfig
+            d = self.form.values()
+            cfg = DataConfig(context=d["context"], chat_template=d["chat_template"],
+                             completion_as_chat=d["completion_as_chat"])
+        else:
+            cfg = None if self.kind() == GRPO.name else self.data_config()
         if cfg is None:
             return
         self.dataset.set_inputs(self.data_path(), self.model_path(), replace(cfg))
@@ -374,6 +388,8 @@ class NewRunView(QWidget):
             return build_grpo_config(d)
         if not d["data"]:
             raise ConfigError("Pick a dataset first.", "Choose a JSONL file on the Dataset tab.")
+        if self.kind() in PREFERENCE_KINDS:     # as `workbench train --method KIND` builds it
+            return build_preference_config(d)
         cfg = RunConfig.from_dict(d)
         cfg.validate()
         return cfg
@@ -392,6 +408,10 @@ class NewRunView(QWidget):
         elif self.dataset.error is not None:
             out.append(("dataset", "The dataset cannot be used: " +
                         getattr(self.dataset.error, "message", str(self.dataset.error))))
+        elif (self.kind() in PREFERENCE_KINDS and self.dataset.pair_report is not None
+              and not self.dataset.pair_report["trains"]):
+            out.append(("dataset", "No row of the preference file can be used (see rejected "
+                                   "rows)."))
         elif self.dataset.report is not None and self.dataset.report.accepted == 0:
             out.append(("dataset", "No row of the dataset can be used (see rejected rows)."))
         elif self.dataset.report is not None and self.dataset.report.training_rows == 0:
@@ -523,6 +543,11 @@ class NewRunView(QWidget):
         r = self.dataset.report
         if self.kind() == GRPO.name:
             parts.append("GRPO: " + self.grpo_panel.summary())
+        elif self.kind() in PREFERENCE_KINDS and self.data_path():
+            p = self.dataset.pair_report
+            what = ("" if p is None else f" ({p['pairs']:,} pairs)" if "pairs" in p
+                    else f" ({p['accepted']:,} rows)")
+            parts.append(f"{self.kind().upper()}: {os.path.basename(self.data_path())}{what}")
         elif self.data_path():
             name = os.path.basename(self.data_path())
             dropped = f", {r.dropped:,} dropped for overflow" if r and r.dropped else ""

@@ -52,6 +52,14 @@ SETTING_LABELS = {
     "eval_samples": "Held-out samples", "reward_timeout": "Reward timeout",
     "micro_batch_tokens": "Micro-batch", "val_split": "Held-out prompts",
     "parse_special": "Special-token texts in prompts become tokens",
+    # preference runs (PreferenceConfig: DPO, ORPO, SimPO, KTO)
+    "beta": "Beta", "pref_loss": "DPO loss", "label_smoothing": "Label smoothing",
+    "sft_weight": "SFT weight (chosen NLL)", "orpo_lambda": "ORPO lambda",
+    "simpo_gamma": "SimPO gamma (target margin)",
+    "kto_desirable_weight": "Desirable weight", "kto_undesirable_weight": "Undesirable weight",
+    "pairs_per_step": "Pairs per step", "context": "Context (tokens)",
+    "val_data": "Validation file", "completion_as_chat": "Prompt/completion rows as a chat",
+    "chat_template": "Chat template",
 }
 
 

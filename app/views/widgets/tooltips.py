@@ -134,6 +134,25 @@ SETTINGS_TIPS = {
     "chat_template": tip("The Jinja chat template that renders chat rows (and prompt/completion "
                          "rows as a chat): the model's own, or one loaded from a file (kept in "
                          "the run's config.json).", "the model's", "--chat-template FILE"),
+    "beta": tip("How far the policy may move from the reference: DPO/KTO's temperature of the "
+                "implicit reward, SimPO's reward scale. 0 here: the method's default.",
+                "DPO/KTO 0.1, SimPO 2.0", "--beta"),
+    "pref_loss": tip("DPO's loss of the reward margin: sigmoid (the paper's), hinge (SLiC) or "
+                     "ipo (squared, against overfitting to the pairs).", "sigmoid",
+                     "--pref-loss"),
+    "label_smoothing": tip("DPO/SimPO's sigmoid loss: the chance a pair's labels are the wrong "
+                           "way round (conservative DPO).", "0", "--label-smoothing"),
+    "sft_weight": tip("DPO/SimPO: adds this times the NLL per chosen-completion token (RPO), "
+                      "so the chosen answers stay likely.", "0 (off) or 1", "--sft-weight"),
+    "orpo_lambda": tip("ORPO: the weight of the odds-ratio term beside the chosen "
+                       "completion's NLL.", "0.1", "--orpo-lambda"),
+    "simpo_gamma": tip("SimPO: the target margin between the length-normalised rewards.",
+                       "0.5", "--simpo-gamma"),
+    "kto_desirable_weight": tip("KTO: the weight of desirable (good) completions.", "1",
+                                "--kto-desirable-weight"),
+    "kto_undesirable_weight": tip("KTO: the weight of undesirable (bad) completions.", "1",
+                                  "--kto-undesirable-weight"),
+    "pairs_per_step": tip("Preference rows (pairs) in one optimizer step.", "8", "--batch"),
     "workers": tip("Data-parallel ranks: a run sent to a Ray cluster trains as N workers that "
                    "step together (each step takes N x the accumulated windows). Needs a "
                    "cluster under Run on.", "1", "--workers"),
@@ -148,8 +167,9 @@ CONTINUE_TIP = ("Go on with a paused, failed, cancelled or interrupted run from 
 # The rest of New run
 NEW_RUN_TIPS = {
     "kind": tip("A supervised run copies the answers of a dataset; a GRPO run samples answers "
-                "to prompts and trains towards the better-rewarded ones.", "Supervised",
-                "workbench train / workbench grpo"),
+                "to prompts and trains towards the better-rewarded ones; DPO, ORPO, SimPO and "
+                "KTO train on chosen/rejected pairs (each choice's own help says how).",
+                "Supervised", "workbench train [--method ...] / workbench grpo"),
     "name": tip("The run folder's name under the runs folder.", "empty: date-time-dataset",
                 "--out RUN_DIR"),
     "preset": tip("Sets the training fields for a kind of run; the line below says what it "
@@ -267,3 +287,23 @@ CLUSTER_TIPS = {
 RUN_ON_TIP = tip("Train on this computer (the worker here), or send the run to a Ray cluster "
                  "(Settings > Clusters). The run folder must be on storage the cluster sees.",
                  "This computer", "workbench train ... --queue --on CLUSTER")
+
+
+# New run's run types (its Run type list), by kind: what each trains on and how
+KIND_TIPS = {
+    "sft": tip("Copies the answers of a dataset (text, chat, prompt/completion rows).",
+               "the first run", "workbench train"),
+    "grpo": tip("Samples answers to prompts and trains towards the better-rewarded ones.",
+                "after SFT, with checkable answers", "workbench grpo"),
+    "dpo": tip("Direct Preference Optimization: makes each pair's chosen completion more likely "
+               "than its rejected one, relative to the reference (the base: the adapter off).",
+               "after SFT, beta 0.1", "workbench train --method dpo"),
+    "orpo": tip("Odds-Ratio Preference Optimization: the chosen completion's NLL plus lambda "
+                "times an odds-ratio term; no reference model.", "lambda 0.1",
+                "workbench train --method orpo"),
+    "simpo": tip("SimPO: length-normalised log-probabilities as rewards, a target margin gamma; "
+                 "no reference model.", "beta 2, gamma 0.5", "workbench train --method simpo"),
+    "kto": tip("Kahneman-Tversky Optimization: good and bad completions, paired or not "
+               "({prompt, completion, label}), against the reference.", "beta 0.1",
+               "workbench train --method kto"),
+}

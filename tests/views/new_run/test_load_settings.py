@@ -49,16 +49,15 @@ def test_load_settings_never_raises_and_never_half_fills(view, tmp_path, d):
         assert (view.kind(), view.config_dict()) == before
 
 
-def test_a_preference_runs_config_is_refused_with_the_command_to_run_it(view, tmp_path):
-    """A DPO run's config.json: New run has no Method choice yet, so it says how to start it
-    (before: no error, the form stayed supervised and config_dict() said "kind": "dpo" over
-    SFT settings)."""
+def test_an_evaluations_config_is_refused(view, tmp_path):
+    """An evaluation's config.json is no training run's settings: refused with where to go (a
+    preference run's, refused before its Method choice (0bc912f), now loads: see
+    test_new_run_preference)."""
     before = (view.kind(), view.config_dict())
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({"kind": "dpo", "model": "m.gguf", "data": "p.jsonl",
-                                "beta": 0.2}))
+    path.write_text(json.dumps({"kind": "eval", "model": "m.gguf"}))
     view.load_settings(str(path))
     title, error = view.errors[-1]
-    assert error.kind == "config" and "DPO run" in error.message
-    assert "workbench train --method dpo --config" in error.hint
+    assert error.kind == "config" and "New run does not start" in error.message
+    assert "Evaluate" in error.hint
     assert (view.kind(), view.config_dict()) == before
