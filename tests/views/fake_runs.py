@@ -114,10 +114,11 @@ class FakeRun:
                                   loss=self.loss_at(self.step_no),
                                   eta_s=0.1 * (self.total_steps - self.step_no))
 
-    def eval(self) -> None:
+    def eval(self, **extra) -> None:
+        """An eval event; `extra`: more of its fields (--eval-task's `task`, `task_acc`)."""
         self._append({"type": "eval", "step": self.step_no,
                                  "loss": self.loss_at(self.step_no) + 0.1, "accuracy": 0.5,
-                                 "perplexity": 3.0, "best": True})
+                                 "perplexity": 3.0, "best": True, **extra})
 
     def norm_of(self, layer: int, expert: int, kind_index: int = 0) -> float:
         if (layer, expert) in self.frozen:

@@ -35,6 +35,20 @@ class TaskResult:
         return f"PPL {self.value:.4f}"
 
 
+def saved_cell(row: dict) -> str:
+    """`TaskResult.cell` of a line saved in evals.jsonl (store.save_evals); a line without a
+    numeric value (written by hand, or damaged): "?"."""
+    value, stderr, n = row.get("value"), row.get("stderr"), row.get("n")
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return "?"
+    known = {"task", "kind", "metric", "value", "stderr", "n"}
+    return TaskResult(str(row.get("task", "?")), str(row.get("kind", "")),
+                      str(row.get("metric", "")), float(value),
+                      stderr if isinstance(stderr, (int, float)) else None,
+                      n if isinstance(n, int) else 0,
+                      {k: v for k, v in row.items() if k not in known}).cell()
+
+
 def table(results: dict[str, list[TaskResult]]) -> str:
     """One row per target, one column per task (aligned text)."""
     labels = list(results)

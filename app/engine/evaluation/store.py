@@ -52,6 +52,14 @@ def read_evals(run_dir: str | os.PathLike) -> list[dict]:
     return out
 
 
+def latest_evals(run_dir: str | os.PathLike) -> list[dict]:
+    """The newest evaluation's lines (those of the last line's eval_id, in their order); none
+    saved: []. Errors as `read_evals`."""
+    rows = read_evals(run_dir)
+    last = rows[-1].get("eval_id") if rows else None
+    return [r for r in rows if r.get("eval_id") == last]
+
+
 def save_evals(run_dir: str | os.PathLike, results: dict[str, list[TaskResult]],
                adapters: dict[str, str | None], specs: dict[str, str],
                eval_id: str | None = None, when: float | None = None) -> tuple[str, float]:

@@ -2,7 +2,9 @@
 followed run's plot (the smoothed training loss and the validation loss, or for GRPO runs the
 smoothed reward and the held-out reward), and list the settings in which the runs differ, by
 their names in the window ("LoRA rank": New run's, from widgets.setting_labels; the config key
-in the tooltip).
+in the tooltip), and the latest evaluation saved with each shown run (RUN/evals.jsonl: the
+Evaluate screen's and `workbench eval --save`'s; each model or adapter's task and accuracy
++- its standard error, or pass rate, as `workbench eval` prints them).
 
 `ComparePanel(ctx)` holds the list of runs (filled from the runs folder and the queue in the
 reader thread every 5 s; it offers the runs of the followed run's kind) and the table of
@@ -11,7 +13,9 @@ headline plot (`set_target`: a new target drops the compared runs, which are of 
 kind; curves are built on the new plot, since a curve moved between two plots' scenes is left
 half-added by pyqtgraph), and redraws when `changed` fires (`draw(weight)`). Test-visible
 state: `compare_list`, `compare_hint`, `diff_table`, `compare_curves`, `compare_eval_curves`,
-`settings_diff()`.
+`settings_diff()`, `evals_table`, `evaluations` ({run name: its latest evaluation's rows, each
+(model, task, result)}).
+The evaluations are read with the runs, in the reader thread (an evals.jsonl may be large).
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (QHeaderView, QLabel, QListWidget, QListWidgetItem, QTableWidget,
                                QTableWidgetItem, QVBoxLayout, QWidget)
 
-from app.engine.api import SFT, EngineError, RunDir, RunKind, kind_of, list_runs
+from app.engine.api import (SFT, EngineError, RunDir, RunKind, kind_of, latest_evals,
+                            list_runs, saved_cell)
 from app.views.widgets.plots import PALETTE, num, tint
 from app.views.widgets.run_tail import BackgroundPoll, RunTail, Series
 from app.views.widgets.setting_labels import setting_label   # New run's names too
@@ -87,12 +92,28 @@ class ComparePanel(QWidget):
         self.diff_table.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)   # fits the pane
         self.diff_table.setTextElideMode(Qt.ElideMiddle)                     # hover: all of it
         self.diff_hint = QLabel(objectName="pageSubtitle", wordWrap=True)
+        self._evals: dict[str, list] = {}           # run directory -> its latest evaluation
+        self.evaluations: dict[str, list] = {}      # the shown runs': run name -> that
+        self.evals_header = QLabel("Latest evaluations", objectName="sectionHeader")
+        self.evals_table = QTableWidget(0, len(EVAL_COLUMNS))
+        self.evals_table.setHorizontalHeaderLabels(EVAL_COLUMNS)
+        self.evals_table.verticalHeader().setVisible(False)
+        self.evals_table.setToolTip("The latest evaluation saved with each shown run (the "
+                                    "Evaluate screen, workbench eval --save): accuracy in % "
+                                    "+- its standard error, or the pass rate; hover a cell "
+                                    "for all of it.")
+        header = self.evals_table.horizontalHeader()
+        header.setSectionResizeMode(QHeaderView.Stretch)
+        for column in (0, 2):                                  # model, result: short
+            header.setSectionResizeMode(column, QHeaderView.ResizeToContents)
+        self.evals_table.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
+        self.evals_table.setTextElideMode(Qt.ElideMiddle)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         for widget in (QLabel("Compare with", objectName="sectionHeader"), self.compare_list,
                        self.compare_hint, QLabel("Settings that differ",
                                                  objectName="sectionHeader"),
-                       self.diff_table, self.diff_hint):
+                       self.diff_table, self.diff_hint, self.evals_header, self.evals_table):
             layout.addWidget(widget)
 
         self.runs_poll = BackgroundPoll(self._list_runs, 5000, self)
@@ -108,7 +129,8 @@ class ComparePanel(QWidget):
             self.set_compared(path, False)
         self._sync_list()
         self._update_diff()
-        self.runs_poll.tick()                     # a new run may have appeared
+        self._show_evals()
+        self.runs_poll.tick()                     # a new run may have appeared; evaluations
 
     def set_target(self, plot: pg.PlotWidget, kind: RunKind) -> None:
         """Offer the runs of `kind` and overlay their headline metric (a step and eval event's
@@ -146,6 +168,8 @@ class ComparePanel(QWidget):
         self.changed.emit()
         self._sync_list()
         self._update_diff()
+        self._show_evals()
+        self.runs_poll.tick()                     # its evaluations
 
     def _drop(self, path: str) -> None:
         run = self._compare.pop(path)
@@ -191,15 +215,17 @@ class ComparePanel(QWidget):
         self.runs_poll.start()
 
     # ---------------------------------------------------------------- the list
-    def _list_runs(self) -> list[tuple[str, str]]:
+    def _list_runs(self) -> tuple[list[tuple[str, str]], dict[str, list]]:
         """(run directory, kind name) of the runs to offer for comparison (runs folder and
-        queue); reader thread."""
+        queue), and the shown runs' latest evaluations; reader thread."""
+        shown = [p for p in (self.run_path, *list(self._compare)) if p]
         paths = [str(r.path) for r in list_runs(self.ctx.runs_root())]
         try:
             paths += [str(RunDir(j.run_dir).path) for j in self.ctx.queue.list()]
         except EngineError:
             pass
-        return [(p, self._kind_name(p)) for p in dict.fromkeys(paths) if os.path.isdir(p)]
+        return ([(p, self._kind_name(p)) for p in dict.fromkeys(paths) if os.path.isdir(p)],
+                {p: eval_rows(p) for p in shown})
 
     def _kind_name(self, path: str) -> str:
         """The run's kind, from its config.json (read again only when it changed; missing,
@@ -217,7 +243,9 @@ class ComparePanel(QWidget):
             self._kinds[path] = (mtime, kind)
         return self._kinds[path][1]
 
-    def _fill_list(self, runs: list) -> None:
+    def _fill_list(self, found: tuple) -> None:
+        runs, self._evals = found
+        self._show_evals()
         items = {self.compare_list.item(i).data(Qt.UserRole): self.compare_list.item(i)
                  for i in range(self.compare_list.count())}
         self.compare_list.blockSignals(True)
@@ -289,3 +317,48 @@ class ComparePanel(QWidget):
                 item = QTableWidgetItem(text)
                 item.setToolTip(f"{text} (config.json: {key})" if c == 0 else text)
                 self.diff_table.setItem(r, c, item)
+
+    # ---------------------------------------------------------------- evaluations
+    def _show_evals(self) -> None:
+        """The shown runs' latest evaluations (as the reader thread last read them; a run just
+        ticked gets its own at the next read); the section hides when none has one."""
+        shown = [p for p in (self.run_path, *self._compare) if p]
+        self.evaluations = {Path(p).name: self._evals[p] for p in shown if p in self._evals}
+        rows = [row for name, rows in self.evaluations.items() for row in [(name,), *rows]]
+        any_saved = any(row != NONE_SAVED for rows in self.evaluations.values() for row in rows)
+        self.evals_header.setVisible(any_saved)
+        self.evals_table.setVisible(any_saved)
+        table = self.evals_table
+        table.clearSpans()
+        table.setRowCount(len(rows))
+        for r, texts in enumerate(rows):
+            for c, text in enumerate(texts):
+                item = QTableWidgetItem(text)
+                item.setToolTip(text)
+                table.setItem(r, c, item)
+            if len(texts) == 1:                        # a run's name over its rows, bold
+                table.setSpan(r, 0, 1, len(EVAL_COLUMNS))
+                font = table.item(r, 0).font()
+                font.setBold(True)
+                table.item(r, 0).setFont(font)
+        table.resizeRowsToContents()
+        shown_rows = min(len(rows), EVAL_ROWS_SHOWN)          # more: the table scrolls
+        table.setFixedHeight(table.horizontalHeader().sizeHint().height() + 2 * table.frameWidth()
+                             + sum(table.rowHeight(r) for r in range(shown_rows)))
+
+
+EVAL_COLUMNS = ["model", "task", "result"]      # under a row with the run's name
+EVAL_ROWS_SHOWN = 6
+NONE_SAVED = ("\u2014", "\u2014", "none saved")
+
+
+def eval_rows(path: str) -> list[tuple[str, str, str]]:
+    """A run's latest evaluation: (model, task, result) per model and task, the result as
+    `workbench eval` prints it ("40.00 +- 7.75", "5.0% (1/20)"); none: [NONE_SAVED]; an
+    unreadable file: its error in the result."""
+    try:
+        rows = latest_evals(path)
+    except EngineError as e:
+        return [(*NONE_SAVED[:2], e.message)]
+    return [(str(r.get("model", "?")), str(r.get("task", "?")), saved_cell(r))
+            for r in rows] or [NONE_SAVED]

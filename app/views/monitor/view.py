@@ -13,11 +13,14 @@ pages: Rewards (`grpo`, a `GrpoCurves`), Completions (`completions`, a `Completi
 the same loss page. A preference run (dpo, orpo, simpo, kto) shows the loss page with its
 preference loss (held-out: the validation points), the best step by held-out accuracy, and its
 accuracy and reward margin where a supervised run's clipped fraction and tokens/s are (each
-step's curve, the held-out values as points: `held_out_curves`). Test-visible state: `loss_curve` (raw training loss), `smooth_curve` (its
-EMA), `val_curve`, `best_mark` (the best evaluation's step, `best`, on the headline plot;
-`best_marks` by kind), `lr_curve`, `grad_curve`, `clipped_curve`, `tps_curve`, `pages`, `kind`
-(the run's RunKind), `grpo`, `completions`, `compare`, `progress`, `stats_label`, `log_view`,
-`continue_button`, `stop_save_button`, `stop_discard_button`.
+step's curve, the held-out values as points: `held_out_curves`). A run trained with
+--eval-task (its eval events carry `task` and `task_acc`) gets a plot of that accuracy beside
+the loss (`task_plot`, `task_curve`; hidden for other runs). Test-visible state: `loss_curve`
+(raw training loss), `smooth_curve` (its EMA), `val_curve`, `best_mark` (the best
+evaluation's step, `best`, on the headline plot; `best_marks` by kind), `lr_curve`,
+`grad_curve`, `clipped_curve`, `tps_curve`, `pages`, `kind` (the run's RunKind), `grpo`,
+`completions`, `compare`, `progress`, `stats_label`, `log_view`, `continue_button`,
+`stop_save_button`, `stop_discard_button`.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from app.views.widgets.tooltips import CONTINUE_TIP
 
 ACTIVE = ("running", "queued", "paused")
 SFT_KEYS = ("loss", "lr", "grad", "clipped", "tps")
+TASK_Y = "accuracy (share)"      # 0-1, as a preference run's accuracy ("share")
 # A preference run's last two small plots: its accuracy and margin (step, and held-out points)
 # where a supervised run's show the clipped fraction and tokens/s: (title, y label, step field).
 SMALL_PLOTS = {"clipped": ("Clipped fraction", "share", "clipped_fraction"),
@@ -78,6 +82,7 @@ class MonitorView(QWidget):
         self._steps = Series(6)                    # step, loss, lr, grad_norm, clipped, tok/s
         self._evals = Series(2)
         self._pref_evals = Series(3)               # step, held-out accuracy, held-out margin
+        self._task_evals = Series(2)               # step, --eval-task accuracy
         self._build()
         self._layout()
         self._connect()
@@ -118,6 +123,12 @@ class MonitorView(QWidget):
         self.val_curve = self.loss_plot.plot(pen=pg.mkPen(ORANGE, width=2), symbol="o",
                                              symbolSize=6, symbolBrush=ORANGE,
                                              symbolPen=None, name="validation")
+        # --eval-task: the task's accuracy at each evaluation, beside the loss (0-1, fixed)
+        self.task_plot = small_plot("Task accuracy", TASK_Y, grid=True)
+        self.task_curve = self.task_plot.plot(pen=pg.mkPen(ORANGE, width=2), symbol="o",
+                                              symbolSize=6, symbolBrush=ORANGE, symbolPen=None)
+        self.task_plot.hide()
+        self.ranges.watch(self.task_plot, y=(0, 1))
         plots = [small_plot(*t) for t in (("Learning rate", "lr"), ("Gradient norm", "L2 norm"),
                                           SMALL_PLOTS["clipped"][:2], SMALL_PLOTS["tps"][:2])]
         self.lr_plot, self.grad_plot, self.clipped_plot, self.tps_plot = plots
@@ -157,7 +168,9 @@ class MonitorView(QWidget):
         self.pages = QTabWidget(documentMode=True)
         self.pages.addTab(self.grpo, "Rewards")
         self.pages.addTab(self.completions, "Completions")
-        self.pages.addTab(box(QVBoxLayout, (self.loss_plot, 3), (grid, 2), widget=True),
+        self.pages.addTab(box(QVBoxLayout, (box(QHBoxLayout, (self.loss_plot, 2),
+                                                (self.task_plot, 1)), 3),
+                              (grid, 2), widget=True),
                           "Loss and optimiser")
         split = QSplitter(Qt.Horizontal)
         split.addWidget(box(QVBoxLayout, box(QHBoxLayout, self.log_scale, 16,
@@ -188,6 +201,7 @@ class MonitorView(QWidget):
         self.continue_button.clicked.connect(self.continue_run)
         self.compare.changed.connect(lambda: self.redraw.mark(self._headline_plot()))
         self.redraw.add("loss", self._draw_loss)
+        self.redraw.add("task", self._draw_task)
         for i, key in enumerate(SFT_KEYS[1:], start=2):
             self.redraw.add(key, lambda i=i, key=key: self._draw_small(key, i))
         self.log_scale.toggled.connect(self._on_log_scale)
@@ -255,6 +269,8 @@ class MonitorView(QWidget):
         self._steps.clear()
         self._evals.clear()
         self._pref_evals.clear()
+        self._task_evals.clear()
+        self.task_plot.hide()
         self.grpo.clear()
         self.completions.clear()
         self.status, self.last_step = {}, {}
@@ -295,6 +311,12 @@ class MonitorView(QWidget):
             self._pref_evals.extend([(e.get("step", 0), num(e, "eval_rewards/accuracies"),
                                       num(e, "eval_rewards/margins")) for e in events])
             self.redraw.mark("clipped", "tps")
+        tasks = [e for e in events if "task_acc" in e]
+        if tasks:
+            self._task_evals.extend([(e.get("step", 0), num(e, "task_acc")) for e in tasks])
+            retitle(self.task_plot, f"Task accuracy: {tasks[-1].get('task', '')}", TASK_Y)
+            self.task_plot.show()
+            self.redraw.mark("task")
         self._update_progress()
 
     def _on_events(self, events: list) -> None:
@@ -322,6 +344,10 @@ class MonitorView(QWidget):
         self.val_curve.setData(self._evals.col(0), self._evals.col(1))
         ys = [self._steps.col(1), self._evals.col(1)] + self.compare.draw(self.loss_plot, weight)
         self.ranges.fit(self.loss_plot, ys, log=self.log_scale.isChecked())
+
+    def _draw_task(self) -> None:
+        self.task_curve.setData(self._task_evals.col(0), self._task_evals.col(1))
+        self.ranges.fit(self.task_plot, [])
 
     def _draw_small(self, key: str, column: int) -> None:
         curve = {"lr": self.lr_curve, "grad": self.grad_curve, "clipped": self.clipped_curve,
@@ -364,6 +390,8 @@ class MonitorView(QWidget):
             parts.append(f"loss {num(ev, 'loss'):.4f}")
             if self._evals.n:
                 parts.append(f"validation {self._evals.col(1)[-1]:.4f}")
+            if self._task_evals.n:
+                parts.append(f"task accuracy {self._task_evals.col(1)[-1]:.2f}")
             if self.best is not None:
                 parts.append(f"best at {self.best.text()}")
             parts += [f"lr {num(ev, 'lr'):.2e}", f"grad norm {num(ev, 'grad_norm'):.3f}",

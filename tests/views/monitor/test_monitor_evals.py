@@ -1,0 +1,126 @@
+"""Issue 32 in the Monitor: a run trained with --eval-task gets its task's accuracy as a curve
+beside the loss (titled with the task, 0-1 like a preference run's accuracy, whole-step ticks);
+Compare lists each shown run's latest evaluation from its evals.jsonl (as the engine saves it),
+and a run without one says so."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from app.engine.evaluation.results import TaskResult
+from app.engine.evaluation.store import save_evals
+from app.views.monitor.view import MonitorView
+from tests.views.conftest import shown
+from tests.views.fake_runs import FakeRun
+
+TASK = "mc:tasks.jsonl"
+
+
+def n_points(curve) -> int:
+    return 0 if curve.xData is None else len(curve.xData)
+
+
+@pytest.fixture
+def monitor(ctx, qtbot):
+    return shown(qtbot, MonitorView(ctx), 1200, 760)
+
+
+def task_run(path, accuracies: list[float]) -> FakeRun:
+    """A run whose evaluations (every 5 steps) carry --eval-task's accuracy."""
+    run = FakeRun(path, total_steps=5 * len(accuracies))
+    for acc in accuracies:
+        run.step(5)
+        run.eval(task=TASK, task_acc=acc)
+    return run
+
+
+def test_the_task_accuracy_is_a_curve_beside_the_loss(qtbot, ctx, monitor):
+    plain = FakeRun(ctx.runs_root() / "plain", total_steps=10)
+    plain.step(10)
+    plain.eval()
+    ctx.select_run(plain.path)
+    qtbot.waitUntil(lambda: n_points(monitor.val_curve) == 1)
+    monitor.redraw.flush()
+    assert monitor.task_plot.isHidden() and n_points(monitor.task_curve) == 0
+
+    run = task_run(ctx.runs_root() / "with-task", [0.25, 0.5, 0.75])
+    ctx.select_run(run.path)
+    qtbot.waitUntil(lambda: n_points(monitor.task_curve) == 3)
+    monitor.redraw.flush()
+    assert not monitor.task_plot.isHidden() and monitor.task_plot.isVisible()
+    x, y = monitor.task_curve.getData()
+    assert list(x) == [5, 10, 15] and list(y) == [0.25, 0.5, 0.75]   # the events' values
+    item = monitor.task_plot.getPlotItem()
+    assert TASK in item.titleLabel.text and "accuracy" in item.titleLabel.text.lower()
+    assert item.getAxis("left").labelText == "accuracy (share)"
+    assert item.getAxis("bottom").labelText == "step"
+    lo, hi = monitor.task_plot.getViewBox().viewRange()[0]
+    assert (lo, hi) == (0.0, 15.0)                               # the whole run
+    axis = item.getAxis("bottom")
+    ticks = [v for _, vs in axis.tickValues(lo, hi, axis.width()) for v in vs]
+    assert ticks and all(v == int(v) for v in ticks)
+    bottom, top = monitor.task_plot.getViewBox().viewRange()[1]
+    assert bottom <= 0.0 and top >= 1.0                          # 0-1, fixed
+    assert "task accuracy 0.75" in monitor.stats_label.text()
+    os.makedirs("/tmp/shots", exist_ok=True)
+    monitor.grab().save("/tmp/shots/monitor-task-accuracy.png")
+
+    ctx.select_run(plain.path)                                   # gone with the run
+    qtbot.waitUntil(lambda: n_points(monitor.val_curve) == 1)
+    assert monitor.task_plot.isHidden()
+
+
+def saved(run: FakeRun, results: dict[str, list[TaskResult]]) -> None:
+    save_evals(run.path, results, {label: None if label == "base" else "/a/sft.gguf"
+                                   for label in results}, {TASK: "mc:/data/tasks.jsonl"})
+
+
+def test_compare_lists_the_runs_latest_evaluations(qtbot, ctx, monitor):
+    a = FakeRun(ctx.runs_root() / "run-a")
+    a.step(5)
+    b = FakeRun(ctx.runs_root() / "run-b")
+    b.step(5)
+    c = FakeRun(ctx.runs_root() / "run-c")
+    c.step(5)
+    saved(a, {"base": [TaskResult(TASK, "jsonl", "acc", 0.1, 0.05, 20)]})    # older: not shown
+    saved(a, {"base": [TaskResult(TASK, "jsonl", "acc", 0.4, 0.1125, 20)],
+              "sft": [TaskResult(TASK, "jsonl", "acc", 0.45, 0.1141, 20)]})
+    saved(b, {"sft": [TaskResult("suite:eval_suite.jsonl", "suite", "pass_rate", 0.05, None,
+                                 20, {"passed": 1, "mean_reward": 1.05})]})
+    compare = monitor.compare
+    ctx.select_run(a.path)
+    qtbot.waitUntil(lambda: "run-a" in compare.evaluations)
+    assert compare.evaluations == {"run-a": [("base", TASK, "40.00 +- 11.25"),
+                                             ("sft", TASK, "45.00 +- 11.41")]}
+    assert compare.evals_table.isVisible()
+    qtbot.waitUntil(lambda: compare.compare_list.count() == 3)
+    compare.set_compared(b.path)
+    compare.set_compared(c.path)
+    qtbot.waitUntil(lambda: len(compare.evaluations) == 3)
+    assert compare.evaluations["run-b"] == [("sft", "suite:eval_suite.jsonl", "5.0% (1/20)")]
+    assert compare.evaluations["run-c"] == [("\u2014", "\u2014", "none saved")]
+    table = compare.evals_table
+    cells = [[table.item(r, c).text() for c in range(3) if table.item(r, c)]
+             for r in range(table.rowCount())]
+    assert cells == [["run-a"], ["base", TASK, "40.00 +- 11.25"], ["sft", TASK, "45.00 +- 11.41"],
+                     ["run-b"], ["sft", "suite:eval_suite.jsonl", "5.0% (1/20)"],
+                     ["run-c"], ["\u2014", "\u2014", "none saved"]]
+    assert table.columnSpan(0, 0) == 3                           # the run's name over its rows
+    qtbot.waitUntil(lambda: n_points(monitor.loss_curve) == 5)
+    monitor.redraw.flush()
+    os.makedirs("/tmp/shots", exist_ok=True)
+    monitor.grab().save("/tmp/shots/monitor-compare-evals.png")
+
+    compare.set_compared(b.path, False)                          # no longer shown
+    assert "run-b" not in compare.evaluations
+
+
+def test_a_damaged_evals_file_says_so(qtbot, ctx, monitor):
+    a = FakeRun(ctx.runs_root() / "run-a")
+    a.step(5)
+    (a.run.path / "evals.jsonl").write_text('{"eval_id": "x"}\nnot json\n')
+    ctx.select_run(a.path)
+    qtbot.waitUntil(lambda: "run-a" in monitor.compare.evaluations)
+    assert "line 2: not a JSON object" in monitor.compare.evaluations["run-a"][0][2]
