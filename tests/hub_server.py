@@ -11,6 +11,10 @@
   (`X-Repo-Commit`, `ETag` and `X-Linked-Etag` = the sha256 for LFS files and the git blob id
   otherwise, `X-Linked-Size`, `Content-Length`) and `Range: bytes=N-` answered 206.
 
+A repository's other revisions (`Repo.revisions`: a branch or tag name -> its files) answer at
+that name and at their commit in the tree and resolve URLs; an unknown one is the Hub's 404
+RevisionNotFound.
+
 Errors come the Hub's way: `X-Error-Code` RepoNotFound / EntryNotFound / GatedRepo, 401 for a
 gated repository without a token and 403 with a token that has no access.
 
@@ -51,7 +55,7 @@ import socket
 import struct
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -72,13 +76,27 @@ class Repo:
     gated: bool = False
     tags: tuple[str, ...] = ("gguf",)
     commit: str = ""
+    revisions: dict[str, dict[str, bytes]] = field(default_factory=dict)
 
     def __post_init__(self):
         if not self.commit:
-            h = hashlib.sha1(self.repo_id.encode())
-            for name in sorted(self.files):
-                h.update(name.encode() + hashlib.sha256(self.files[name]).digest())
-            self.commit = h.hexdigest()
+            self.commit = self._commit_of("", self.files)
+
+    def _commit_of(self, revision: str, files: dict[str, bytes]) -> str:
+        h = hashlib.sha1(self.repo_id.encode() + (b"@" + revision.encode() if revision else b""))
+        for name in sorted(files):
+            h.update(name.encode() + hashlib.sha256(files[name]).digest())
+        return h.hexdigest()
+
+    def at(self, revision: str) -> tuple[dict[str, bytes], str] | None:
+        """(the files, the commit) at a branch/tag name or a commit; None if there is none."""
+        if revision in ("main", self.commit):
+            return self.files, self.commit
+        for name, files in self.revisions.items():
+            commit = self._commit_of(name, files)
+            if revision in (name, commit):
+                return files, commit
+        return None
 
 
 def is_lfs(name: str) -> bool:
@@ -109,7 +127,8 @@ def write_split_gguf(source: Path, folder: Path, stem: str) -> list[Path]:
 def build_repos(folder: Path) -> dict[str, Repo]:
     """The test Hub's repositories (real GGUF files from tests/data/golden):
 
-    - `wb-test/tiny-llama-GGUF`: tiny-llama-Q8_0.gguf, tiny-llama-F32.gguf, README.md;
+    - `wb-test/tiny-llama-GGUF`: tiny-llama-Q8_0.gguf, tiny-llama-F32.gguf, README.md; its tag
+      `v0` holds another tiny-llama-Q8_0.gguf (the golden Gemma 3 file) and README.md;
     - `wb-test/tiny-mixtral-GGUF`: tiny-mixtral-Q8_0.gguf and the split
       tiny-mixtral-F32-00001-of-00002.gguf / -00002-of-00002.gguf;
     - `gated-org/tiny-gemma-GGUF` (gated): tiny-gemma-Q8_0.gguf;
@@ -124,7 +143,8 @@ def build_repos(folder: Path) -> dict[str, Repo]:
             "tiny-llama-Q8_0.gguf": read("llama-q8_0.gguf"),
             "tiny-llama-F32.gguf": read("llama-f32.gguf"),
             "README.md": b"# tiny llama\n\nGGUF files for the workbench's tests.\n"},
-            downloads=1200, likes=7),
+            downloads=1200, likes=7, revisions={"v0": {
+                "tiny-llama-Q8_0.gguf": read("gemma3-q8_0.gguf"), "README.md": b"# v0\n"}}),
         Repo("wb-test/tiny-mixtral-GGUF", {
             "tiny-mixtral-Q8_0.gguf": read("mixtral-q8_0.gguf"),
             **{p.name: p.read_bytes() for p in shards}}, downloads=300, likes=40),
@@ -240,11 +260,12 @@ class _Handler(BaseHTTPRequestHandler):
             return self._api_repo(path[len("/api/models/"):])
         if "/resolve/" in path:
             repo_id, _, rest = path.lstrip("/").partition("/resolve/")
-            _rev, _, file = rest.partition("/")
-            return self._resolve(repo_id, file)
+            rev, _, file = rest.partition("/")          # (a revision without a "/")
+            return self._resolve(repo_id, file, rev=rev)
         if path.startswith("/cdn/"):                 # the storage an LFS file redirects to
-            repo_id, _, file = path[len("/cdn/"):].partition("/cdn/")
-            return self._resolve(repo_id, file, cdn=True)
+            repo_id, _, rest = path[len("/cdn/"):].partition("/cdn/")
+            commit, _, file = rest.partition("/")
+            return self._resolve(repo_id, file, cdn=True, rev=commit)
         self._error(404, message="no such route")
 
     def _repo(self, repo_id: str) -> Repo | None:
@@ -296,9 +317,12 @@ class _Handler(BaseHTTPRequestHandler):
         if len(parts) == 2 or parts[2] == "revision":
             return self._json(self._info(repo))
         if parts[2] == "tree":
+            found = repo.at(parts[3] if len(parts) > 3 else "main")
+            if found is None:
+                return self._error(404, "RevisionNotFound", "Invalid rev id")
             entries = []
-            for name in sorted(repo.files):
-                data = repo.files[name]
+            for name in sorted(found[0]):
+                data = found[0][name]
                 size = self.server_hub.advertised_size.get(name, len(data))
                 entry = {"type": "file", "oid": git_blob_id(data), "size": size, "path": name}
                 if is_lfs(name):
@@ -308,26 +332,30 @@ class _Handler(BaseHTTPRequestHandler):
             return self._json(entries)
         self._error(404, message="no such route")
 
-    def _resolve(self, repo_id: str, file: str, cdn: bool = False) -> None:
+    def _resolve(self, repo_id: str, file: str, cdn: bool = False, rev: str = "main") -> None:
         hub = self.server_hub
         repo = hub.repos.get(repo_id) if cdn else self._repo(repo_id)
         if repo is None:
             return self._error(404, message="no such object") if cdn else None
-        data = repo.files.get(file)
+        found = repo.at(rev)
+        if found is None:
+            return self._error(404, "RevisionNotFound", "Invalid rev id")
+        files, commit = found
+        data = files.get(file)
         if data is None:
             return self._send(404, b"{}", {"X-Error-Code": "EntryNotFound",
-                                           "X-Repo-Commit": repo.commit})
+                                           "X-Repo-Commit": commit})
         etag = etag_of(file, data)
         size = hub.advertised_size.get(file, len(data))
         if file in hub.corrupt:
             data = data[:-1] + bytes([data[-1] ^ 0xFF])     # in the weights, not the header
-        headers = {"X-Repo-Commit": repo.commit, "ETag": f'"{etag}"', "Accept-Ranges": "bytes"}
+        headers = {"X-Repo-Commit": commit, "ETag": f'"{etag}"', "Accept-Ranges": "bytes"}
         if is_lfs(file):
             headers["X-Linked-Etag"] = f'"{etag}"'
             headers["X-Linked-Size"] = size
             if hub.cdn and not cdn:                   # the Hub's 302 to another origin
                 host, port = self.server.server_address[:2]
-                headers["Location"] = f"http://localhost:{port}/cdn/{repo_id}/cdn/{file}"
+                headers["Location"] = f"http://localhost:{port}/cdn/{repo_id}/cdn/{commit}/{file}"
                 headers["Content-Length"] = 0
                 return self._send(302, b"", headers)
         start = 0

@@ -1,11 +1,13 @@
 """`workbench models`: find, list and get GGUF models from the Hugging Face Hub.
 
     workbench models search QUERY [--author A] [--sort downloads|likes] [--json]
-    workbench models files REPO [--fits] [--json]
-    workbench models get REPO[:FILE|:QUANT] [--to DIR [--link]] [--json]
+    workbench models files REPO[@REV] [--revision REV] [--fits] [--json]
+    workbench models get REPO[:FILE|:QUANT][@REV] [--revision REV] [--to DIR [--link]] [--json]
     workbench models list [--json]
 
-`get` prints the local path on stdout and its progress on stderr; `train -m REPO[:QUANT]`
+`@REV` (or --revision REV) picks a branch, tag or commit of the repository instead of main
+(`owner/name:Q4_K_M@v1.0`); the cache keeps each revision's files apart, as the client does.
+`get` prints the local path on stdout and its progress on stderr; `train -m REPO[:QUANT][@REV]`
 resolves the same way (`resolve_model`): the cached model when there is one (no network), else
 a download. The settings (HF_ENDPOINT, HF_HOME, HF_HUB_OFFLINE, HF_TOKEN) are the Hub client's.
 """
@@ -34,7 +36,8 @@ def add_models_parser(sub) -> None:
     s.add_argument("--json", action="store_true", help="print one JSON list")
     f = msub.add_parser("files", help="a repository's GGUF models: sizes, quant types "
                                       "(split files as one model)")
-    f.add_argument("repo", help="owner/name")
+    f.add_argument("repo", metavar="REPO[@REV]", help="owner/name, owner/name@v1.0")
+    _revision_option(f)
     f.add_argument("--fits", action="store_true",
                    help="read each model's header (a ranged request, no weights) and say "
                         "whether its architecture trains here and its LoRA memory estimate")
@@ -42,8 +45,10 @@ def add_models_parser(sub) -> None:
     f.add_argument("--json", action="store_true", help="print one JSON list")
     g = msub.add_parser("get", help="download a model into the Hugging Face cache (resumes an "
                                     "interrupted download); prints its local path")
-    g.add_argument("spec", metavar="REPO[:FILE|:QUANT]",
-                   help="owner/name, owner/name:Q4_K_M or owner/name:file.gguf")
+    g.add_argument("spec", metavar="REPO[:FILE|:QUANT][@REV]",
+                   help="owner/name, owner/name:Q4_K_M or owner/name:file.gguf; @REV at the "
+                        "end for a branch, tag or commit other than main")
+    _revision_option(g)
     g.add_argument("--to", metavar="DIR", help="also copy the file(s) into DIR")
     g.add_argument("--link", action="store_true", help="with --to: link instead of copying")
     g.add_argument("--any-architecture", action="store_true",
@@ -53,6 +58,12 @@ def add_models_parser(sub) -> None:
     lst = msub.add_parser("list", help="models downloaded from the Hub and found on this computer "
                                        "(llama.cpp, LM Studio, Ollama): no network")
     lst.add_argument("--json", action="store_true", help="print one JSON list")
+
+
+def _revision_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--revision", metavar="REV",
+                   help="a branch, tag or commit of the repository (default main; the same "
+                        "as @REV at the end of the name)")
 
 
 def _estimate_options(p: argparse.ArgumentParser) -> None:
@@ -95,8 +106,9 @@ def _files(args) -> int:
     from app.engine.hub.header import quant_shown
     from app.engine.hub.names import parse_spec
 
-    repo = parse_spec(args.repo).repo_id
-    models = client.list_models(repo)
+    spec = parse_spec(args.repo, args.revision)
+    repo = spec.repo_id
+    models = client.list_models(repo, spec.revision)
     fits = {m.name: client.what_fits(m, args.rank, args.context) for m in models} \
         if args.fits else {}
     if args.json:
@@ -114,7 +126,8 @@ def _files(args) -> int:
     for m in models:
         last = fits[m.name].note if fits else (f"{len(m.files)} parts" if m.is_split else "1")
         print(f"{m.name:<{width}}  {quants[m.name]:<{qwidth}}  {_size(m.size):>9}  {last}")
-    print(f"get one: workbench models get {repo}:QUANT", file=sys.stderr)
+    at = "" if spec.revision == "main" else f"@{spec.revision}"
+    print(f"get one: workbench models get {repo}:QUANT{at}", file=sys.stderr)
     return 0
 
 
@@ -140,18 +153,18 @@ class _Progress:
 
 
 def resolve_model(text: str, rank: int = 16, context: int = 512, check: bool = True,
-                  progress=None, to_train: bool = False) -> Path:
-    """The local file of a model typed as owner/name[:FILE|:QUANT]: the cached one when there
-    is one (no network), else downloaded into the cache (after its header's architecture check
+                  progress=None, to_train: bool = False, revision: str | None = None) -> Path:
+    """The local file of a model typed as owner/name[:FILE|:QUANT][@REV] (or at `revision`): the
+    cached one of that revision when there is one (no network), else downloaded into the cache (after its header's architecture check
     unless `check` is False). `to_train`: for a split model, its parts merged into one file
     (training reads one; app.engine.hub.merge) and that file's path."""
     from app.engine.hub import client
     from app.engine.hub.names import parse_spec, split_part
 
-    spec = parse_spec(text)
+    spec = parse_spec(text, revision)
     found = client.find_cached(spec)
     if found is None:
-        model = client.choose(client.list_models(spec.repo_id), spec)
+        model = client.choose(client.list_models(spec.repo_id, spec.revision), spec)
         if check:
             fit = client.what_fits(model, rank, context)
             print(f"{model.name}: {fit.note}", file=sys.stderr)
@@ -175,7 +188,8 @@ def resolve_model(text: str, rank: int = 16, context: int = 512, check: bool = T
 def _get(args) -> int:
     from app.engine.hub import client
 
-    path = resolve_model(args.spec, args.rank, args.context, not args.any_architecture)
+    path = resolve_model(args.spec, args.rank, args.context, not args.any_architecture,
+                         revision=args.revision)
     out = client.copy_to(path, args.to, link=args.link) if args.to else path
     if args.json:
         print(json.dumps({"path": str(out), "cache_path": str(path)}))
@@ -208,7 +222,7 @@ def _list(args) -> int:
 
 def model_argument(text: str | None, rank: int | None = None,
                    context: int | None = None) -> str | None:
-    """`--model` of train and grpo: a path as given; `owner/name[:FILE|:QUANT]` that is not an
+    """`--model` of train and grpo: a path as given; `owner/name[:FILE|:QUANT][@REV]` not an
     existing path resolved through the Hub's cache (`resolve_model`, downloading if needed)."""
     from app.engine.hub.names import looks_like_repo
 

@@ -139,3 +139,37 @@ def test_grpo_from_the_hub_resolves_through_the_cache(hub, hub_repos, tmp_path):
                     str(tmp_path / "g"), "--queue", queue]) == 0
     model = Path(json.loads((tmp_path / "g" / "config.json").read_text())["model"])
     assert model.read_bytes() == hub_repos["wb-test/tiny-moe-GGUF"].files["tiny-moe.gguf"]
+
+
+def test_a_revision_other_than_main(hub, hub_repos, capsys):
+    """`@REV` (or --revision) lists, downloads and resolves for train the files of that tag;
+    each revision's file is its own in the cache (a cached main is not v0's, nor the reverse)."""
+    from app.cli.models import model_argument
+
+    v0 = hub_repos[LLAMA].revisions["v0"][Q8]
+    for argv in (["models", "files", f"{LLAMA}@v0", "--json"],
+                 ["models", "files", LLAMA, "--revision", "v0", "--json"]):
+        assert run_cli(argv) == 0
+        listed = json.loads(capsys.readouterr().out)
+        assert [(m["name"], m["size"], m["revision"]) for m in listed] == [(Q8, len(v0), "v0")]
+    assert run_cli(["models", "get", f"{LLAMA}:Q8_0@v0"]) == 0
+    got = capsys.readouterr()
+    old = Path(got.out.strip())
+    assert old.read_bytes() == v0 and "fits" in got.err
+    assert any(m == "GET" and "/resolve/v0/" in p and r and not r.endswith("-")
+               for m, p, r in hub.requests)                  # the header read at v0 too
+    assert run_cli(["models", "get", f"{LLAMA}:Q8_0"]) == 0      # main: not v0's cached file
+    main = Path(capsys.readouterr().out.strip())
+    assert main.read_bytes() == hub_repos[LLAMA].files[Q8] and main != old
+    asked = len(hub.requests)
+    assert model_argument(f"{LLAMA}:Q8_0@v0") == str(old)        # train -m: from the cache
+    assert run_cli(["models", "get", f"{LLAMA}:Q8_0", "--revision", "v0"]) == 0
+    assert Path(capsys.readouterr().out.strip()) == old and len(hub.requests) == asked
+    assert run_cli(["models", "get", f"{LLAMA}:Q8_0@v9"]) == 2
+    err = capsys.readouterr().err
+    assert "has no revision v9" in err and "Traceback" not in err
+    for argv in (["models", "get", f"{LLAMA}:Q8_0@v0", "--revision", "main"],
+                 ["models", "get", f"{LLAMA}:Q8_0@.."]):
+        assert run_cli(argv) == 2
+        err = capsys.readouterr().err
+        assert "revision" in err and "Traceback" not in err

@@ -148,7 +148,8 @@ def _page(s: HubSettings, repo_id: str) -> str:
     return f"{s.endpoint}/{repo_id}"
 
 
-def hub_error(e: BaseException, s: HubSettings, repo_id: str = "", what: str = "") -> EngineError:
+def hub_error(e: BaseException, s: HubSettings, repo_id: str = "", what: str = "",
+              revision: str = "") -> EngineError:
     """The EngineError for an exception of the client or of its HTTP layer (never naming the
     token)."""
     import httpx2
@@ -175,7 +176,10 @@ def hub_error(e: BaseException, s: HubSettings, repo_id: str = "", what: str = "
         return HubError(f"No repository {repo_id} on {s.endpoint} (HTTP {status}).",
                         "Check the name (owner/name); `workbench models search` finds models.")
     if isinstance(e, hf.RevisionNotFoundError):
-        return HubError(f"{repo_id} has no such revision.", "Use the main branch.")
+        return HubError(f"{repo_id} has no revision {revision or ''} (a branch, tag or "
+                        f"commit).".replace("  ", " "),
+                        f"See its branches and tags on {_page(s, repo_id)}; without "
+                        "@REVISION the main branch is used.")
     if isinstance(e, (hf.RemoteEntryNotFoundError, hf.EntryNotFoundError)):
         return HubError(f"{repo_id} has no file {what or ''} (HTTP {status}).".replace("  ", " "),
                         f"`workbench models files {repo_id}` lists its GGUF files.")
@@ -354,6 +358,7 @@ class HubModel:
     repo_id: str
     files: tuple[HubFile, ...]
     quant: str
+    revision: str = "main"        # the branch, tag or commit it was listed at
 
     @property
     def name(self) -> str:
@@ -370,11 +375,12 @@ class HubModel:
 
     def to_dict(self) -> dict:
         return {"repo": self.repo_id, "name": self.name, "quant": self.quant, "size": self.size,
-                "split": self.is_split, "files": [
+                "split": self.is_split, "revision": self.revision, "files": [
                     {"path": f.path, "size": f.size, "sha256": f.sha256} for f in self.files]}
 
 
-def group_models(repo_id: str, files: Iterable[HubFile]) -> list[HubModel]:
+def group_models(repo_id: str, files: Iterable[HubFile], revision: str = "main"
+                 ) -> list[HubModel]:
     """The GGUF models among `files`: each unsplit .gguf alone, the parts `-0000k-of-0000n`
     of one name together (in order; an incomplete set is still listed, its missing parts
     named when it is downloaded)."""
@@ -384,30 +390,34 @@ def group_models(repo_id: str, files: Iterable[HubFile]) -> list[HubModel]:
             continue
         sp = split_part(f.path.rsplit("/", 1)[-1])
         if sp is None:
-            single.append(HubModel(repo_id, (f,), quant_of(f.path)))
+            single.append(HubModel(repo_id, (f,), quant_of(f.path), revision))
         else:
             folder = f.path.rsplit("/", 1)[0] + "/" if "/" in f.path else ""
             parts.setdefault((folder + sp[0], sp[2]), []).append((sp[1], f))
     for (_stem, _count), found in parts.items():
         ordered = tuple(f for _k, f in sorted(found, key=lambda kf: kf[0]))
-        single.append(HubModel(repo_id, ordered, quant_of(ordered[0].path)))
+        single.append(HubModel(repo_id, ordered, quant_of(ordered[0].path), revision))
     return sorted(single, key=lambda m: (m.size, m.name))
 
 
 def list_models(repo_id: str, revision: str = "main") -> list[HubModel]:
-    """The GGUF models of a repository with their sizes and quant types (from the names)."""
+    """The GGUF models of a repository at `revision` (a branch, tag or commit) with their sizes
+    and quant types (from the names)."""
+    from urllib.parse import quote
+
     s = hub_settings()
     _require_online(s, f"list the files of {repo_id}")
     try:
         from huggingface_hub.hf_api import RepoFile
 
-        entries = (RepoFile(**e) for e in _pages(s, f"/api/models/{repo_id}/tree/{revision}",
+        tree = f"/api/models/{repo_id}/tree/{quote(revision, safe='')}"
+        entries = (RepoFile(**e) for e in _pages(s, tree,
                                                    {"recursive": True, "expand": False})
                    if e["type"] == "file")
         files = [HubFile(e.path, int(e.size), e.lfs.sha256 if e.lfs else None) for e in entries]
     except _client_errors() as e:
-        raise hub_error(e, s, repo_id) from None
-    return group_models(repo_id, files)
+        raise hub_error(e, s, repo_id, revision=revision) from None
+    return group_models(repo_id, files, revision)
 
 
 def choose(models: list[HubModel], spec: ModelSpec) -> HubModel:
@@ -498,14 +508,14 @@ def cached_models(cache_dir: Path | None = None) -> list[CachedModel]:
 
 
 def find_cached(spec: ModelSpec) -> Path | None:
-    """The cached model `spec` names (in the snapshot main points at first, then the others),
-    else None. No network."""
+    """The cached model `spec` names in the snapshot of its revision (the commit the cache's
+    refs/<revision> names, or the commit itself), else None. No network."""
     s = hub_settings()
-    main = _read_ref(s, spec.repo_id, "main")
+    commit = _read_ref(s, spec.repo_id, spec.revision) or spec.revision
     found: dict[str, CachedModel] = {}
-    for c in sorted((c for c in cached_models() if c.repo_id == spec.repo_id),
-                    key=lambda c: c.revision != main):
-        found.setdefault(c.name, c)
+    for c in cached_models():
+        if c.repo_id == spec.repo_id and c.revision == commit:
+            found.setdefault(c.name, c)
     if not found:
         return None
     cached = list(found.values())
@@ -566,7 +576,7 @@ def _metadata(s: HubSettings, repo_id: str, filename: str, revision: str) -> Rem
         meta = get_hf_file_metadata(url, token=s.token or False, timeout=METADATA_TIMEOUT_S,
                                     endpoint=s.endpoint)
     except _client_errors() as e:
-        raise hub_error(e, s, repo_id, filename) from None
+        raise hub_error(e, s, repo_id, filename, revision) from None
     if not meta.commit_hash or not meta.etag or meta.size is None:
         raise HubError(f"{s.endpoint} did not say the commit, checksum and size of "
                        f"{repo_id}/{filename}.", "Check HF_ENDPOINT: it does not answer like "
@@ -650,7 +660,7 @@ def quant_shown(named: str, fit) -> str:
     return shown(named, fit)
 
 
-def what_fits(model: HubModel, rank: int = 16, context: int = 512, revision: str = "main"):
+def what_fits(model: HubModel, rank: int = 16, context: int = 512):
     """app.engine.hub.header.Fit of a remote model, from its header (weights not fetched). A
     split model: every part's header (the first holds the metadata, the tensors are spread
     over the parts), put together as the file its parts merge into (app.engine.hub.merge), so
@@ -660,7 +670,7 @@ def what_fits(model: HubModel, rank: int = 16, context: int = 512, revision: str
     from app.engine.hub.header import fits_here
     from app.engine.hub.merge import merged_header
 
-    headers = [read_header(model.repo_id, f.path, revision) for f in model.files]
+    headers = [read_header(model.repo_id, f.path, model.revision) for f in model.files]
     if not model.is_split:
         header, size = headers[0]
         return fits_here(header, size, model.files[0].path, rank, context)
@@ -675,9 +685,9 @@ def what_fits(model: HubModel, rank: int = 16, context: int = 512, revision: str
 
 
 def download(model: HubModel, progress: Progress | None = None, cancel=None,
-             retries: int = 3, revision: str = "main") -> Path:
-    """Every file of `model` into the cache (see the module docstring); the local path of its
-    first file. `cancel` (anything with is_set()) stops between chunks with Cancelled, the
+             retries: int = 3) -> Path:
+    """Every file of `model` (at its revision) into the cache (see the module docstring); the
+    local path of its first file. `cancel` (anything with is_set()) stops between chunks with Cancelled, the
     partial kept."""
     total = model.size
     done_before = 0
@@ -686,7 +696,7 @@ def download(model: HubModel, progress: Progress | None = None, cancel=None,
         def shifted(done: int, _total: int, name: str, base=done_before) -> None:
             if progress is not None:
                 progress(base + done, total, name)
-        path = download_file(model.repo_id, f.path, shifted, cancel, retries, revision,
+        path = download_file(model.repo_id, f.path, shifted, cancel, retries, model.revision,
                              f.sha256)
         first = first or path
         done_before += f.size

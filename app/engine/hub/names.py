@@ -1,5 +1,5 @@
 """What a GGUF file's name says: its quant type, whether it is one part of a split model; and
-what a user types for a model on the Hub (`owner/name[:FILE|:QUANT]`).
+what a user types for a model on the Hub (`owner/name[:FILE|:QUANT][@REVISION]`).
 
 Pure functions over strings: no network, no files.
 """
@@ -53,32 +53,56 @@ def is_gguf(filename: str) -> bool:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A model on the Hub as the user typed it: `repo_id`, and `select` (a file name, a quant
-    type, or "" for "the one GGUF model of the repository")."""
+    """A model on the Hub as the user typed it: `repo_id`, `select` (a file name, a quant
+    type, or "" for "the one GGUF model of the repository") and `revision` (a branch, tag or
+    commit of the repository; "main" unless `@REVISION` ends the text)."""
 
     repo_id: str
     select: str = ""
+    revision: str = "main"
 
     def __str__(self) -> str:
-        return f"{self.repo_id}:{self.select}" if self.select else self.repo_id
+        text = f"{self.repo_id}:{self.select}" if self.select else self.repo_id
+        return text if self.revision == "main" else f"{text}@{self.revision}"
 
 
 _REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$")
+# a branch, a tag (git's rules, less what a name here would not need) or a commit hash
+_REVISION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+/-]{0,199}$")
 
 
 def looks_like_repo(text: str) -> bool:
-    """Whether `text` reads as `owner/name[:x]` (and not as a path: no leading ./, / or ~)."""
-    repo = text.split(":", 1)[0]
+    """Whether `text` reads as `owner/name[:x][@rev]` (and not as a path: no leading ./, / or
+    ~)."""
+    repo = text.split(":", 1)[0].split("@", 1)[0]
     return bool(_REPO.match(repo)) and ".." not in repo and not repo.endswith(".gguf")
 
 
-def parse_spec(text: str) -> ModelSpec:
-    """`owner/name`, `owner/name:Q4_K_M` or `owner/name:file.gguf` -> ModelSpec; ConfigError
-    for anything else."""
-    repo, _, select = text.strip().partition(":")
-    if not looks_like_repo(repo):
-        raise ConfigError(f"{text!r} is not a Hugging Face model (owner/name[:FILE|:QUANT]).",
+def check_revision(revision: str) -> str:
+    """`revision` if it reads as a branch, a tag or a commit; ConfigError otherwise."""
+    if not _REVISION.match(revision) or ".." in revision or revision.endswith((".", "/")) \
+            or "//" in revision:
+        raise ConfigError(f"{revision!r} is not a revision (a branch, a tag or a commit).",
+                          "Write it as @main, @v1.0 or @<commit>, at the end: "
+                          "owner/name:Q4_K_M@v1.0.")
+    return revision
+
+
+def parse_spec(text: str, revision: str | None = None) -> ModelSpec:
+    """`owner/name`, `owner/name:Q4_K_M` or `owner/name:file.gguf`, each optionally ending in
+    `@REVISION` (a branch, tag or commit: `owner/name:Q4_K_M@v1.0`) -> ModelSpec; `revision`
+    (a --revision option) when given, which must agree with an @ in the text. ConfigError for
+    anything else."""
+    text = text.strip()
+    base, at, typed = text.rpartition("@") if "@" in text else (text, "", "")
+    if at and revision is not None and typed != revision:
+        raise ConfigError(f"{text!r} names revision {typed!r} and --revision {revision!r}.",
+                          "Give the revision once.")
+    repo, _, select = base.partition(":")
+    if not looks_like_repo(repo) or "@" in base:
+        raise ConfigError(f"{text!r} is not a Hugging Face model "
+                          "(owner/name[:FILE|:QUANT][@REVISION]).",
                           "Write it as owner/name, e.g. unsloth/Qwen3-0.6B-GGUF:Q4_K_M.")
     if "/" in select and ".." in select.split("/"):
         raise ConfigError(f"{select!r} is not a file of a repository.", "Name a .gguf file.")
-    return ModelSpec(repo, select)
+    return ModelSpec(repo, select, check_revision(typed if at else (revision or "main")))

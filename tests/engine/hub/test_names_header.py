@@ -37,6 +37,20 @@ def test_model_specs():
         parse_spec("just-a-name")
 
 
+def test_model_specs_with_a_revision():
+    spec = parse_spec("o/n:Q4_K_M@v1.0")
+    assert (spec.repo_id, spec.select, spec.revision) == ("o/n", "Q4_K_M", "v1.0")
+    assert parse_spec("o/n").revision == "main" and str(parse_spec("o/n@dev")) == "o/n@dev"
+    assert parse_spec("o/n:a.gguf", revision="refs/pr/3").revision == "refs/pr/3"
+    assert parse_spec("o/n@abc", revision="abc").revision == "abc"
+    assert looks_like_repo("o/n@v1") and looks_like_repo("o/n:Q8_0@v1")
+    for bad in ("o/n@", "o/n@..", "o/n@a b", "o/n@v1@v2", "o/n@-x", "o/n@a//b"):
+        with pytest.raises(ConfigError):
+            parse_spec(bad)
+    with pytest.raises(ConfigError, match="once"):
+        parse_spec("o/n@v1", revision="v2")
+
+
 @pytest.mark.parametrize("name", ["llama-q8_0", "mixtral-f32", "gemma3-q4_0", "olmoe-lora"])
 def test_header_length_is_where_the_reader_puts_the_data(name):
     data = (GOLDEN / f"{name}.gguf").read_bytes()
