@@ -29,13 +29,14 @@ import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (QHeaderView, QLabel, QListWidget, QListWidgetItem, QTableWidget,
-                               QTableWidgetItem, QVBoxLayout, QWidget)
+                               QVBoxLayout, QWidget)
 
 from app.engine.api import (SFT, EngineError, RunDir, RunKind, kind_of, latest_evals,
                             list_runs, saved_cell)
 from app.views.widgets.plots import PALETTE, num, tint
 from app.views.widgets.run_tail import BackgroundPoll, RunTail, Series
 from app.views.widgets.setting_labels import setting_label   # New run's names too
+from app.views.widgets.tables import fill_rows
 
 
 KIND_ROLE = Qt.UserRole + 1          # a list item's run kind (its path: Qt.UserRole)
@@ -310,13 +311,10 @@ class ComparePanel(QWidget):
         self.diff_table.clear()
         self.diff_table.setColumnCount(1 + len(names))
         self.diff_table.setHorizontalHeaderLabels(["setting"] + names)
-        self.diff_table.setRowCount(len(diff))
-        for r, (key, values) in enumerate(diff.items()):
-            texts = [setting_label(key)] + [str(values[name]) for name in names]
-            for c, text in enumerate(texts):
-                item = QTableWidgetItem(text)
-                item.setToolTip(f"{text} (config.json: {key})" if c == 0 else text)
-                self.diff_table.setItem(r, c, item)
+        keys = list(diff)
+        fill_rows(self.diff_table, [[setting_label(key)] + [str(values[name]) for name in names]
+                                    for key, values in diff.items()],
+                  tip=lambda r, c, text: f"{text} (config.json: {keys[r]})" if c == 0 else text)
 
     # ---------------------------------------------------------------- evaluations
     def _show_evals(self) -> None:
@@ -330,12 +328,8 @@ class ComparePanel(QWidget):
         self.evals_table.setVisible(any_saved)
         table = self.evals_table
         table.clearSpans()
-        table.setRowCount(len(rows))
+        fill_rows(table, rows)
         for r, texts in enumerate(rows):
-            for c, text in enumerate(texts):
-                item = QTableWidgetItem(text)
-                item.setToolTip(text)
-                table.setItem(r, c, item)
             if len(texts) == 1:                        # a run's name over its rows, bold
                 table.setSpan(r, 0, 1, len(EVAL_COLUMNS))
                 font = table.item(r, 0).font()
