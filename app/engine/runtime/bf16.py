@@ -52,8 +52,8 @@ PRECISIONS = ("auto", "fp32", "bf16")
 ENV = "WORKBENCH_PRECISION"
 INSTALL_HINT = "pip install -e '.[bf16]'"
 # Training steps in bf16 against float32 (bench-dense LoRA and full, bench-moe-q8_0 LoRA, ctx
-# 256: 1.43-1.75x) on the AVX512-BF16 machine that measured them (docs/PERFORMANCE.md, "bf16 products"): what the
-# reason promises a user without the extra. Only rounded figures: machines differ.
+# 256: 1.43-1.75x) on the AVX512-BF16 machine that measured them (docs/PERFORMANCE.md, "bf16
+# products"): what the reason promises a user without the extra. Rounded: machines differ.
 MEASURED_GAIN = "1.4-1.8x"
 
 # arch_prctl(2) on x86-64: request permission for a dynamically enabled XSAVE feature.
