@@ -211,7 +211,9 @@ class Model:
 
         llamacpp_numerics (default): quantized weights multiply activations rounded as
         llama.cpp's CPU backend rounds them (Params.base_input), which matches its logits to
-        ~1e-6; False computes in plain float32, as training does."""
+        ~1e-6 on the tiny golden models (on a real model the roundings amplify float32 noise
+        to whole logits, and a prefix's logits depend on the sequence length as much: see
+        app.engine.kernels.act_quants); False computes in plain float32, as training does."""
         tokens = self.check_tokens(token_ids)
         params = self.params(adapter, adapter_scale, llamacpp_numerics=llamacpp_numerics)
         x = self.hidden(tokens, params, ForwardContext.build(self.config, tokens.size, None, xp=self.xp))

@@ -80,3 +80,18 @@ def test_f16_rounds_and_f32_bf16_pass_through():
                                   [[1.0, 1.0 + 2.0 ** -9, 2048.0, np.float16(1e-3)]])
     for t in (quants.F32, quants.BF16):
         assert quantize_activations(x, t) is x
+
+
+@pytest.mark.parametrize("wtype", [quants.Q8_0, quants.Q4_1, quants.Q4_K, quants.Q6_K, quants.F16])
+def test_each_token_is_rounded_on_its_own(wtype):
+    """ggml converts each src1 row on its own (mul_mat's from_float per row), so a token's
+    rounded activations do not depend on the other tokens of the batch: the rounding of the
+    first 5 rows of 13 equals that of the 5 rows alone, bit for bit (element-wise operations and
+    an exact max per block, the same in both calls). A prefix's logits then depend on the
+    later tokens only through float32 summation order (act_quants module docstring)."""
+    x = np.random.default_rng(3).standard_normal((13, 512)).astype(np.float32)
+    x[7] *= 1e3                              # a loud token must not change the others' scales
+    np.testing.assert_array_equal(quantize_activations(x[:5], wtype),
+                                  quantize_activations(x, wtype)[:5])
+    np.testing.assert_array_equal(quantize_activations(x[None, :9], wtype)[0, :5],
+                                  quantize_activations(x[:5], wtype))

@@ -68,6 +68,23 @@ def test_quantized_logits_match_llamacpp(name, qtype):
     assert 0.03 < np.abs(plain - want).max() < 0.25
 
 
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
+def test_a_prefix_alone_matches_llamacpps_rows_of_the_whole_sequence(qtype):
+    """llama.cpp computed the golden logits of all 24 tokens in one batch; a prefix's logits
+    computed alone must be its first rows to the same bound (quantized_logit_bound of the
+    prefix). The emulated roundings are row-local (each token's activations rounded on their
+    own, as ggml converts each src1 row: app.engine.kernels.act_quants), so a prefix depends
+    on the later tokens through float32 summation order only, which these small models do not
+    amplify (a real model does: the act_quants docstring)."""
+    for name in GOLDEN_MODELS:
+        ref = _ref(name)
+        model = load_model(GOLDEN / f"{name}-{qtype}.gguf")
+        for k in (5, 13):
+            tokens = ref["tokens"][:k]
+            assert_within(model.logits(tokens), ref[f"logits_{qtype}"][:k],
+                          quantized_logit_bound(model, tokens), f"{name}-{qtype}[:{k}]")
+
+
 def test_the_quantized_bound_widens_only_where_a_q8_0_scale_is_ambiguous():
     """Of the 16 quantized golden models, only those with a block whose Q8_0 scale sits within
     float32 noise of an fp16 boundary get a wider bound, and only at the positions that block
