@@ -10,8 +10,9 @@ Opens the window on a private queue, runs folder and settings (nothing of the us
 touched), with the bundled sample model and dataset; shoots the New run tabs and its "Get a
 model..." dialog (over a loopback test Hub); adds two
 example clusters (no token: nothing reaches the keyring) and shoots Settings > Clusters and New
-run with "Run on" a cluster, and the Dataset tab in the dark theme (`new-run-dataset-dark`;
-`--quick` stops there); starts a short real run (on this computer) in a real worker process; shoots Monitor (also dark: `monitor-dark`) and Experts when it has finished; exports a
+run with "Run on" a cluster, and the Dataset tab in the dark theme (`new-run-dataset-dark`),
+New run with DPO chosen on the sample preferences (`new-run-dpo`: its Dataset tab with a pair,
+`new-run-dpo-training`: its fields; `--quick` stops there); starts a short real run (on this computer) in a real worker process; shoots Monitor (also dark: `monitor-dark`) and Experts when it has finished; exports a
 GGUF adapter and chats two turns in the Playground; evaluates the base and the run's adapter
 on the sample suite and tasks (Evaluate, through the worker); shoots those. Then the GRPO
 addition demo: its New run tabs, a real 40-step run, Monitor's Rewards and Completions pages; a 40-step DPO run
@@ -83,9 +84,30 @@ def shoot_get_model(new_run, out: Path, wait, pump) -> None:
                     os.environ[k] = v
 
 
+def shoot_new_run_dpo(new_run, wait, shoot) -> None:
+    """New run with the run type DPO on sample_data/preferences.jsonl: the Dataset tab showing
+    the pairs and one pair (`new-run-dpo`), the Training tab with DPO's fields
+    (`new-run-dpo-training`); then back to a supervised run on the dataset it had."""
+    sample = Path(__file__).resolve().parents[1] / "sample_data"
+    data = new_run.data_path()
+    new_run.set_run_type("dpo")
+    new_run.dataset.set_data_path(str(sample / "preferences.jsonl"))
+    wait(lambda: new_run.dataset.pair_report is not None and not new_run.dataset.is_busy(),
+         "the preference pairs' check")
+    for i, name in ((1, "new-run-dpo"), (2, "new-run-dpo-training")):
+        new_run.tabs.setCurrentIndex(i)
+        shoot(name)
+    new_run.set_run_type("sft")
+    new_run.dataset.set_data_path(data)
+    wait(lambda: new_run.dataset.report is not None and not new_run.dataset.is_busy(),
+         "the dataset's check")
+    new_run.tabs.setCurrentIndex(0)
+
+
 def shoot_preference_run(ctx, window, pump, shoot) -> None:
-    """A short DPO run on sample_data/preferences.jsonl, trained here (New run does not offer
-    preference runs yet), followed in Monitor: `monitor-dpo` (loss, accuracy and margin)."""
+    """A short DPO run on sample_data/preferences.jsonl, trained here (in this process, so the
+    shot does not wait on the worker), followed in Monitor: `monitor-dpo` (loss, accuracy and
+    margin)."""
     from app.engine.runs.reporter import RunReporter
     from app.engine.runs.rundir import RunDir
     from app.engine.training.preference import PreferenceConfig, train_preference
@@ -194,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             new_run.run_on.set_executor("local")        # the runs below run here
             new_run.tabs.setCurrentIndex(1)
             shoot_dark("new-run-dataset-dark")
+            shoot_new_run_dpo(new_run, wait, shoot)
             new_run.tabs.setCurrentIndex(0)
             shoot_get_model(new_run, out, wait, pump)
             if args.quick:

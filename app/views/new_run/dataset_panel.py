@@ -35,6 +35,8 @@ from app.views.widgets.plots import pen, plot_widget, tint
 from app.views.widgets.tooltips import NEW_RUN_TIPS
 
 PREVIEW_ROWS = 30
+LEGENDS = {False: "Highlighted: the tokens the model is trained to produce.",
+           True: "Highlighted: each completion, whose log-probability the method compares."}
 CELL_CHARS = 160
 
 
@@ -163,14 +165,13 @@ class DatasetPanel(QWidget):
         summary.addWidget(self.format_label)
         summary.addWidget(self.summary_label, 1)
         summary.addWidget(self.busy)
-        legend = QLabel("Highlighted: the tokens the model is trained to produce.",
-                        objectName="hint")
+        self.legend = legend = QLabel(LEGENDS[False], objectName="hint", wordWrap=True)
         left = QSplitter(Qt.Vertical)
         left.addWidget(titled("First rows", self.preview_table))
         self._bad_box = titled(self.bad_rows_title, self.bad_rows_table)
         left.addWidget(self._bad_box)
         left.setSizes([300, 140])
-        right = QSplitter(Qt.Vertical)
+        self._right = right = QSplitter(Qt.Vertical)
         hist = QWidget()
         hl = QVBoxLayout(hist)
         hl.setContentsMargins(0, 0, 0, 0)
@@ -249,6 +250,9 @@ class DatasetPanel(QWidget):
         self._pairs, self._inputs = pairs, None
         self._bg.cancel("lint")
         self.plot.setVisible(not pairs)             # pairs: lengths in words, no histogram
+        self.hist_stats.setAlignment(Qt.AlignLeft | (Qt.AlignTop if pairs else Qt.AlignVCenter))
+        self._right.setSizes([80, 380] if pairs else [230, 230])   # the pair gets the room
+        self.legend.setText(LEGENDS[pairs])
         self._show_report(None)
 
     def is_busy(self) -> bool:

@@ -39,7 +39,7 @@ from app.views.widgets.fit import Columns
 from app.views.widgets.form_fields import (FormBase, combo, dspin, field_value, set_combo,
                                            set_field, spin)
 from app.views.widgets.setting_labels import setting_label
-from app.views.widgets.tooltips import SETTINGS_TIPS
+from app.views.widgets.tooltips import PREFERENCE_ADAPTER_TIP, SETTINGS_TIPS
 
 # A trained LoRA parameter's memory: float32 value, gradient and AdamW's two moments (the
 # estimate's adapter bytes, app.engine.model.card).
@@ -735,6 +735,8 @@ class SettingsForm(FormBase):
         if kind in PREFERENCE_KINDS:
             self.fields["beta"].setSpecialValueText(
                 f"default ({DEFAULT_BETA[kind]:g})")
+        self.set_tooltips({"adapter": PREFERENCE_ADAPTER_TIP if kind in PREFERENCE_KINDS
+                           else SETTINGS_TIPS["adapter"]})
         for key, texts in KIND_TEXTS.items():
             label, special = texts[kind_index(kind)]
             self.label(key).setText(label)

@@ -288,6 +288,10 @@ RUN_ON_TIP = tip("Train on this computer (the worker here), or send the run to a
                  "(Settings > Clusters). The run folder must be on storage the cluster sees.",
                  "This computer", "workbench train ... --queue --on CLUSTER")
 
+# a preference run's starting adapter (SettingsForm.set_kind): its flag, and it is the reference
+PREFERENCE_ADAPTER_TIP = tip("Start from this GGUF LoRA adapter (e.g. an SFT run's); DPO and "
+                             "KTO then use it as the reference (none: the base, the adapter "
+                             "off).", "none, or the SFT run's adapter", "--init-adapter")
 
 # New run's run types (its Run type list), by kind: what each trains on and how
 KIND_TIPS = {

@@ -81,6 +81,12 @@ def test_switching_dpo_supervised_dpo_leaks_nothing_and_reset_works(qtbot, new_r
     view, form = new_run, new_run.form
     sft_before = form.values()
     view.set_run_type("dpo")
+    for method in METHOD_CHOICES:               # each choice's help names its command line
+        tip = view.kind_box.itemData(view.kind_box.findData(method), Qt.ToolTipRole)
+        assert f"workbench train --method {method}" in tip
+    for key, flag in (("beta", "--beta"), ("pref_loss", "--pref-loss"),
+                      ("pairs_per_step", "--batch"), ("adapter", "--init-adapter")):
+        assert flag in form[key].toolTip(), key
     assert form["pref_loss"].isVisibleTo(form) and not form["orpo_lambda"].isVisibleTo(form)
     assert not form["packing"].isVisibleTo(form) and not form["batch"].isVisibleTo(form)
     form["beta"].setValue(0.3)
@@ -89,6 +95,7 @@ def test_switching_dpo_supervised_dpo_leaks_nothing_and_reset_works(qtbot, new_r
     form["lr"].setText("0.001")
     view.set_run_type("sft")
     assert form.values() == sft_before                       # nothing of DPO's
+    assert "--adapter" in form["adapter"].toolTip()
     assert not form["beta"].isVisibleTo(form)
     form["rank"].setValue(4)                                  # nor of SFT's into DPO
     view.set_run_type("dpo")
