@@ -60,6 +60,7 @@ def _windows():
     return [pack([(text[i:i + 40], text[i + 1:i + 41])]) for i in range(0, 120, 20)]
 
 
+@pytest.mark.slow
 def test_full_fine_tuning_in_bf16_keeps_float32_masters_and_fresh_bf16_copies(tmp_path):
     """The products read a bf16 copy of each trained matrix, made per pass from its float32
     master: after a step (and after a resume) the copy is the rounding of the new master, never
