@@ -29,9 +29,11 @@ class Best:
     step: int
     value: float
     metric: str        # "validation" (a loss), "held-out reward" or "held-out accuracy"
+    task_acc: float | None = None     # a supervised run's --eval-task accuracy at that step
 
     def text(self) -> str:
-        return f"step {self.step} ({self.metric} {self.value:.2f})"
+        task = "" if self.task_acc is None else f", task accuracy {self.task_acc:.2f}"
+        return f"step {self.step} ({self.metric} {self.value:.2f}{task})"
 
 
 def better(event: dict, kind: str, best: Best | None) -> Best | None:
@@ -45,7 +47,9 @@ def better(event: dict, kind: str, best: Best | None) -> Best | None:
         if event.get("best") and isinstance(value, (int, float)):
             return Best(int(event.get("step", 0)), float(value), ACCURACY)
     elif event.get("best") and isinstance(event.get("loss"), (int, float)):
-        return Best(int(event.get("step", 0)), float(event["loss"]), "validation")
+        task = event.get("task_acc")            # --eval-task (its --best-by may choose)
+        return Best(int(event.get("step", 0)), float(event["loss"]), "validation",
+                    float(task) if isinstance(task, (int, float)) else None)
     return best
 
 

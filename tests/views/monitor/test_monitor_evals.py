@@ -64,6 +64,9 @@ def test_the_task_accuracy_is_a_curve_beside_the_loss(qtbot, ctx, monitor):
     bottom, top = monitor.task_plot.getViewBox().viewRange()[1]
     assert bottom <= 0.0 and top >= 1.0                          # 0-1, fixed
     assert "task accuracy 0.75" in monitor.stats_label.text()
+    # the best step (by validation loss or, with --best-by task, by this) says both
+    assert monitor.best_mark.text == (f"best: step 15 (validation "
+                                      f"{FakeRun.loss_at(15) + 0.1:.2f}, task accuracy 0.75)")
     os.makedirs("/tmp/shots", exist_ok=True)
     monitor.grab().save("/tmp/shots/monitor-task-accuracy.png")
 
