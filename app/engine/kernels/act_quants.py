@@ -21,26 +21,29 @@ in plain float32.
 
 Sequence length. Each token's row is rounded on its own, as ggml converts each src1 row
 (``ggml_compute_forward_mul_mat`` in ggml-cpu.c: ``from_float`` once per row i11), so the
-rounding adds no dependence of a prefix on the later tokens. The float32 products before it
-do: OpenBLAS sums in an order that depends on the number of rows (measured: the first rows of
-x[:m] @ W^T change in the last bits with m, for most m from 1 to 150), and attention's
-products have one key per token. The roundings are steps, so a last-bit change can move an
-activation a whole Q8 step, and the steps compound over the layers. On Gemma 3 270M Q4_K_M
-(BOS + 11 random ids, 5 draws) the first 6 positions' logits move by 0.7-4.3 at most between
-a 6- and a 12-token forward (max |logit| 22-190; next-token log-probs by 0.12-0.62), against
-0.007-0.14 with llamacpp_numerics off; nudging every embedding by one float32 ulp at a fixed
-length moves them as much (0.3-8.8 on, 0-0.1 off, two draws). So two float32 summation
-orders land this far apart on such a model, and ours cannot be expected to match llama.cpp's
-per-token logits closer than that at any length (what holds there are averages: perplexity, README's
-"How exact is it"). llama.cpp keeps a row's arithmetic fixed across batch sizes (integer block
-dot products per row and output; the KQ mask padded to 256 keys, ``llama_kv_cache::get_n_kv``
-in src/llama-kv-cache.cpp), except on repacked Q4_0/Q4_K/IQ4_NL weights, where
-``forward_mul_mat_one_chunk`` in ggml-cpu/repack.cpp runs the first ne11 - ne11 % 4 rows
-through gemm and the rest through gemv ("If there are more than three rows in src1, use gemm;
-otherwise, use gemv"). Making ours batch-invariant (fixed-shape GEMM calls and attention
-shapes) would steady a prefix but bring it no closer to llama.cpp. The golden models are too
-small to amplify: there a 5- or 13-token forward matches llama.cpp's rows of its 24-token
-batch to the same 1e-5 (tests/engine/model/test_golden.py).
+rounding adds no dependence of a prefix on the later tokens. The float32 products before it do:
+OpenBLAS sums in an order that depends on the number of rows (measured: the first rows of x[:m]
+@ W^T change in the last bits with m, for most m from 1 to 150), and attention's products have
+one key per token. The roundings are steps, so a last-bit change can move an activation a whole
+Q8 step, and the steps compound over the layers. On Gemma 3 270M Q4_K_M (BOS + 11 random ids, 5
+draws) the first 6 positions' logits move by 0.7-4.3 at most between a 6- and a 12-token forward
+(max |logit| 22-190; next-token log-probs by 0.12-0.62), against 0.007-0.14 with
+llamacpp_numerics off; nudging every embedding by one float32 ulp at a fixed length moves them
+as much (0.3-8.8 on, 0-0.1 off, two draws); no one rounding dominates (each weight group's
+alone: 0.05-1.3, the head's least). So two float32 summation orders land this far apart on such
+a model, and ours cannot be expected to match llama.cpp's per-token logits closer than that at
+any length (what holds there are averages: perplexity, README's "How exact is it"). llama.cpp
+keeps a row's arithmetic fixed across batch sizes (integer block dot products per row and
+output; the KQ mask padded to 256 keys, ``llama_kv_cache::get_n_kv`` in src/llama-kv-cache.cpp),
+except on repacked Q4_0/Q4_K/IQ4_NL weights, where ``forward_mul_mat_one_chunk`` in
+ggml-cpu/repack.cpp runs the first ne11 - ne11 % 4 rows through gemm and the rest through gemv
+("If there are more than three rows in src1, use gemm; otherwise, use gemv"). Making ours
+batch-invariant would steady a prefix but bring it no closer to llama.cpp; it takes fixed shapes
+in attention too: with every linear product run as zero-padded 16-row GEMMs, 6- and 12-token
+prefixes agreed bit for bit but 12 and 16 still differed by 0.6-5.8 (left unpadded: attention's
+products, over 12 against 16 keys). The golden models are too small to amplify: there a 5- or
+13-token forward matches llama.cpp's rows of its 24-token batch to the same 1e-5
+(tests/engine/model/test_golden.py).
 """
 
 from __future__ import annotations
