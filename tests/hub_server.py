@@ -26,6 +26,8 @@ Faults (attributes of the server, set by a test):
 - `corrupt` (file names): serve the last byte flipped under the right checksum;
 - `status[key] = code`: answer `code` to a request whose path contains `key`;
 - `garbage` (path fragments): answer "{not json" with 200;
+- `body[key] = bytes`: answer these bytes with 200 (JSON of the wrong shape) to a request whose
+  path contains `key`;
 - `advertised_size[file] = n`: announce a size other than the real one;
 - `slow[file] = s`: send a download's body in 4 KiB pieces `s` seconds apart;
 - `hold[file] = event`: send a download's first 4 KiB, then wait for `event` to send the rest;
@@ -164,6 +166,7 @@ class FakeHub:
         self.corrupt: set[str] = set()
         self.status: dict[str, int] = {}
         self.garbage: set[str] = set()
+        self.body: dict[str, bytes] = {}
         self.advertised_size: dict[str, int] = {}
         self.slow: dict[str, float] = {}
         self.cdn = False
@@ -253,6 +256,9 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._error(code, message=f"fault {code}")
         if any(key in path for key in hub.garbage):
             return self._send(200, b"{not json", {})
+        for key, body in hub.body.items():
+            if key in path:
+                return self._send(200, body, {})
         query = parse_qs(url.query)
         if path == "/api/models":
             return self._search(query)

@@ -577,7 +577,7 @@ def _metadata(s: HubSettings, repo_id: str, filename: str, revision: str) -> Rem
                                     endpoint=s.endpoint)
     except _client_errors() as e:
         raise hub_error(e, s, repo_id, filename, revision) from None
-    if not meta.commit_hash or not meta.etag or meta.size is None:
+    if not meta.commit_hash or not meta.etag or meta.size is None or meta.size < 0:
         raise HubError(f"{s.endpoint} did not say the commit, checksum and size of "
                        f"{repo_id}/{filename}.", "Check HF_ENDPOINT: it does not answer like "
                        "the Hub.")
@@ -718,6 +718,9 @@ def download_file(repo_id: str, filename: str, progress: Progress | None = None,
             return found
         _require_online(s, f"download {repo_id}/{filename}")
     remote = _metadata(s, repo_id, filename, revision)
+    if remote.size == 0:
+        raise HubError(f"The Hub announces {filename} as empty (0 bytes).",
+                       "Check HF_ENDPOINT: a model file is never empty; pick another file.")
     target = _storage(s, repo_id) / "snapshots" / remote.commit / filename
     blob = _storage(s, repo_id) / "blobs" / remote.etag
     if target.is_file() and blob.is_file() and blob.stat().st_size == remote.size:

@@ -141,9 +141,15 @@ def fits_here(prefix: bytes, file_size: int, name: str, rank: int = 16, context:
     `file_size` bytes, against this machine's memory."""
     with tempfile.TemporaryDirectory(prefix="wb-header-") as folder:
         path = os.path.join(folder, os.path.basename(name) or "model.gguf")
-        with open(path, "wb") as f:
-            f.write(prefix)
-            f.truncate(max(file_size, len(prefix)))     # sparse: the weights take no space
+        try:
+            with open(path, "wb") as f:
+                f.write(prefix)
+                f.truncate(max(file_size, len(prefix)))     # sparse: the weights take no space
+        except OSError as e:                # a size past what the file system holds (EFBIG)
+            raise ModelFormatError(
+                f"{os.path.basename(name)} is said to be {file_size:,} bytes, which cannot be "
+                f"checked here ({e.strerror or e}).",
+                "Check HF_ENDPOINT: the size does not look like a model's.") from None
         arch, quant = _header_facts(path)
         try:
             card = describe_model(path, rank=rank, context=context)

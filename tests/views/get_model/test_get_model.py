@@ -187,3 +187,49 @@ def test_errors_show_in_the_panel(qtbot, hub, fault):
     qtbot.waitUntil(dialog.error.isVisible, timeout=10_000)
     assert "gated" in dialog.error.message_label.text()
     assert "HF_TOKEN" in dialog.error.hint_label.text()
+
+
+def test_bad_answers_at_every_step_show_in_the_window(qtbot, hub, monkeypatch):
+    """A server error or garbage at each call the dialog makes (search, the file listing, the
+    header read, the download) is said in the panel or the file's cell; the dialog goes on."""
+    from tests.hub_server import count_attempts
+
+    count_attempts(monkeypatch)                     # the client's retries of a 5xx, at once
+    dialog = GetModelDialog()
+    qtbot.addWidget(dialog)
+    dialog.show()
+
+    def shown(fault):
+        qtbot.waitUntil(dialog.error.isVisible, timeout=10_000)
+        text = dialog.error.message_label.text()
+        assert fault in text, text
+        dialog.error.hide()
+
+    hub.garbage.add("/api/models")
+    dialog.query.setText("tiny")
+    dialog.search()
+    shown("does not understand")
+    hub.garbage.clear()
+    hub.status["/api/models"] = 500                 # the search and the listing
+    dialog.search()
+    shown("HTTP 500")
+    hub.status.clear()
+    dialog.search()
+    qtbot.waitUntil(lambda: dialog.results.rowCount() > 0, timeout=10_000)
+    hub.garbage.add("/tree/")
+    dialog.select_repo(LLAMA)
+    shown("does not understand")
+    hub.garbage.clear()
+    hub.status["/resolve/"] = 500                   # the header reads and the download
+    dialog.results.clearSelection()
+    dialog.select_repo(LLAMA)
+    qtbot.waitUntil(lambda: len(dialog.fits) == len(dialog.models) > 0, timeout=10_000)
+    cells = [dialog.files.item(r, 3).text() for r in range(dialog.files.rowCount())]
+    assert all(c.startswith("cannot read the header:") and "HTTP 500" in c for c in cells), cells
+    dialog.select_file(Q8)
+    dialog.download_button.click()
+    shown("HTTP 500")
+    assert not dialog.is_downloading() and dialog.search_button.isEnabled()
+    assert dialog.download_button.isEnabled()       # to try again
+    os.makedirs("/tmp/shots", exist_ok=True)
+    dialog.grab().save("/tmp/shots/get-model-bad-answers.png")
