@@ -15,7 +15,7 @@ import os
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QLabel, QScrollArea
 
-from app.engine.api import EngineError, RunDir, best_checkpoint, human_bytes
+from app.engine.api import EngineError, RunDir, best_checkpoint, human_bytes, saved_cell
 from app.views.runs.run_rows import RunRow
 from app.views.widgets import theme
 
@@ -59,7 +59,8 @@ def exports_of(run: RunDir) -> list[str]:
 def evals_of(run: RunDir) -> str:
     """How many evaluations RUN/evals.jsonl holds (in its last 64 KB: the Evaluate screen's and
     `workbench eval --save`'s, one line per model and task, an eval_id per evaluation) and the
-    latest one's results: "base mc:mc.bin 33.3 +- 21.1, ..."."""
+    latest one's results as `workbench eval` prints them (api.saved_cell): "base mc:mc.bin
+    33.33 +- 21.08, ..."."""
     path = run.path / EVALS
     try:
         with open(path, "rb") as f:
@@ -80,20 +81,8 @@ def evals_of(run: RunDir) -> str:
     ids = list(dict.fromkeys(r.get("eval_id", i) for i, r in enumerate(rows)))
     latest = [r for i, r in enumerate(rows) if r.get("eval_id", i) == ids[-1]]
     return (f"{len(ids)} evaluation(s) in {EVALS}; the latest: "
-            + ", ".join(_eval_cell(r) for r in latest))
-
-
-def _eval_cell(r: dict) -> str:
-    value, err = r.get("value"), r.get("stderr")
-    if not isinstance(value, (int, float)):
-        return f"{r.get('model', '?')} {r.get('task', '?')}"
-    if r.get("metric") in ("acc", "pass_rate"):
-        shown = f"{100 * value:.1f}" + ("%" if r["metric"] == "pass_rate" else "")
-        if isinstance(err, (int, float)) and err == err and r["metric"] == "acc":
-            shown += f" +- {100 * err:.1f}"
-    else:
-        shown = f"{r.get('metric', '')} {value:.4g}".strip()
-    return f"{r.get('model', '?')} {r.get('task', '?')} {shown}"
+            + ", ".join(f"{r.get('model', '?')} {r.get('task', '?')} {saved_cell(r)}"
+                        for r in latest))
 
 
 def details_html(row: RunRow) -> str:

@@ -92,4 +92,4 @@ def test_runs_details_pane_shows_the_latest_evaluation(tmp_path):
                                {"passed": 4})]}
     save_evals(run, new, {"base": None, "lora": "a.gguf"}, {})
     assert evals_of(RunDir(run)) == ("2 evaluation(s) in evals.jsonl; the latest: base mc:a.bin "
-                                     "25.0 +- 5.0, lora suite:s.jsonl 40.0%")
+                                     "25.00 +- 5.00, lora suite:s.jsonl 40.0% (4/10)")

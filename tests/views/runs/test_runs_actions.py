@@ -71,7 +71,9 @@ def test_the_details_pane_shows_paths_best_checkpoint_settings_exports_and_evals
 
     run = Path(best_run_dir)
     (run / "exports" / "model.Q8_0.gguf").write_bytes(b"x" * 2048)
-    (run / "evals.jsonl").write_text(json.dumps({"suite": "chat", "loss": 1.25}) + "\n")
+    (run / "evals.jsonl").write_text(json.dumps({      # a line as save_evals writes it
+        "eval_id": "e1", "model": "base", "task": "suite:chat.jsonl", "kind": "suite",
+        "metric": "pass_rate", "value": 0.25, "stderr": None, "n": 8, "passed": 2}) + "\n")
     view = listed(qtbot, ctx)
     view.select(best_run_dir)
     text = view.details.text()
@@ -80,7 +82,7 @@ def test_the_details_pane_shows_paths_best_checkpoint_settings_exports_and_evals
     assert "mixtral-f32.gguf" in text and "d.jsonl" in text
     assert config_summary(fake_config()).startswith("2 epoch(s), learning rate 0.005, LoRA rank 8")
     assert f"model.Q8_0.gguf ({human_bytes(2048)})" in text
-    assert "1 evaluation(s) in evals.jsonl" in text and "loss 1.25" in text
+    assert "1 evaluation(s) in evals.jsonl; the latest: base suite:chat.jsonl 25.0% (2/8)" in text
     view.buttons["details"].click()                      # collapsible
     assert view.details.isHidden()
 
