@@ -327,8 +327,15 @@ def _library():
 
 
 def pack(w, backend: str = "emulation") -> Bf16Weight:
-    """A float32 weight (out, in) rounded to bf16 once, for `matmul`."""
-    return wrap(round_bits(w), backend)
+    """A float32 weight (out, in) rounded to bf16 once, for `matmul`. With the library its own
+    conversion rounds (to nearest even, the same bits as round_bits: tested), 1.6x faster on
+    1536 x 512 here: full fine-tuning rounds every trained matrix once per pass."""
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    if backend != "onednn" or not w.flags.writeable:   # torch wants writable arrays
+        return wrap(round_bits(w), backend)
+    torch = _library()
+    tensor = torch.from_numpy(w).to(torch.bfloat16)
+    return Bf16Weight(tensor.view(torch.int16).numpy().view(np.uint16), tensor)
 
 
 def wrap(bits: np.ndarray, backend: str = "emulation") -> Bf16Weight:
@@ -349,7 +356,8 @@ def matmul(x, w: Bf16Weight, transpose: bool = True, out=None) -> np.ndarray:
         m = x.shape[0]
         rows = -(-m // PAD_ROWS) * PAD_ROWS            # see PAD_ROWS
         xt = torch.zeros((rows, x.shape[1]), dtype=torch.bfloat16)
-        xt[:m] = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))   # rounded (RNE)
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        xt[:m] = torch.from_numpy(x if x.flags.writeable else x.copy())       # rounded (RNE)
         y = torch.mm(xt, w.tensor.t() if transpose else w.tensor)[:m]          # bf16
         if out is None:
             out = np.empty(tuple(y.shape), np.float32)

@@ -173,6 +173,13 @@ def test_rounding_is_the_nearest_bf16_value():
     assert np.all(np.abs(x64 - got) <= U * np.abs(x64))   # relative error <= u = 2^-8
 
 
+@pytest.mark.skipif(not bf16.library_available(), reason="the bf16 extra is not installed")
+def test_the_librarys_rounding_is_ours():
+    x = (RNG.standard_normal(200_000) * 10.0 ** RNG.integers(-30, 30, 200_000)).astype(np.float32)
+    x[:4] = [1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 3.4e38]          # ties, overflow
+    np.testing.assert_array_equal(bf16.pack(x[None], "onednn").bits[0], bf16.round_bits(x))
+
+
 def test_packed_weight_is_half_the_bytes_and_slices_rows():
     w = RNG.standard_normal((96, 64)).astype(np.float32)
     packed = bf16.pack(w)
