@@ -208,6 +208,9 @@ def hub_error(e: BaseException, s: HubSettings, repo_id: str = "", what: str = "
                         "Check the name and try again.")
     if isinstance(e, httpx2.ConnectError):
         return _no_network(e, s)
+    if isinstance(e, httpx2.RemoteProtocolError):     # an answer, but not valid HTTP
+        return HubError(f"{s.endpoint} broke the HTTP protocol ({type(e).__name__}: {e}).",
+                        "Try again; if it goes on, check HF_ENDPOINT (or a proxy between).")
     if isinstance(e, httpx2.TransportError):
         reason = type(e).__name__ + (f": {e}" if str(e) else "")
         return HubOfflineError(
