@@ -58,6 +58,8 @@ from app.views.widgets.tooltips import KIND_TIPS, NEW_RUN_TIPS
 
 ESTIMATE_ROW = "LoRA run estimate"
 DATA_KEY, PROMPTS_KEY = "recent/dataset", "recent/prompts"
+PAIRS_KEY = "recent/preferences"    # a preference run's file: its own, not the dataset's
+SAMPLE_PAIRS = "preferences.jsonl"  # a first preference run's (sample_data)
 TABS = ("model", "dataset", "training")
 # the run types: supervised, GRPO and the preference methods (DPO, ORPO, SimPO, KTO)
 RUN_TYPES = tuple((k.name, k.title) for k in (*KINDS.values(), *PREFERENCE_KINDS.values()))
@@ -82,6 +84,8 @@ class NewRunView(QWidget):
         self.memory_estimate: int | None = None     # bytes, for the current settings
         self._creating: str | None = None           # the run being created and queued
         self._loaded: tuple[str, dict] = ("", {})   # run type and dict of the last settings loaded
+        self._pairs = False                         # the Dataset tab holds a preference file
+        self._other_data = ""                       # the other kind of dataset's file, kept
         self._read_model = read_model
         self._bg = Background(self, max_threads=1)
         self._build(read_model, lint, discover or discover_models)
@@ -239,12 +243,28 @@ class NewRunView(QWidget):
             return
         self._data_stack.setCurrentIndex(kind == GRPO.name)
         self.tabs.setTabText(1, DATA_TABS[kind])
-        self.dataset.set_pairs(kind in PREFERENCE_KINDS)   # lint as a preference file
         self.form.set_kind(kind)
+        self._swap_dataset(kind in PREFERENCE_KINDS)    # after the form: its lint settings
         self.presets.setVisible(kind == SFT.name)      # the presets set a supervised run
         self._relint()
         self._estimate_timer.start()
         self._update_summary()
+
+    def _swap_dataset(self, pairs: bool) -> None:
+        """Between a supervised and a preference run the Dataset tab swaps files: each kind keeps
+        its own (a preference run first gets the last preference file used, else the sample
+        preferences), so neither trains on the other's file."""
+        if pairs == self._pairs:
+            return
+        self._pairs = pairs
+        here, path = self.data_path(), self._other_data
+        last = self.ctx.settings.value(PAIRS_KEY, "", type=str)
+        if not path and pairs:
+            path = last if last and os.path.isfile(last) else sample_dataset_path(SAMPLE_PAIRS)
+        self._other_data = here
+        self.dataset.set_pairs(pairs)                   # lint it as a preference file
+        if path and path != here:
+            self.dataset.set_data_path(path)
 
     # ---------------------------------------------------------------- model
     def open_model(self, path: str) -> None:
@@ -329,7 +349,7 @@ class NewRunView(QWidget):
 
     def _on_data_changed(self, path: str) -> None:
         if path and os.path.isfile(path):
-            self.ctx.settings.setValue(DATA_KEY, path)
+            self.ctx.settings.setValue(PAIRS_KEY if self._pairs else DATA_KEY, path)
         self._relint()
 
     def _on_sampling_changed(self, key: str) -> None:

@@ -79,8 +79,9 @@ def test_switching_dpo_supervised_dpo_leaks_nothing_and_reset_works(qtbot, new_r
     preference key, and going back shows DPO's as they were left; Reset gives DPO the
     engine's defaults back (`train --method dpo`'s)."""
     view, form = new_run, new_run.form
-    sft_before = form.values()
+    sft_before, sft_data = form.values(), view.data_path()
     view.set_run_type("dpo")
+    assert view.data_path() == str(PREFERENCES)              # its own file: the sample's
     for method in METHOD_CHOICES:               # each choice's help names its command line
         tip = view.kind_box.itemData(view.kind_box.findData(method), Qt.ToolTipRole)
         assert f"workbench train --method {method}" in tip
@@ -95,6 +96,7 @@ def test_switching_dpo_supervised_dpo_leaks_nothing_and_reset_works(qtbot, new_r
     form["lr"].setText("0.001")
     view.set_run_type("sft")
     assert form.values() == sft_before                       # nothing of DPO's
+    assert view.data_path() == sft_data                      # nor its file
     assert "--adapter" in form["adapter"].toolTip()
     assert not form["beta"].isVisibleTo(form)
     form["rank"].setValue(4)                                  # nor of SFT's into DPO
@@ -155,6 +157,7 @@ def test_the_dataset_tab_shows_a_preference_file_as_pairs(qtbot, new_run):
 def test_a_supervised_file_is_refused_for_a_dpo_run(qtbot, new_run):
     view = new_run
     view.set_run_type("dpo")
+    view.dataset.set_data_path(str(SAMPLE_DATA / "chat.jsonl"))
     qtbot.waitUntil(lambda: view.dataset.error is not None, timeout=15_000)
     assert "not a preference dataset" in view.dataset.error.message
     assert any("cannot be used" in m for _, m in view.problems())
