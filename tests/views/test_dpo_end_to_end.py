@@ -1,6 +1,6 @@
-"""A DPO run through the window's queue (New run has no Method choice yet: the run is queued
-through the context's door, as New run queues its runs, from the config `workbench train
---method dpo` writes), run by the worker's own loop, then shown in Monitor (loss, accuracy and
+"""A DPO run through the window's queue (queued through the context's door, as New run queues
+its runs, from the config `workbench train --method dpo` writes; New run's own Start:
+tests/views/new_run/test_new_run_preference.py), run by the worker's own loop, then shown in Monitor (loss, accuracy and
 margin, the best step) and Runs (type DPO, Best the held-out accuracy)."""
 
 from __future__ import annotations

@@ -40,8 +40,8 @@ GRPO = RunKind(grpo.KIND, grpo.GrpoConfig, grpo.run_grpo_job, label="GRPO",
                title="GRPO (reward-driven)", metric="reward_mean", lower_is_better=False)
 KINDS = {k.name: k for k in (SFT, GRPO)}    # the run types New run offers
 # Preference runs (app.engine.training.preference): one config class, the method is the kind.
-# Their headline is the held-out preference accuracy (the best checkpoint's too). New run does
-# not offer them yet (`workbench train --method` does): they join KINDS with its Method choice.
+# Their headline is the held-out preference accuracy (the best checkpoint's too). New run
+# offers them after KINDS (its Run type), as `workbench train --method` does.
 PREFERENCE_KINDS = {m: RunKind(m, preference.PreferenceConfig, preference.run_preference_job,
                                label=m.upper() if m != "simpo" else "SimPO",
                                title=preference.METHOD_TITLES[m], metric=preference.HEADLINE,

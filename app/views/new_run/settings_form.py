@@ -9,6 +9,10 @@ checkboxes show the trainable parameters each group adds for the current model a
 held-out prompts; the dataset-only settings are hidden, and `values()` / `set_values(d)` speak
 the GrpoConfig dict's keys (train, max_steps, val_split, eval_every, save_every, norms_every).
 
+A preference kind ("dpo", "orpo", "simpo", "kto") shows a Preference group with the method's
+fields (PREF_FIELDS) and hides what it has no use for (NOT_PREFERENCE); `values()` /
+`set_values(d)` speak PreferenceConfig's keys (context, val_split, val_data, ... at the top).
+
 One source of truth: each run kind has one settings dict, `default_settings(kind, card)` (the
 engine's config class's defaults, which the CLI uses too, with a first run's choices on top), and
 the form shows one of them. `set_kind` keeps the dict of the kind it leaves and shows the other's,

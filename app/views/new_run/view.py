@@ -9,7 +9,11 @@ the engine worker runs (`ctx.ensure_worker()`), selects the run and shows Monito
 It opens with the bundled sample model and `sample_data/chat.jsonl`, so a first-time user can
 press Start.
 
-The run type (top right) is "Supervised (SFT)" or "GRPO (reward-driven)". A GRPO run's second
+The run type (top right) is "Supervised (SFT)", "GRPO (reward-driven)" or a preference method
+(DPO, ORPO, SimPO, KTO: app.engine.api.PREFERENCE_KINDS). A preference run's second tab is
+Preference pairs (the dataset panel linting the file as pairs, `DatasetPanel.set_pairs`; each
+kind of run keeps its own file), its Training tab shows the method's fields, and its config.json
+is built by `build_preference_config`, as `workbench train --method` builds it. A GRPO run's second
 tab is Prompts and rewards (`grpo_panel.GrpoPanel`) and its Training tab shows what a GRPO run
 takes; its config.json is built by the engine's `build_grpo_config`, as `workbench grpo` does,
 with "kind": "grpo", which the worker dispatches on. Custom reward files run as Python with the

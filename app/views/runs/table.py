@@ -103,7 +103,7 @@ def where_text(row: RunRow) -> tuple[str, str]:
 
 
 def kind_label(row: RunRow) -> str:
-    kinds = {**KINDS, **PREFERENCE_KINDS}        # DPO, ORPO, SimPO, KTO: not in New run yet
+    kinds = {**KINDS, **PREFERENCE_KINDS}        # with DPO, ORPO, SimPO, KTO
     return kinds[row.kind].label if row.kind in kinds else row.kind
 
 
