@@ -23,3 +23,24 @@ def test_merged_once_and_a_missing_part_is_named(tmp_path, monkeypatch):
     parts[1].unlink()
     with pytest.raises(ModelFormatError, match="lacks olmoe-F32-00002-of-00002.gguf"):
         trainable_path(parts[0], "repo/other")
+
+
+@pytest.mark.parametrize("source", ["mixtral-q8_0.gguf", "gemma3-q4_0.gguf"])
+def test_the_parts_headers_make_the_merged_file_s_header(tmp_path, monkeypatch, source):
+    """merged_header (what fits of a split model before its download) from the parts' headers
+    and sizes only: byte for byte the header of the file trainable_path writes, and its size
+    (quantized tensors too: their shapes and byte sizes carried over)."""
+    from app.engine.hub.header import header_length
+    from app.engine.hub.merge import merged_header
+
+    monkeypatch.setenv("WORKBENCH_CACHE_DIR", str(tmp_path / "cache"))
+    parts = write_split_gguf(GOLDEN / source, tmp_path, "m")
+    heads = []
+    for p in parts:
+        data = p.read_bytes()
+        heads.append((data[:header_length(data)], len(data)))
+    header, size = merged_header(heads)
+    merged = trainable_path(parts[0], "k").read_bytes()
+    assert size == len(merged) and header == merged[:header_length(merged)]
+    with pytest.raises(ModelFormatError, match="hold .* tensors; the first says"):
+        merged_header(heads[:1])                       # a part missing
