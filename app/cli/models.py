@@ -109,26 +109,48 @@ def _files(args) -> int:
     spec = parse_spec(args.repo, args.revision)
     repo = spec.repo_id
     models = client.list_models(repo, spec.revision)
-    fits = {m.name: client.what_fits(m, args.rank, args.context) for m in models} \
+    fits = {m.name: _fit_or_error(client, m, args.rank, args.context) for m in models} \
         if args.fits else {}
     if args.json:
-        print(json.dumps([{**m.to_dict(), **({"fit": fits[m.name].to_dict()} if fits else {})}
+        print(json.dumps([{**m.to_dict(), **({"fit": _fit_dict(fits[m.name])} if fits else {})}
                           for m in models], indent=2))
         return 0
     if not models:
         print(f"{repo} holds no GGUF file", file=sys.stderr)
         return 0
     width = max(len(m.name) for m in models)
-    quants = {m.name: quant_shown(m.quant, fits.get(m.name)) for m in models}
+    read = {name: fit for name, fit in fits.items() if not isinstance(fit, Exception)}
+    quants = {m.name: quant_shown(m.quant, read.get(m.name)) for m in models}
     qwidth = max(10, *(len(q) for q in quants.values()))
     print(f"{'MODEL':<{width}}  {'QUANT':<{qwidth}}  {'SIZE':>9}  "
           + ("FITS" if fits else "FILES"))
     for m in models:
-        last = fits[m.name].note if fits else (f"{len(m.files)} parts" if m.is_split else "1")
+        if not fits:
+            last = f"{len(m.files)} parts" if m.is_split else "1"
+        else:
+            last = read[m.name].note if m.name in read else \
+                f"cannot read the header: {fits[m.name].message}"
         print(f"{m.name:<{width}}  {quants[m.name]:<{qwidth}}  {_size(m.size):>9}  {last}")
     at = "" if spec.revision == "main" else f"@{spec.revision}"
     print(f"get one: workbench models get {repo}:QUANT{at}", file=sys.stderr)
     return 0
+
+
+def _fit_or_error(client, model, rank: int, context: int):
+    """What fits of `model`, or the EngineError its header read ended in (one bad file does
+    not hide the others); no network, a silent Hub or a refused token still stops the listing."""
+    from app.engine.errors import EngineError
+
+    try:
+        return client.what_fits(model, rank, context)
+    except (client.HubOfflineError, client.HubAuthError):
+        raise
+    except EngineError as e:
+        return e
+
+
+def _fit_dict(fit) -> dict:
+    return {"error": fit.message} if isinstance(fit, Exception) else fit.to_dict()
 
 
 class _Progress:

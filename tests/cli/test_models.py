@@ -173,3 +173,15 @@ def test_a_revision_other_than_main(hub, hub_repos, capsys):
         assert run_cli(argv) == 2
         err = capsys.readouterr().err
         assert "revision" in err and "Traceback" not in err
+
+
+def test_files_fits_says_which_header_cannot_be_read_and_lists_the_rest(hub, hub_repos, capsys,
+                                                                       monkeypatch):
+    monkeypatch.setitem(hub_repos[LLAMA].files, "broken-Q4_0.gguf", b"not a gguf at all")
+    assert run_cli(["models", "files", LLAMA, "--fits"]) == 0
+    out = capsys.readouterr().out
+    assert "broken-Q4_0.gguf" in out and "cannot read the header: " in out
+    assert out.count("fits: needs about") == 2                 # the other two
+    assert run_cli(["models", "files", LLAMA, "--fits", "--json"]) == 0
+    listed = {m["name"]: m["fit"] for m in json.loads(capsys.readouterr().out)}
+    assert "GGUF" in listed["broken-Q4_0.gguf"]["error"] and listed[Q8]["supported"]
