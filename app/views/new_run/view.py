@@ -41,7 +41,8 @@ from PySide6.QtWidgets import (QFileDialog, QHBoxLayout, QLabel, QLineEdit, QMes
 
 from app.engine.api import (GRPO, KINDS, LOCAL, PREFERENCE_KINDS, RUN_NAME_MAX, SFT,
                             ConfigError, DataConfig, EngineError, GrpoConfig, LintReport,
-                            ModelCard, RunConfig, build_grpo_config, build_preference_config,
+                            ModelCard, PreferenceConfig, RunConfig, build_grpo_config,
+                            build_preference_config,
                             check_model_targets, default_run_name,
                             describe_model, estimate_memory, human_bytes, lint_file,
                             TRUST_SCOPE, trust_reward_files, untrusted_reward_files)
@@ -313,8 +314,13 @@ class NewRunView(QWidget):
         if self.card is None:
             return
         rank = self.form["rank"].value()
-        ctx = (self.grpo_panel.sampling["micro_batch_tokens"].value() if self.kind() == GRPO.name
-               else self.form["context"].value())
+        if self.kind() == GRPO.name:
+            ctx = self.grpo_panel.sampling["micro_batch_tokens"].value()
+        elif self.kind() in PREFERENCE_KINDS:   # a micro-batch of packed completions, as the
+            ctx = self.config_dict().get("micro_batch_tokens",      # CLI's check_run_memory
+                                         PreferenceConfig.micro_batch_tokens)   # counts
+        else:
+            ctx = self.form["context"].value()
         self._bg.run("estimate", describe_model, self.card.path, rank, ctx,
                      on_done=self._show_estimate, on_error=lambda e: self._show_estimate(None))
 
@@ -322,8 +328,8 @@ class NewRunView(QWidget):
         card = sized or self.card
         if card is None or self.card is None:
             return
-        grpo = self.kind() == GRPO.name
-        tokens = f"{card.context:,} tokens" if grpo else f"context {card.context}"
+        packed = self.kind() == GRPO.name or self.kind() in PREFERENCE_KINDS
+        tokens = f"{card.context:,} tokens" if packed else f"context {card.context}"
         train = self.config_dict().get("train", {})
         full, device = self.form.mode() == "full", self.form["device"].currentData()
         checkpoint = self.form["checkpoint_interval"].value()

@@ -54,8 +54,9 @@ def test_new_run_fits_1280x720_on_every_tab(qtbot, ctx):
     view = win.findChild(NewRunView)
     wait_ready(qtbot, view)
     assert win.width() <= 1280 and win.height() <= 720
-    for kind in ("sft", "grpo"):
+    for kind in ("sft", "grpo", "dpo", "kto"):   # DPO and KTO: the preference fields
         view.set_run_type(kind)
+        qtbot.waitUntil(lambda: not view.dataset.is_busy(), timeout=15_000)
         if kind == "grpo":                     # Python file rows: weight and remove visible
             for _ in range(4):
                 view.grpo_panel.rewards.add({"kind": "file"})

@@ -152,6 +152,10 @@ def test_the_dataset_tab_shows_a_preference_file_as_pairs(qtbot, new_run):
     assert "chosen and rejected" in view.dataset.example_title.text()
     assert "pairs" in view.tabs.tabText(1).lower()
     assert not view.problems()
+    # the estimate's activations: a micro-batch of packed completions (2,048 tokens, at most
+    # the model's context), as the CLI's check_run_memory counts them (before: "context 256")
+    tokens = min(PreferenceConfig.micro_batch_tokens, view.card.config.context_length)
+    qtbot.waitUntil(lambda: f"({tokens:,} tokens" in view.memory_label.text(), timeout=10_000)
 
 
 def test_a_supervised_file_is_refused_for_a_dpo_run(qtbot, new_run):
