@@ -96,7 +96,7 @@ class ComparePanel(QWidget):
         self._evals: dict[str, list] = {}           # run directory -> its latest evaluation
         self.evaluations: dict[str, list] = {}      # the shown runs': run name -> that
         self.evals_header = QLabel("Latest evaluations", objectName="sectionHeader")
-        self.evals_table = QTableWidget(0, len(EVAL_COLUMNS))
+        self.evals_table = EvalTable(0, len(EVAL_COLUMNS))
         self.evals_table.setHorizontalHeaderLabels(EVAL_COLUMNS)
         self.evals_table.verticalHeader().setVisible(False)
         self.evals_table.setToolTip("The latest evaluation saved with each shown run (the "
@@ -105,8 +105,8 @@ class ComparePanel(QWidget):
                                     "for all of it.")
         header = self.evals_table.horizontalHeader()
         header.setSectionResizeMode(QHeaderView.Stretch)
-        for column in (0, 2):                                  # model, result: short
-            header.setSectionResizeMode(column, QHeaderView.ResizeToContents)
+        for column in (0, 2):              # model, result: as wide as their text (_show_evals)
+            header.setSectionResizeMode(column, QHeaderView.Fixed)
         self.evals_table.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
         self.evals_table.setTextElideMode(Qt.ElideMiddle)
         layout = QVBoxLayout(self)
@@ -336,12 +336,31 @@ class ComparePanel(QWidget):
                 font.setBold(True)
                 table.item(r, 0).setFont(font)
         table.resizeRowsToContents()
-        shown_rows = min(len(rows), EVAL_ROWS_SHOWN)          # more: the table scrolls
-        table.setFixedHeight(table.horizontalHeader().sizeHint().height() + 2 * table.frameWidth()
+        table.fit_columns()
+        shown_rows = min(len(rows), EVAL_ROWS_SHOWN)     # more, or a short window: it scrolls
+        table.setMaximumHeight(table.horizontalHeader().sizeHint().height() + 2 * table.frameWidth()
                              + sum(table.rowHeight(r) for r in range(shown_rows)))
 
 
 EVAL_COLUMNS = ["model", "task", "result"]      # under a row with the run's name
+
+
+class EvalTable(QTableWidget):
+    """The evaluations' table: its model and result columns as wide as their cells (not the
+    runs' names spanning the rows: Qt's fit to contents counts those), at most 30% and 45% of
+    the width, again at every resize; the task takes the rest (elided in the middle)."""
+
+    def fit_columns(self) -> None:
+        metrics, width = self.fontMetrics(), self.viewport().width()
+        for c, share in ((0, 0.3), (2, 0.45)):
+            texts = [EVAL_COLUMNS[c]] + [self.item(r, c).text() for r in range(self.rowCount())
+                                         if self.columnSpan(r, 0) == 1 and self.item(r, c)]
+            needed = max(metrics.horizontalAdvance(t) for t in texts) + 14
+            self.horizontalHeader().resizeSection(c, min(needed, int(share * width)))
+
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)
+        self.fit_columns()
 EVAL_ROWS_SHOWN = 6
 NONE_SAVED = ("\u2014", "\u2014", "none saved")
 

@@ -390,8 +390,6 @@ class MonitorView(QWidget):
             parts.append(f"loss {num(ev, 'loss'):.4f}")
             if self._evals.n:
                 parts.append(f"validation {self._evals.col(1)[-1]:.4f}")
-            if self._task_evals.n:
-                parts.append(f"task accuracy {self._task_evals.col(1)[-1]:.2f}")
             if self.best is not None:
                 parts.append(f"best at {self.best.text()}")
             parts += [f"lr {num(ev, 'lr'):.2e}", f"grad norm {num(ev, 'grad_norm'):.3f}",

@@ -14,6 +14,7 @@ from app.engine.evaluation.store import save_evals
 from app.views.monitor.view import MonitorView
 from tests.views.conftest import shown
 from tests.views.fake_runs import FakeRun
+from tests.views.test_fits_screen import font_scale  # noqa: F401  (a fixture: 1x, 1.5x fonts)
 
 TASK = "mc:tasks.jsonl"
 
@@ -63,10 +64,10 @@ def test_the_task_accuracy_is_a_curve_beside_the_loss(qtbot, ctx, monitor):
     assert ticks and all(v == int(v) for v in ticks)
     bottom, top = monitor.task_plot.getViewBox().viewRange()[1]
     assert bottom <= 0.0 and top >= 1.0                          # 0-1, fixed
-    assert "task accuracy 0.75" in monitor.stats_label.text()
     # the best step (by validation loss or, with --best-by task, by this) says both
-    assert monitor.best_mark.text == (f"best: step 15 (validation "
-                                      f"{FakeRun.loss_at(15) + 0.1:.2f}, task accuracy 0.75)")
+    best = f"step 15 (validation {FakeRun.loss_at(15) + 0.1:.2f}, task accuracy 0.75)"
+    assert monitor.best_mark.text == f"best: {best}"
+    assert f"best at {best}" in monitor.stats_label.text()
     os.makedirs("/tmp/shots", exist_ok=True)
     monitor.grab().save("/tmp/shots/monitor-task-accuracy.png")
 
@@ -127,3 +128,41 @@ def test_a_damaged_evals_file_says_so(qtbot, ctx, monitor):
     ctx.select_run(a.path)
     qtbot.waitUntil(lambda: "run-a" in monitor.compare.evaluations)
     assert "line 2: not a JSON object" in monitor.compare.evaluations["run-a"][0][2]
+
+
+@pytest.mark.slow
+def test_the_task_plot_and_evaluations_fit_1280x720(qtbot, ctx, font_scale):  # noqa: F811
+    """Monitor at 1280x720 (1x and 1.5x fonts: test_fits_screen's checks) following a run with
+    a task curve, compared with two runs that have evaluations: nothing cut, no scrolling."""
+    from app.views.main_window import MainWindow
+    from tests.views.conftest import wait_ready
+    from tests.views.test_fits_screen import HEIGHT, WIDTH, page_problems, screen_pages
+
+    a = task_run(ctx.runs_root() / "2026-11-28-0647-a-run-with-a-task", [0.2, 0.35, 0.4])
+    others = [task_run(ctx.runs_root() / name, [0.3]) for name in ("second", "third")]
+    for run in others:
+        saved(run, {"base": [TaskResult(TASK, "jsonl", "acc", 0.4, 0.1125, 20)],
+                    "sft": [TaskResult(TASK, "jsonl", "acc", 0.45, 0.1141, 20)]})
+    win = MainWindow(ctx, discover=lambda: [])
+    qtbot.addWidget(win)
+    win.resize(WIDTH, HEIGHT)
+    win.show()
+    wait_ready(qtbot, win.new_run)
+    monitor = win.screen("monitor")
+    ctx.select_run(a.path)
+    qtbot.waitUntil(lambda: monitor.compare.compare_list.count() == 3)
+    for run in others:
+        monitor.compare.set_compared(run.path)
+    qtbot.waitUntil(lambda: len(monitor.compare.evaluations) == 3)
+    qtbot.waitUntil(lambda: n_points(monitor.task_curve) == 3)
+    problems, seen = {}, []
+    for page in screen_pages(win, "monitor"):
+        if found := page_problems(win):
+            problems[page] = found
+        if page == "monitor":                           # the loss page, as it opens
+            seen = [monitor.task_plot.isVisible(), monitor.compare.evals_table.isVisible()]
+            monitor.redraw.flush()
+            os.makedirs("/tmp/shots", exist_ok=True)
+            win.grab().save(f"/tmp/shots/monitor-evals-1280x720-{font_scale}x.png")
+    assert not problems, problems
+    assert seen == [True, True]
