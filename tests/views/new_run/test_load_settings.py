@@ -10,7 +10,10 @@ from hypothesis import HealthCheck, given
 from hypothesis import strategies as st
 
 from app.engine.errors import EngineError
+from app.engine.training.config import TrainConfig
+from app.engine.training.preference import METHODS, PreferenceConfig
 from tests.engine.training.test_config_schema import BAD_CONFIGS, GRPO_DICTS, RUN_DICTS, _bad_config_ids
+from tests.engine.training.test_config_schema import section
 from tests.fuzz import fuzz, fuzz_settings
 
 
@@ -35,9 +38,15 @@ def test_a_malformed_settings_file_changes_nothing_and_says_why(view, tmp_path, 
         assert part in error.message
 
 
+# a preference run's settings (New run's DPO, ORPO, SimPO, KTO), random keys and values
+PREFERENCE_DICTS = st.builds(lambda top, train, kind: {**top, "train": train, "kind": kind},
+                             section(PreferenceConfig), section(TrainConfig),
+                             st.sampled_from(METHODS))
+
+
 @fuzz
 @fuzz_settings(100, suppress=(HealthCheck.function_scoped_fixture,))
-@given(st.one_of(RUN_DICTS, GRPO_DICTS.map(lambda d: {**d, "kind": "grpo"})))
+@given(st.one_of(RUN_DICTS, GRPO_DICTS.map(lambda d: {**d, "kind": "grpo"}), PREFERENCE_DICTS))
 def test_load_settings_never_raises_and_never_half_fills(view, tmp_path, d):
     before = (view.kind(), view.config_dict())
     path = tmp_path / "random.json"

@@ -184,3 +184,24 @@ def test_a_dpo_run_from_new_run_to_monitor(qtbot, new_run, ctx):
     run, evals, monitor = run_and_follow(qtbot, ctx)     # the worker's loop, then Monitor
     assert [e["step"] for e in evals] == [0, 3, 6]
     assert "held-out accuracy" in monitor.best_mark.text
+
+
+def test_a_kto_file_of_unpaired_rows_shows_its_labels(qtbot, new_run, tmp_path):
+    """KTO's {"prompt", "completion", "label"} rows: counted by label, one row shown with its
+    completion highlighted and named by its label; an empty completion is flagged by line."""
+    rows = [{"prompt": "What do bees make?", "completion": "Bees make honey.", "label": True},
+            {"prompt": "Can birds fly?", "completion": "No.", "label": False},
+            {"prompt": "What is 2 + 2?", "completion": "", "label": True}]
+    path = tmp_path / "kto.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    view = new_run
+    choose(qtbot, view, "kto", path)
+    r = view.dataset.pair_report
+    assert (r["format"], r["desirable"], r["undesirable"], r["empty"]) == ("kto", 1, 1, 1)
+    assert "1 desirable and 1 undesirable rows accepted" in view.dataset.summary_label.text()
+    assert view.dataset.bad_rows()[0][0] == "3"
+    text = view.dataset.example_view.toPlainText()
+    assert "DESIRABLE" in text and "REJECTED" not in text
+    assert len(view.dataset.highlighted_spans()) == 1
+    assert "its completion highlighted" in view.dataset.example_title.text()
+    assert not view.problems()
