@@ -22,7 +22,7 @@ from PySide6.QtWidgets import (QComboBox, QFileDialog, QHBoxLayout, QLabel, QLin
                                QSpinBox, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
 
 from app.engine.api import (EvalConfig, JobQueue, RunDir, list_runs, new_eval_job, parse_task,
-                            read_evals)
+                            read_evals, saved_cell)   # a result as workbench eval prints it
 from app.engine.errors import EngineError
 from app.views.context import AppContext, sample_dataset_path, sample_model_path
 from app.views.widgets.plots import plot_widget
@@ -244,7 +244,7 @@ class EvaluateView(QWidget):
         for i, m in enumerate(models):
             for j, t in enumerate(tasks):
                 r = cell.get((m, t))
-                self.table.setItem(i, j, QTableWidgetItem(_text(r) if r else ""))
+                self.table.setItem(i, j, QTableWidgetItem(saved_cell(r) if r else ""))
         self.table.resizeColumnsToContents()
         self.chart.clear()
         width = 0.8 / max(len(models), 1)
@@ -277,13 +277,3 @@ def _titled_list(row: QHBoxLayout, title: str, tip: str) -> QListWidget:
     column.addWidget(widget)
     row.addLayout(column, 1)
     return widget
-
-
-def _text(r: dict) -> str:
-    if r["metric"] == "acc":
-        err = r.get("stderr")
-        return f"{100 * r['value']:.1f}" + (f" \u00b1 {100 * err:.1f}" if err == err and err
-                                             is not None else "")
-    if r["metric"] == "pass_rate":
-        return f"{100 * r['value']:.1f}% ({r.get('passed', 0)}/{r['n']})"
-    return f"PPL {r['value']:.3f}"
