@@ -33,6 +33,7 @@ import re
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import NamedTuple
 
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtWidgets import (QFileDialog, QHBoxLayout, QLabel, QLineEdit, QMessageBox,
@@ -489,7 +490,8 @@ class NewRunView(QWidget):
             return None
         if isinstance(config, GrpoConfig) and not self._confirm_reward_code(config):
             return None
-        if isinstance(config, RunConfig) and not self._confirm_rejected_rows():
+        if isinstance(config, (RunConfig, PreferenceConfig)) and \
+                not self._confirm_rejected_rows():
             return None
         path = self.run_dir_for(self.name_field.text())
         self._creating = str(path)
@@ -527,12 +529,13 @@ class NewRunView(QWidget):
     def _confirm_rejected_rows(self) -> bool:
         """Ask before training on a dataset whose rows mostly cannot train (more than half
         rejected, or dropped as longer than the context), naming the rejected lines and why
-        and the dropped rows' count (the Dataset tab's report). False when the user says No."""
-        r = self.dataset.report
+        and the dropped rows' count (the Dataset tab's report; a preference file's alike, its
+        rows too long rejected, none dropped). False when the user says No."""
+        r = _rows_report(self.dataset.report, self.dataset.pair_report if self._pairs else None)
         if r is None or (r.rows - r.training_rows) * 2 <= r.rows:   # rejected or dropped
             return True
         shown = r.rejected[:MAX_REJECTIONS_ASKED]
-        lines = [f"line {x.line}: {x.reason}" for x in shown]
+        lines = [f"line {line}: {reason}" for line, reason in shown]
         more = r.rejected_count - len(shown)
         if more > 0:
             lines.append(f"... and {more:,} more (Dataset tab)")
@@ -577,7 +580,8 @@ class NewRunView(QWidget):
             p = self.dataset.pair_report
             what = ("" if p is None else f" ({p['pairs']:,} pairs)" if "pairs" in p
                     else f" ({p['accepted']:,} rows)")
-            parts.append(f"{self.kind().upper()}: {os.path.basename(self.data_path())}{what}")
+            parts.append(f"{PREFERENCE_KINDS[self.kind()].label}: "
+                         f"{os.path.basename(self.data_path())}{what}")
         elif self.data_path():
             name = os.path.basename(self.data_path())
             dropped = f", {r.dropped:,} dropped for overflow" if r and r.dropped else ""
@@ -654,6 +658,31 @@ class NewRunView(QWidget):
                                               "JSON (*.json);;All files (*)")
         if path:
             self.load_settings(path)
+
+
+class _RowsReport(NamedTuple):
+    """What the question before a mostly rejected run names, of either kind of report."""
+    path: str
+    rows: int
+    training_rows: int
+    rejected: list[tuple[int, str]]      # (line, reason), the first ones
+    rejected_count: int
+    dropped: int
+    context: int
+
+
+def _rows_report(report: LintReport | None, pairs: dict | None) -> _RowsReport | None:
+    """A supervised dataset's LintReport or a preference file's report (`pairs`, preferred)
+    as the few facts `_confirm_rejected_rows` asks with."""
+    if pairs is not None:
+        return _RowsReport(pairs["path"], pairs["rows"], pairs["accepted"],
+                           [(x["line"], x["reason"]) for x in pairs["rejected"]],
+                           pairs["rejected_count"], 0, pairs["context"])
+    if report is None:
+        return None
+    return _RowsReport(report.path, report.rows, report.training_rows,
+                       [(x.line, x.reason) for x in report.rejected], report.rejected_count,
+                       report.dropped, report.context)
 
 
 def _with_hidden_settings(shown: dict, loaded: dict) -> dict:

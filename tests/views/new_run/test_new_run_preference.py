@@ -205,3 +205,31 @@ def test_a_kto_file_of_unpaired_rows_shows_its_labels(qtbot, new_run, tmp_path):
     assert len(view.dataset.highlighted_spans()) == 1
     assert "its completion highlighted" in view.dataset.example_title.text()
     assert not view.problems()
+
+
+def test_a_mostly_rejected_preference_file_asks_first(qtbot, new_run, ctx, tmp_path,
+                                                     monkeypatch):
+    """3 of 4 rows of a DPO file unusable (identical, empty, not JSON): Start asks, naming the
+    lines and why, as for a supervised dataset; No queues nothing, Yes queues (before: it
+    started without a word)."""
+    from PySide6.QtWidgets import QMessageBox
+
+    from tests.views.new_run.test_settings_truth import answer_questions
+
+    rows = [json.dumps({"prompt": "What do bees make?", "chosen": "Honey. Have a nice day!",
+                        "rejected": "Honey."}),
+            json.dumps({"prompt": "Can birds fly?", "chosen": "Yes.", "rejected": "Yes."}),
+            json.dumps({"prompt": "Hi", "chosen": "", "rejected": "Hello."}), "not json"]
+    path = tmp_path / "mostly-bad-pairs.jsonl"
+    path.write_text("\n".join(rows) + "\n")
+    view = new_run
+    choose(qtbot, view, "dpo", path)
+    assert view.dataset.pair_report["pairs"] == 1
+    asked = answer_questions(monkeypatch, QMessageBox.No)
+    assert view.create_run() is None and ctx.queue.list("queued") == []
+    assert len(asked) == 1 and "3 of the 4 rows" in asked[0]
+    assert "line 2: chosen and rejected are identical" in asked[0]
+    assert "line 4: invalid JSON" in asked[0]
+    asked = answer_questions(monkeypatch, QMessageBox.Yes)
+    start(qtbot, view)
+    assert len(asked) == 1 and len(ctx.queue.list("queued")) == 1
