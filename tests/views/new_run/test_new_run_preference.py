@@ -233,3 +233,18 @@ def test_a_mostly_rejected_preference_file_asks_first(qtbot, new_run, ctx, tmp_p
     asked = answer_questions(monkeypatch, QMessageBox.Yes)
     start(qtbot, view)
     assert len(asked) == 1 and len(ctx.queue.list("queued")) == 1
+
+
+def test_every_setting_of_a_preference_run_has_a_field(new_run):
+    """Every PreferenceConfig setting has a field on New run's DPO (and KTO) but the derived
+    train.max_steps, the batch accumulation (pairs per step is the batch) and the micro-batch
+    (kept from a loaded file; the estimate uses its default)."""
+    from tests.views.new_run.test_settings_truth import flat_keys
+
+    view = new_run
+    for method in ("dpo", "kto"):
+        view.set_run_type(method)
+        engine = PreferenceConfig(model="", data="", method=method).to_dict()
+        assert flat_keys(engine) - flat_keys(view.config_dict()) == {
+            "train.max_steps", "train.grad_accum", "micro_batch_tokens"}
+        assert set(view.config_dict()) <= set(engine) | {"kind"}    # and nothing else
