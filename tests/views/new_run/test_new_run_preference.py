@@ -248,3 +248,20 @@ def test_every_setting_of_a_preference_run_has_a_field(new_run):
         assert flat_keys(engine) - flat_keys(view.config_dict()) == {
             "train.max_steps", "train.grad_accum", "micro_batch_tokens"}
         assert set(view.config_dict()) <= set(engine) | {"kind"}    # and nothing else
+
+
+def test_a_saved_kto_settings_file_loads_back_the_same(qtbot, new_run, tmp_path):
+    """Save settings of a KTO run, reset, switch to Supervised, load the file: KTO again with
+    the same settings (what the window writes, it reads back)."""
+    view, form = new_run, new_run.form
+    choose(qtbot, view, "kto")
+    form["kto_desirable_weight"].setValue(1.25)
+    form["beta"].setValue(0.05)
+    form["max_steps"].setValue(30)
+    saved = view.config_dict()
+    path = tmp_path / "kto-settings.json"
+    view.save_settings(str(path))
+    qtbot.mouseClick(view.reset_button, Qt.LeftButton)
+    view.set_run_type("sft")
+    view.load_settings(str(path))
+    assert view.kind() == "kto" and view.config_dict() == saved
