@@ -128,7 +128,8 @@ class MonitorView(QWidget):
         self.task_curve = self.task_plot.plot(pen=pg.mkPen(ORANGE, width=2), symbol="o",
                                               symbolSize=6, symbolBrush=ORANGE, symbolPen=None)
         self.task_plot.hide()
-        self.ranges.watch(self.task_plot, y=(0, 1))
+        # 0 to 1, a little room around: at the edges pyqtgraph leaves the 0 and 1 unlabelled
+        self.ranges.watch(self.task_plot, y=(-0.04, 1.04))
         plots = [small_plot(*t) for t in (("Learning rate", "lr"), ("Gradient norm", "L2 norm"),
                                           SMALL_PLOTS["clipped"][:2], SMALL_PLOTS["tps"][:2])]
         self.lr_plot, self.grad_plot, self.clipped_plot, self.tps_plot = plots

@@ -17,6 +17,7 @@ from tests.views.fake_runs import FakeRun
 from tests.views.test_fits_screen import font_scale  # noqa: F401  (a fixture: 1x, 1.5x fonts)
 
 TASK = "mc:tasks.jsonl"
+WAIT_MS = 15_000      # the reads take milliseconds; a busy machine may delay the reader thread
 
 
 def n_points(curve) -> int:
@@ -42,13 +43,13 @@ def test_the_task_accuracy_is_a_curve_beside_the_loss(qtbot, ctx, monitor):
     plain.step(10)
     plain.eval()
     ctx.select_run(plain.path)
-    qtbot.waitUntil(lambda: n_points(monitor.val_curve) == 1)
+    qtbot.waitUntil(lambda: n_points(monitor.val_curve) == 1, timeout=WAIT_MS)
     monitor.redraw.flush()
     assert monitor.task_plot.isHidden() and n_points(monitor.task_curve) == 0
 
     run = task_run(ctx.runs_root() / "with-task", [0.25, 0.5, 0.75])
     ctx.select_run(run.path)
-    qtbot.waitUntil(lambda: n_points(monitor.task_curve) == 3)
+    qtbot.waitUntil(lambda: n_points(monitor.task_curve) == 3, timeout=WAIT_MS)
     monitor.redraw.flush()
     assert not monitor.task_plot.isHidden() and monitor.task_plot.isVisible()
     x, y = monitor.task_curve.getData()
@@ -72,7 +73,7 @@ def test_the_task_accuracy_is_a_curve_beside_the_loss(qtbot, ctx, monitor):
     monitor.grab().save("/tmp/shots/monitor-task-accuracy.png")
 
     ctx.select_run(plain.path)                                   # gone with the run
-    qtbot.waitUntil(lambda: n_points(monitor.val_curve) == 1)
+    qtbot.waitUntil(lambda: n_points(monitor.val_curve) == 1, timeout=WAIT_MS)
     assert monitor.task_plot.isHidden()
 
 
@@ -95,14 +96,14 @@ def test_compare_lists_the_runs_latest_evaluations(qtbot, ctx, monitor):
                                  20, {"passed": 1, "mean_reward": 1.05})]})
     compare = monitor.compare
     ctx.select_run(a.path)
-    qtbot.waitUntil(lambda: "run-a" in compare.evaluations)
+    qtbot.waitUntil(lambda: "run-a" in compare.evaluations, timeout=WAIT_MS)
     assert compare.evaluations == {"run-a": [("base", TASK, "40.00 +- 11.25"),
                                              ("sft", TASK, "45.00 +- 11.41")]}
     assert compare.evals_table.isVisible()
-    qtbot.waitUntil(lambda: compare.compare_list.count() == 3)
+    qtbot.waitUntil(lambda: compare.compare_list.count() == 3, timeout=WAIT_MS)
     compare.set_compared(b.path)
     compare.set_compared(c.path)
-    qtbot.waitUntil(lambda: len(compare.evaluations) == 3)
+    qtbot.waitUntil(lambda: len(compare.evaluations) == 3, timeout=WAIT_MS)
     assert compare.evaluations["run-b"] == [("sft", "suite:eval_suite.jsonl", "5.0% (1/20)")]
     assert compare.evaluations["run-c"] == [("\u2014", "\u2014", "none saved")]
     table = compare.evals_table
@@ -112,7 +113,7 @@ def test_compare_lists_the_runs_latest_evaluations(qtbot, ctx, monitor):
                      ["run-b"], ["sft", "suite:eval_suite.jsonl", "5.0% (1/20)"],
                      ["run-c"], ["\u2014", "\u2014", "none saved"]]
     assert table.columnSpan(0, 0) == 3                           # the run's name over its rows
-    qtbot.waitUntil(lambda: n_points(monitor.loss_curve) == 5)
+    qtbot.waitUntil(lambda: n_points(monitor.loss_curve) == 5, timeout=WAIT_MS)
     monitor.redraw.flush()
     os.makedirs("/tmp/shots", exist_ok=True)
     monitor.grab().save("/tmp/shots/monitor-compare-evals.png")
@@ -126,7 +127,7 @@ def test_a_damaged_evals_file_says_so(qtbot, ctx, monitor):
     a.step(5)
     (a.run.path / "evals.jsonl").write_text('{"eval_id": "x"}\nnot json\n')
     ctx.select_run(a.path)
-    qtbot.waitUntil(lambda: "run-a" in monitor.compare.evaluations)
+    qtbot.waitUntil(lambda: "run-a" in monitor.compare.evaluations, timeout=WAIT_MS)
     assert "line 2: not a JSON object" in monitor.compare.evaluations["run-a"][0][2]
 
 
@@ -150,11 +151,11 @@ def test_the_task_plot_and_evaluations_fit_1280x720(qtbot, ctx, font_scale):  # 
     wait_ready(qtbot, win.new_run)
     monitor = win.screen("monitor")
     ctx.select_run(a.path)
-    qtbot.waitUntil(lambda: monitor.compare.compare_list.count() == 3)
+    qtbot.waitUntil(lambda: monitor.compare.compare_list.count() == 3, timeout=WAIT_MS)
     for run in others:
         monitor.compare.set_compared(run.path)
-    qtbot.waitUntil(lambda: len(monitor.compare.evaluations) == 3)
-    qtbot.waitUntil(lambda: n_points(monitor.task_curve) == 3)
+    qtbot.waitUntil(lambda: len(monitor.compare.evaluations) == 3, timeout=WAIT_MS)
+    qtbot.waitUntil(lambda: n_points(monitor.task_curve) == 3, timeout=WAIT_MS)
     problems, seen = {}, []
     for page in screen_pages(win, "monitor"):
         if found := page_problems(win):
