@@ -64,6 +64,7 @@ from app.views.widgets.tooltips import KIND_TIPS, NEW_RUN_TIPS
 
 ESTIMATE_ROW = "LoRA run estimate"
 DATA_KEY, PROMPTS_KEY = "recent/dataset", "recent/prompts"
+KTO_KIND = "kto"                    # the preference method that takes unpaired rows too
 PAIRS_KEY = "recent/preferences"    # a preference run's file: its own, not the dataset's
 SAMPLE_PAIRS = "preferences.jsonl"  # a first preference run's (sample_data)
 TABS = ("model", "dataset", "training")
@@ -253,6 +254,8 @@ class NewRunView(QWidget):
         self._swap_dataset(kind in PREFERENCE_KINDS)    # after the form: its lint settings
         self.presets.setVisible(kind == SFT.name)      # the presets set a supervised run
         self._relint()
+        if kind in PREFERENCE_KINDS and self.dataset.pair_report is not None:
+            self._on_report(None)       # the steps' estimate again: KTO counts a pair twice
         self._estimate_timer.start()
         self._update_summary()
 
@@ -374,8 +377,10 @@ class NewRunView(QWidget):
     def _on_report(self, report: LintReport | None) -> None:
         self.form.set_lint_report(report)
         pairs = self.dataset.pair_report
-        if self.kind() in PREFERENCE_KINDS:
-            self.form.set_training_rows(pairs and (pairs.get("pairs") or pairs["accepted"]))
+        if self.kind() in PREFERENCE_KINDS:     # KTO trains each pair as two rows
+            self.form.set_training_rows(pairs and (
+                2 * pairs["pairs"] if "pairs" in pairs and self.kind() == KTO_KIND
+                else pairs["accepted"]))
         self._update_summary()
 
     def _relint(self) -> None:
@@ -443,6 +448,11 @@ class NewRunView(QWidget):
               and not self.dataset.pair_report["trains"]):
             out.append(("dataset", "No row of the preference file can be used (see rejected "
                                    "rows)."))
+        elif (self.kind() in PREFERENCE_KINDS and self.kind() != KTO_KIND
+              and self.dataset.pair_report is not None and "pairs" not in self.dataset.pair_report):
+            out.append(("dataset", f"The file has unpaired (KTO) rows: "
+                                   f"{PREFERENCE_KINDS[self.kind()].label} needs chosen/rejected "
+                                   "pairs. Choose KTO as the run type, or a file of pairs."))
         elif self.dataset.report is not None and self.dataset.report.accepted == 0:
             out.append(("dataset", "No row of the dataset can be used (see rejected rows)."))
         elif self.dataset.report is not None and self.dataset.report.training_rows == 0:

@@ -111,6 +111,11 @@ def test_switching_dpo_supervised_dpo_leaks_nothing_and_reset_works(qtbot, new_r
                 "epochs", "eval_every", "save_every"):
         assert d[key] == engine[key], key
     assert d["train"]["lora_rank"] == 8 and d["val_split"] == FIRST_VAL_SPLIT
+    view.set_run_type("kto")        # KTO trains a pair as two rows: twice the steps
+    qtbot.waitUntil(lambda: view.dataset.pair_report is not None
+                    and not view.dataset.is_busy(), timeout=15_000)
+    pairs = view.dataset.pair_report["pairs"]
+    assert form.train_windows == round(2 * pairs * (1 - FIRST_VAL_SPLIT))
     view.set_run_type("simpo")                                # SimPO: its own beta default
     assert form["beta"].specialValueText() == "default (2)"
     assert form.values()["beta"] is None
@@ -205,6 +210,11 @@ def test_a_kto_file_of_unpaired_rows_shows_its_labels(qtbot, new_run, tmp_path):
     assert len(view.dataset.highlighted_spans()) == 1
     assert "its completion highlighted" in view.dataset.example_title.text()
     assert not view.problems()
+    view.set_run_type("dpo")        # DPO needs pairs: said before Start (the run would fail)
+    qtbot.waitUntil(lambda: view.dataset.pair_report is not None
+                    and not view.dataset.is_busy(), timeout=15_000)
+    assert any("unpaired (KTO) rows: DPO needs chosen/rejected pairs" in m
+               for _, m in view.problems())
 
 
 def test_a_mostly_rejected_preference_file_asks_first(qtbot, new_run, ctx, tmp_path,
