@@ -101,8 +101,9 @@ def test_compare_lists_the_runs_latest_evaluations(qtbot, ctx, monitor):
                                              ("sft", TASK, "45.00 +- 11.41")]}
     assert compare.evals_table.isVisible()
     qtbot.waitUntil(lambda: compare.compare_list.count() == 3, timeout=WAIT_MS)
+    compare.runs_poll.timer.stop()      # no 5-s poll from here: ticking a run reads its own
     compare.set_compared(b.path)
-    compare.set_compared(c.path)
+    compare.set_compared(c.path)        # while b's read is under way
     qtbot.waitUntil(lambda: len(compare.evaluations) == 3, timeout=WAIT_MS)
     assert compare.evaluations["run-b"] == [("sft", "suite:eval_suite.jsonl", "5.0% (1/20)")]
     assert compare.evaluations["run-c"] == [("\u2014", "\u2014", "none saved")]
