@@ -375,5 +375,7 @@ def eval_rows(path: str) -> list[tuple[str, str, str]]:
         rows = latest_evals(path)
     except EngineError as e:
         return [(*NONE_SAVED[:2], e.message)]
+    except OSError as e:                      # unreadable: said here, the runs still listed
+        return [(*NONE_SAVED[:2], f"{e.filename or 'evals.jsonl'}: {e.strerror or e}")]
     return [(str(r.get("model", "?")), str(r.get("task", "?")), saved_cell(r))
             for r in rows] or [NONE_SAVED]

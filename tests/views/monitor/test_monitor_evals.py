@@ -130,6 +130,12 @@ def test_a_damaged_evals_file_says_so(qtbot, ctx, monitor):
     ctx.select_run(a.path)
     qtbot.waitUntil(lambda: "run-a" in monitor.compare.evaluations, timeout=WAIT_MS)
     assert "line 2: not a JSON object" in monitor.compare.evaluations["run-a"][0][2]
+    b = FakeRun(ctx.runs_root() / "run-b")
+    (b.run.path / "evals.jsonl").mkdir()                  # not a file: said, runs still listed
+    monitor.compare.set_compared(b.path)
+    qtbot.waitUntil(lambda: "run-b" in monitor.compare.evaluations, timeout=WAIT_MS)
+    assert "evals.jsonl" in monitor.compare.evaluations["run-b"][0][2]
+    assert monitor.compare.compare_list.count() == 2
 
 
 @pytest.mark.slow
@@ -168,3 +174,15 @@ def test_the_task_plot_and_evaluations_fit_1280x720(qtbot, ctx, font_scale):  # 
             win.grab().save(f"/tmp/shots/monitor-evals-1280x720-{font_scale}x.png")
     assert not problems, problems
     assert seen == [True, True]
+
+
+def test_an_unreadable_evals_file_is_said_not_raised(monkeypatch):
+    """An OSError (permissions, a disk gone) would have failed the whole runs poll."""
+    from app.views.monitor import run_compare
+
+    def denied(path):
+        raise PermissionError(13, "Permission denied", f"{path}/evals.jsonl")
+
+    monkeypatch.setattr(run_compare, "latest_evals", denied)
+    assert run_compare.eval_rows("/r") == [("\u2014", "\u2014",
+                                            "/r/evals.jsonl: Permission denied")]
