@@ -141,8 +141,9 @@ PREF_FIELDS = {"pairs_per_step": PREFERENCE_KINDS, "beta": ("dpo", "simpo", "kto
                "kto_undesirable_weight": ("kto",)}
 CONFIG_KEYS.update({key: key for key in PREF_FIELDS})
 # the data settings a preference run has no use for (its rows are pairs, each one sequence)
-NOT_PREFERENCE = ("batch", "grad_accum", "patience", "strict", "workers", "dropout", "format",
-                  "overflow", "packing", "chat_loss", "add_eos", "parse_special", "shuffle")
+# (the LoRA dropout stays in sight: a preference run refuses one, and a loaded file may set it)
+NOT_PREFERENCE = ("batch", "grad_accum", "patience", "strict", "workers", "format", "overflow",
+                  "packing", "chat_loss", "add_eos", "parse_special", "shuffle")
 # the run-length settings a preference run keeps at the top level of its config
 PREF_LENGTHS = ("epochs", "max_steps", "eval_every", "save_every", "norms_every", "keep_last",
                 "max_bad_steps", "adapter")

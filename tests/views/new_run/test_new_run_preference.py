@@ -135,6 +135,10 @@ def test_a_dpo_settings_file_loads_into_the_dpo_kind(qtbot, new_run, tmp_path):
     assert (d["beta"], d["pref_loss"], d["pairs_per_step"]) == (0.2, "hinge", 6)
     assert d["micro_batch_tokens"] == 1024                    # kept though it has no field
     assert d["data"] == str(PREFERENCES)
+    path.write_text(json.dumps({"kind": "dpo", "train": {"lora_dropout": 0.1}}))
+    view.load_settings(str(path))        # refused at Start: said, under a field in sight
+    assert "no LoRA dropout" in view.form.errors()["dropout"]
+    assert view.form["dropout"].isVisibleTo(view.form)
 
 
 def test_the_dataset_tab_shows_a_preference_file_as_pairs(qtbot, new_run):
