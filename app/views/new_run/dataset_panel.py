@@ -431,7 +431,9 @@ class DatasetPanel(QWidget):
 
     def _retheme(self) -> None:
         """The theme changed: the example again, highlighted in the new theme's colour."""
-        if getattr(self, "_example", None) is not None:
+        if self.pair_report is not None:            # a pair: its own title too
+            self._show_pair_example(self.pair_report.get("example"))
+        elif getattr(self, "_example", None) is not None:
             self._show_example(self._example)
 
     def _show_example(self, ex: dict | None) -> None:

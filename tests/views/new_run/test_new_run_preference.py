@@ -159,6 +159,15 @@ def test_the_dataset_tab_shows_a_preference_file_as_pairs(qtbot, new_run):
     assert any(b <= text.index("REJECTED") for a, b in spans)
     assert any(a > text.index("REJECTED") for a, b in spans)
     assert "chosen and rejected" in view.dataset.example_title.text()
+    from app.views.widgets import theme      # the dark theme: the pair again, its title kept
+    from PySide6.QtWidgets import QApplication
+    mode = theme.current().mode
+    theme.apply_theme(QApplication.instance(), mode="dark")
+    try:
+        assert "chosen and rejected" in view.dataset.example_title.text()
+        assert len(view.dataset.highlighted_spans()) == len(spans)
+    finally:
+        theme.apply_theme(QApplication.instance(), mode=mode)
     assert "pairs" in view.tabs.tabText(1).lower()
     assert not view.problems()
     # the estimate's activations: a micro-batch of packed completions (2,048 tokens, at most
