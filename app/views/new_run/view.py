@@ -240,11 +240,12 @@ class NewRunView(QWidget):
 
     # ---------------------------------------------------------------- run type
     def kind(self) -> str:
-        """The run type: a name of KINDS ("sft" or "grpo")."""
+        """The run type: "sft", "grpo" or a preference method ("dpo", "orpo", "simpo", "kto")."""
         return self.kind_box.currentData()
 
     def set_run_type(self, kind: str) -> None:
-        """Show the tabs and settings of a supervised ("sft") or a GRPO ("grpo") run."""
+        """Show the tabs and settings of a supervised ("sft"), a GRPO ("grpo") or a preference
+        run ("dpo", "orpo", "simpo", "kto")."""
         if kind != self.kind():
             set_combo(self.kind_box, kind)              # comes back here through the signal
             return
@@ -630,8 +631,8 @@ class NewRunView(QWidget):
         self.ctx.status(f"Loaded settings from {path}")
 
     def apply_settings(self, d: dict) -> None:
-        """Show the settings of a RunConfig or GrpoConfig dict (its run type, its model and
-        dataset or prompts when they exist)."""
+        """Show the settings of a RunConfig, GrpoConfig or PreferenceConfig dict (its run type,
+        its model and dataset or prompts when they exist)."""
         self.set_run_type(d.get("kind", SFT.name))
         self._loaded = (self.kind(), d)     # what the form does not show is kept (config_dict)
         self.form.set_values(d)
