@@ -196,7 +196,8 @@ class SettingsForm(FormBase):
         self.target_boxes: dict[str, QCheckBox] = {}
         self.full_boxes: dict[str, QCheckBox] = {}
         self.card: ModelCard | None = None
-        self.kind = SFT.name                       # the run type: a name of KINDS
+        self.kind = SFT.name                       # the run type: KINDS' or PREFERENCE_KINDS'
+
         self._per_kind: dict[str, dict] = {}       # run type -> its settings when left
         self._context_auto = True                  # the context follows the model
         self.train_windows: int | None = None      # the dataset's, estimated (warmup's note)
@@ -566,7 +567,8 @@ class SettingsForm(FormBase):
         self._update_visibility()
 
     def values(self) -> dict:
-        """The RunConfig dict without model and data; of a GRPO run, its GrpoConfig keys."""
+        """The RunConfig dict without model and data; of a GRPO run, its GrpoConfig keys; of a
+        preference run, its PreferenceConfig keys."""
         v = self._run_values()
         if self.kind in PREFERENCE_KINDS:
             return self._preference_values(v)
@@ -723,7 +725,8 @@ class SettingsForm(FormBase):
         self.changed.emit("all")
 
     def set_kind(self, kind: str) -> None:
-        """Show the settings of a supervised ("sft") or a GRPO ("grpo") run. Each run type has
+        """Show the settings of a supervised ("sft"), a GRPO ("grpo") or a preference run
+        ("dpo", "orpo", "simpo", "kto"). Each run type has
         its own settings: those of the type left are kept (its context only when edited) and
         the other's shown, its defaults the first time; the type shown already stays as it is."""
         if kind == self.kind:
