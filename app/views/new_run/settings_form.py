@@ -197,7 +197,6 @@ class SettingsForm(FormBase):
         self.full_boxes: dict[str, QCheckBox] = {}
         self.card: ModelCard | None = None
         self.kind = SFT.name                       # the run type: KINDS' or PREFERENCE_KINDS'
-
         self._per_kind: dict[str, dict] = {}       # run type -> its settings when left
         self._context_auto = True                  # the context follows the model
         self.train_windows: int | None = None      # the dataset's, estimated (warmup's note)
