@@ -391,7 +391,7 @@ def test_sft_run_dirs_still_dispatch_to_the_sft_loop(tmp_path, monkeypatch):
     from app.engine.training import sft as run
 
     seen = []
-    monkeypatch.setattr(run, "train", lambda config, *a: seen.append(config) or "done")
+    monkeypatch.setattr(run, "train", lambda config, *a, **k: seen.append(config) or "done")
     rows = tmp_path / "d.jsonl"
     rows.write_text('{"text": "hello"}\n')
     config = run.RunConfig(model=TINY, data=str(rows))

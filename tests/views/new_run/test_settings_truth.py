@@ -183,10 +183,13 @@ def test_the_window_and_the_cli_write_the_same_supervised_run(qtbot, new_run, tm
                     str(FIRST_SFT["eval_every"]), "--schedule", "linear", "--max-grad-norm",
                     "0.5", "--warmup-fraction", "0.1", "--weight-cache-mb", "64",
                     "--precision", "bf16", "--lr",
-                    "0.002", "--workers", "2", "--chat-template", str(template),
+                    "0.002", "--chat-template", str(template),
                     "-o", str(cli_run),
                     "--queue", str(tmp_path / "cli-queue.sqlite3")]) == 0
-    assert RunDir(cli_run).config() == config
+    # The CLI takes --workers only with --on CLUSTER (a Ray job; refused here before a folder
+    # exists), which this test has no cluster for: the window's field is checked above, and
+    # everything else must be the CLI's config.json to the byte.
+    assert {**RunDir(cli_run).config(), "workers": 2} == config
     form.chat_template_clear.click()                              # back to the model's
     assert form.values()["data_config"]["chat_template"] is None
 
