@@ -259,6 +259,14 @@ def test_every_screen_fits_1280x720(qtbot, ctx, window):
         if found := page_problems(win):
             problems[f"new_run (GRPO) > {view.tabs.tabText(i)}"] = found
     row = view.grpo_panel.rewards.rows[-1]
+    view.set_run_type("dpo")             # a preference run: the pair panel, DPO's fields
+    qtbot.waitUntil(lambda: view.dataset.pair_report is not None
+                    and not view.dataset.is_busy(), timeout=15_000)
+    for i in range(view.tabs.count()):
+        view.tabs.setCurrentIndex(i)
+        settle()
+        if found := page_problems(win):
+            problems[f"new_run (DPO) > {view.tabs.tabText(i)}"] = found
     view.set_run_type("sft")
 
     # Monitor: a supervised run compared with another, then the GRPO run
