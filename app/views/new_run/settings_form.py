@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 
 from dataclasses import replace
 
@@ -34,11 +35,11 @@ from PySide6.QtWidgets import (QCheckBox, QFileDialog, QFrame, QGridLayout, QHBo
                                QLineEdit, QPushButton, QScrollArea, QVBoxLayout, QWidget)
 
 from app.engine.api import precision_choice
-from app.engine.api import (DEFAULT_BETA, GRPO, PREFERENCE_KINDS, SFT, TARGET_GROUPS,
+from app.engine.api import (DEFAULT_BETA, EVAL_TASK_KINDS, GRPO, PREFERENCE_KINDS, SFT, TARGET_GROUPS,
                             DataConfig, GrpoConfig, LintReport, ModelCard, PreferenceConfig,
                             RunConfig, TrainConfig, default_context, default_lr,
                             EngineError, gpu_available, human_bytes, human_count,
-                            lora_param_count, read_chat_template)
+                            lora_param_count, parse_task, read_chat_template)
 from app.views.widgets.fit import Columns
 from app.views.widgets.form_fields import (FormBase, combo, dspin, field_value, set_combo,
                                            set_field, spin)
@@ -120,7 +121,8 @@ SIMPLE_FIELDS = {
     "strict": ("data_config", "strict"), "shuffle": ("data_config", "shuffle"),
     "add_eos": ("data_config", "add_eos"), "parse_special": ("data_config", "parse_special"),
     "completion_as_chat": ("data_config", "completion_as_chat"),
-    "vocab_chunk": ("train", "vocab_chunk"), "workers": ("", "workers")}
+    "vocab_chunk": ("train", "vocab_chunk"), "workers": ("", "workers"),
+    "eval_task_limit": ("", "eval_task_limit"), "best_by": ("", "best_by")}
 # field -> its flattened config key: its name is the one table's (widgets.setting_labels),
 # which Compare's rows read too. batch, trainable and weights_source are the window's own.
 CONFIG_KEYS = {**{key: f"{section}.{name}" if section else name
@@ -131,7 +133,7 @@ CONFIG_KEYS = {**{key: f"{section}.{name}" if section else name
                "val_path": "data_config.val_path", "chat_template": "data_config.chat_template",
                "weight_field": "data_config.weight_field",
                "weights_path": "data_config.weights_path", "clip": "data_config.clip_range",
-               "adapter": "adapter"}
+               "adapter": "adapter", "eval_task": "eval_task"}
 # A preference run's own settings (PreferenceConfig's top-level keys; the form's keys are theirs)
 # and the methods that use each; beta 0 in its field is None: the method's DEFAULT_BETA.
 PREF_FIELDS = {"pairs_per_step": PREFERENCE_KINDS, "beta": ("dpo", "simpo", "kto"),
@@ -143,7 +145,8 @@ CONFIG_KEYS.update({key: key for key in PREF_FIELDS})
 # the data settings a preference run has no use for (its rows are pairs, each one sequence)
 # (the LoRA dropout stays in sight: a preference run refuses one, and a loaded file may set it)
 NOT_PREFERENCE = ("batch", "grad_accum", "patience", "strict", "workers", "format", "overflow",
-                  "packing", "chat_loss", "add_eos", "parse_special", "shuffle")
+                  "packing", "chat_loss", "add_eos", "parse_special", "shuffle", "eval_task",
+                  "eval_task_limit", "best_by")
 # the run-length settings a preference run keeps at the top level of its config
 PREF_LENGTHS = ("epochs", "max_steps", "eval_every", "save_every", "norms_every", "keep_last",
                 "max_bad_steps", "adapter")
@@ -151,7 +154,16 @@ FLOAT_TEXTS = ("lr", "min_lr", "eps")      # typed as text: 1e-4 reads better th
 WEIGHT_CACHE_AUTO = -1                     # the spin box's value for weight_cache_mb None
 WEIGHT_SOURCES = (("row", "From each row's field"), ("file", "From a weights file"))
 SFT_ONLY = ("mode", "epochs", "context", "batch", "grad_accum", "patience", "strict",
-            "val_path", "workers")
+            "val_path", "workers", "eval_task", "eval_task_limit", "best_by")
+# The evaluation task's file dialog: its filter names the spec's kind (--eval-task KIND:FILE).
+# The kinds are the engine's EVAL_TASK_KINDS, the multiple-choice ones: a prompt suite (suite:)
+# is refused during training (app.engine.evaluation.during_training), so the dialog does not
+# offer one, and a typed suite: spec shows the engine's refusal under the field.
+TASK_FILTERS = {"Multiple choice JSONL (*.jsonl)": "jsonl",
+                "HellaSwag, llama.cpp's text (*.txt)": "hellaswag",
+                "WinoGrande (*.csv)": "winogrande",
+                "llama.cpp binary multiple choice (*.bin)": "mc"}
+TASK_SUFFIXES = {".jsonl": "jsonl", ".txt": "hellaswag", ".csv": "winogrande", ".bin": "mc"}
 MODEL_TEMPLATE = "the model's (ChatML when it has none)"   # data_config.chat_template None
 # field -> ((label, special value text) of a supervised run, (the same) of a GRPO run, of a
 # preference run) (GRPO's "Steps": its max_steps is the run's length, not a cap)
@@ -282,6 +294,12 @@ class SettingsForm(FormBase):
         self._field(ev, "save_every", spin(0, 10**7, 0, "end of epoch"))
         self._field(ev, "patience", spin(0, 1000, 0, "off"))
         self._field(ev, "norms_every", spin(0, 10**6, 5, "off"))
+        self.eval_task, self._eval_task_browse = self._path_field(
+            ev, "eval_task", "none, or hellaswag:FILE, mc:FILE, FILE.jsonl\u2026")
+        self._field(ev, "eval_task_limit", spin(1, 10**6, RunConfig.eval_task_limit))
+        self.fields["eval_task_limit"].setSuffix(" items")
+        self._field(ev, "best_by", combo([("loss", "validation loss"),
+                                          ("task", "task accuracy")]))
         for key in ("eval_every", "save_every", "norms_every"):
             self.fields[key].setSuffix(" steps")
 
@@ -355,15 +373,8 @@ class SettingsForm(FormBase):
         self._field(adv, "weight_cache_mb",
                     spin(WEIGHT_CACHE_AUTO, 10**7, WEIGHT_CACHE_AUTO, "auto (40% of RAM)"))
         self.fields["weight_cache_mb"].setSuffix(" MB")
-        apath = QWidget()
-        arow = QHBoxLayout(apath)
-        arow.setContentsMargins(0, 0, 0, 0)
-        self.adapter_path = QLineEdit(placeholderText="none: new adapters")
-        self._adapter_browse = QPushButton("Browse\u2026")
-        arow.addWidget(self.adapter_path, 1)
-        arow.addWidget(self._adapter_browse)
-        self.fields["adapter_edit"] = self.adapter_path
-        self._field(adv, "adapter", apath)
+        self.adapter_path, self._adapter_browse = self._path_field(adv, "adapter",
+                                                                   "none: new adapters")
         self._field(adv, "keep_last", spin(1, 10**4, 2))
         self._field(adv, "max_bad_steps", spin(1, 10**4, 5))
         self._field(adv, "vocab_chunk", spin(1, 1 << 24, t.vocab_chunk))
@@ -383,6 +394,20 @@ class SettingsForm(FormBase):
             widget.setText(name)
             name = ""
         self._row(grid, key, name, widget)
+
+    def _path_field(self, grid: QGridLayout, key: str,
+                    placeholder: str) -> tuple[QLineEdit, QPushButton]:
+        """A row for the field `key`: a path typed, or picked with its Browse button; the
+        line edit is also `fields[key + "_edit"]`."""
+        box = QWidget()
+        row = QHBoxLayout(box)
+        row.setContentsMargins(0, 0, 0, 0)
+        edit, browse = QLineEdit(placeholderText=placeholder), QPushButton("Browse\u2026")
+        row.addWidget(edit, 1)
+        row.addWidget(browse)
+        self.fields[f"{key}_edit"] = edit
+        self._field(grid, key, box)
+        return edit, browse
 
     def _note(self, grid: QGridLayout) -> QLabel:
         """A hint under the last field of `grid`: what the engine makes of its value."""
@@ -417,6 +442,8 @@ class SettingsForm(FormBase):
         self.chat_template_load.clicked.connect(self._load_chat_template)
         self.chat_template_clear.clicked.connect(lambda: self._set_chat_template(None))
         self._adapter_browse.clicked.connect(self._browse_adapter)
+        self._eval_task_browse.clicked.connect(self._browse_eval_task)
+        self._watch(self.eval_task, "eval_task")
         for w in (self.weights_path, self.clip_lo, self.clip_hi):
             self._watch(w, "weights_path" if w is self.weights_path else "clip")
         self._watch(self.adapter_path, "adapter")
@@ -637,7 +664,9 @@ class SettingsForm(FormBase):
                 "norms_every": f["norms_every"].value(), "keep_last": f["keep_last"].value(),
                 "max_bad_steps": f["max_bad_steps"].value(),
                 "adapter": self.adapter_path.text().strip() or None,
-                "workers": f["workers"].value()}
+                "workers": f["workers"].value(), "eval_task": self.eval_task_spec(),
+                "eval_task_limit": f["eval_task_limit"].value(),
+                "best_by": f["best_by"].currentData()}
 
     def set_values(self, d: dict) -> None:
         """Load a RunConfig or GrpoConfig dict of the form's run type (see `set_kind`); what it
@@ -675,6 +704,7 @@ class SettingsForm(FormBase):
             cache = t["weight_cache_mb"]
             f["weight_cache_mb"].setValue(WEIGHT_CACHE_AUTO if cache is None else cache)
             self.adapter_path.setText(top["adapter"] or "")
+            self.eval_task.setText(top["eval_task"] or "")
             f["val_path"].setText(dc["val_path"] or "")
             f["batch"].setValue(1)
             set_combo(f["weights_source"], "file" if dc.get("weights_path") else "row")
@@ -814,7 +844,44 @@ class SettingsForm(FormBase):
                                  "Run on, or use 1 worker.")
         if self._template_error:
             errors["chat_template"] = self._template_error
+        if self.kind == SFT.name:
+            errors.update(self._eval_task_errors())
         return self._show_errors(errors)
+
+    def _eval_task_errors(self) -> dict[str, str]:
+        """The refusals `train --eval-task/--best-by` makes (RunConfig.validate, the CLI's
+        parse_task, the run's start in app.engine.training.sft), under their fields."""
+        f, text = self.fields, self.eval_task.text().strip()
+        if not text:
+            return ({"best_by": "Best by task accuracy needs an evaluation task: choose one "
+                                "above, or keep the validation loss."}
+                    if f["best_by"].currentData() == "task" else {})
+        try:
+            spec = parse_task(text)
+        except EngineError as e:
+            return {"eval_task": e.message}
+        if spec.kind not in EVAL_TASK_KINDS:
+            return {"eval_task": f"Training scores a multiple-choice task, not {spec.kind}: "
+                                 "use hellaswag:FILE, winogrande:FILE, mc:FILE or FILE.jsonl."}
+        if not os.path.isfile(os.path.expanduser(spec.path)):
+            return {"eval_task": f"There is no file {spec.path}."}
+        if f["workers"].value() > 1:
+            return {"eval_task": "An evaluation task is scored by one process: a data-parallel "
+                                 "run (workers > 1) cannot take one. Use 1 worker, or no task."}
+        if not f["val_split"].value() and not field_value(f["val_path"]):
+            return {"eval_task": "The task is scored at every evaluation, and this run has "
+                                 "none: give it a validation split or a validation file."}
+        return {}
+
+    def eval_task_spec(self) -> str:
+        """The evaluation task as the CLI writes it (`KIND:ABSOLUTE PATH`), "" for none; a
+        spec the engine refuses stays as typed (validation shows why)."""
+        text = self.eval_task.text().strip()
+        try:
+            spec = parse_task(text) if text else None
+        except EngineError:
+            return text
+        return f"{spec.kind}:{Path(spec.path).expanduser().resolve()}" if spec else ""
 
     # ---------------------------------------------------------------- reactions
     def _changed(self, key: str) -> None:
@@ -888,6 +955,15 @@ class SettingsForm(FormBase):
                                               "GGUF LoRA adapter (*.gguf);;All files (*)")
         if path:
             self.adapter_path.setText(path)
+
+    def _browse_eval_task(self) -> None:
+        """Pick the task's file; the dialog's filter (else the file's suffix) is its kind."""
+        path, chosen = QFileDialog.getOpenFileName(self, "Evaluation task", "",
+                                                   ";;".join([*TASK_FILTERS, "All files (*)"]))
+        if path:
+            kind = TASK_FILTERS.get(chosen) or TASK_SUFFIXES.get(Path(path).suffix.lower(), "mc")
+            self.eval_task.setText(path if kind == "jsonl" and path.endswith(".jsonl")
+                                   else f"{kind}:{path}")
 
     def _browse_weights(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self, "Reward weights", self.weights_path.text(),

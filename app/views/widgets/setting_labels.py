@@ -29,7 +29,8 @@ SETTING_LABELS = {
     "epochs": "Epochs", "max_steps": "Max steps", "eval_every": "Evaluate every",
     "save_every": "Save every", "patience": "Early-stop patience", "norms_every": "Heatmap every",
     "keep_last": "Checkpoints kept", "max_bad_steps": "Stop after bad steps",
-    "workers": "Data-parallel workers",
+    "workers": "Data-parallel workers", "eval_task": "Task at evaluations",
+    "eval_task_limit": "Task items", "best_by": "Best checkpoint by",
     # the data (DataConfig)
     "data_config.context": "Context (tokens)", "data_config.val_fraction": "Validation split",
     "data_config.val_path": "Validation file", "data_config.format": "Format",

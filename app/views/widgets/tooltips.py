@@ -80,6 +80,16 @@ SETTINGS_TIPS = {
                       "at the end of each epoch", "--save-every"),
     "patience": tip("Stop after this many validations without a better loss (0: off).",
                     "off, or 3-5", "--patience"),
+    "eval_task": tip("A multiple-choice task (hellaswag:FILE, winogrande:FILE, mc:FILE, "
+                     "FILE.jsonl) scored at every evaluation: its accuracy is a curve beside the "
+                     "validation loss. Needs a validation split; one process only (1 worker).",
+                     "none, or 50-200 items of a benchmark", "--eval-task"),
+    "eval_task_limit": tip("The evaluation task's first N items (each evaluation scores them "
+                           "all: more items, a steadier curve, slower evaluations).", "50",
+                           "--eval-task-limit"),
+    "best_by": tip("Which checkpoint is the run's best (always kept): the lowest "
+                   "validation loss or the highest task accuracy.", "validation loss",
+                   "--best-by"),
     "norms_every": tip("Steps between the adapter-norm and router-load records the Experts "
                        "screen shows (0: off).", "5-20", CONFIG + " (norms_every)"),
     "format": tip("How the JSONL rows are read: plain text, prompt/completion, chat messages, "

@@ -19,6 +19,7 @@ from tests.conftest import SAMPLE_DATA
 from tests.views.conftest import SAMPLE_MODEL
 
 SAMPLE_CHAT = SAMPLE_DATA / "chat.jsonl"
+EVAL_TASKS = (SAMPLE_DATA / "eval_tasks.jsonl").resolve()
 
 
 def answer_questions(monkeypatch, button):
@@ -151,8 +152,9 @@ TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% end
 def test_the_window_and_the_cli_write_the_same_supervised_run(qtbot, new_run, tmp_path,
                                                               monkeypatch):
     """The settings round trip: the same choices made in the window (Advanced included: the
-    data-parallel workers of a run on a cluster, a chat template from a file, issue 29 item 4)
-    and on the command line give the same config.json."""
+    data-parallel workers of a run on a cluster, a chat template from a file, issue 29 item 4;
+    an evaluation task picked from a file, its limit and the best checkpoint by its accuracy,
+    issue 32) and on the command line give the same config.json."""
     from PySide6.QtWidgets import QFileDialog
     view, form = new_run, new_run.form
     template = tmp_path / "template.jinja"
@@ -172,9 +174,21 @@ def test_the_window_and_the_cli_write_the_same_supervised_run(qtbot, new_run, tm
                         staticmethod(lambda *a, **k: (str(template), "")))
     form.chat_template_load.click()
     assert form.chat_template_label.text().startswith("template.jinja")
+    # the evaluation task: refused with 2 workers (one process scores it), as the engine does
+    form["best_by"].setCurrentIndex(form["best_by"].findData("task"))
+    assert "evaluation task" in form.errors()["best_by"]
+    monkeypatch.setattr(QFileDialog, "getOpenFileName",
+                        staticmethod(lambda *a, **k: (str(EVAL_TASKS), "")))
+    form._eval_task_browse.click()
+    assert "best_by" not in form.errors()
+    assert "data-parallel" in form.errors()["eval_task"]
+    form["workers"].setValue(1)
+    assert "eval_task" not in form.errors()
+    form["eval_task_limit"].setValue(8)
     view.name_field.setText("window-run")
     config = start(qtbot, view, view.queue_button)
-    assert config["workers"] == 2 and config["data_config"]["chat_template"] == TEMPLATE
+    assert config["data_config"]["chat_template"] == TEMPLATE
+    assert config["eval_task"] == f"jsonl:{EVAL_TASKS}" and config["best_by"] == "task"
 
     cli_run = tmp_path / "cli-run"
     assert run_cli(["train", "-m", str(SAMPLE_MODEL), "-d", str(SAMPLE_CHAT), "--rank", "8",
@@ -183,13 +197,15 @@ def test_the_window_and_the_cli_write_the_same_supervised_run(qtbot, new_run, tm
                     str(FIRST_SFT["eval_every"]), "--schedule", "linear", "--max-grad-norm",
                     "0.5", "--warmup-fraction", "0.1", "--weight-cache-mb", "64",
                     "--precision", "bf16", "--lr",
-                    "0.002", "--chat-template", str(template),
+                    "0.002", "--chat-template", str(template), "--eval-task", str(EVAL_TASKS),
+                    "--eval-task-limit", "8", "--best-by", "task",
                     "-o", str(cli_run),
                     "--queue", str(tmp_path / "cli-queue.sqlite3")]) == 0
     # The CLI takes --workers only with --on CLUSTER (a Ray job; refused here before a folder
-    # exists), which this test has no cluster for: the window's field is checked above, and
-    # everything else must be the CLI's config.json to the byte.
-    assert {**RunDir(cli_run).config(), "workers": 2} == config
+    # exists), which this test has no cluster for: the window's field is checked above (and
+    # set back to 1: an evaluation task takes one process), and the config.json is the CLI's
+    # to the byte.
+    assert RunDir(cli_run).config() == config
     form.chat_template_clear.click()                              # back to the model's
     assert form.values()["data_config"]["chat_template"] is None
 
@@ -237,5 +253,7 @@ def test_every_setting_of_the_engine_has_a_field(new_run):
                                                               "--warmup-fraction"),
                       ("weight_cache_mb", "--weight-cache-mb"), ("adapter", "--adapter"),
                       ("beta1", "(train.beta1)"), ("min_lr", "(train.min_lr)"),
-                      ("workers", "--workers"), ("chat_template", "--chat-template")):
+                      ("workers", "--workers"), ("chat_template", "--chat-template"),
+                      ("eval_task", "--eval-task"), ("eval_task_limit", "--eval-task-limit"),
+                      ("best_by", "--best-by")):
         assert flag in form[key].toolTip(), key
