@@ -25,7 +25,8 @@ from app.engine.api import (EvalConfig, JobQueue, RunDir, list_runs, new_eval_jo
                             read_evals, saved_cell)   # a result as workbench eval prints it
 from app.engine.errors import EngineError
 from app.views.context import AppContext, sample_dataset_path, sample_model_path
-from app.views.widgets.plots import plot_widget
+from app.views.widgets import theme
+from app.views.widgets.plots import LEGEND, PALETTE, pen, plot_widget, tint
 
 POLL_MS = 500
 FORMATS = ("hellaswag", "winogrande", "mc", "jsonl", "suite", "ppl")
@@ -248,8 +249,9 @@ class EvaluateView(QWidget):
         self.table.resizeColumnsToContents()
         self.chart.clear()
         width = 0.8 / max(len(models), 1)
-        colors = ["#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2"]
-        legend = self.chart.addLegend()
+        # the plots' palette in the current theme (the chart follows a switch: plots.themed)
+        whiskers = pen(theme.LIGHT["axis_text"])
+        self.chart.addLegend(**{key: tint(c) for key, c in LEGEND.items()})
         for i, m in enumerate(models):
             xs, ys, errs = [], [], []
             for j, t in enumerate(tasks):
@@ -258,11 +260,12 @@ class EvaluateView(QWidget):
                     xs.append(j + (i - (len(models) - 1) / 2) * width)
                     ys.append(100 * r["value"])
                     errs.append(100 * (r["stderr"] or 0) if r["stderr"] == r["stderr"] else 0)
-            bars = pg.BarGraphItem(x=xs, height=ys, width=width, brush=colors[i % len(colors)],
-                                   name=m)
+            bars = pg.BarGraphItem(x=xs, height=ys, width=width,
+                                   brush=tint(PALETTE[i % len(PALETTE)]), name=m)
             self.chart.addItem(bars)
             self.chart.addItem(pg.ErrorBarItem(x=np.array(xs), y=np.array(ys),
-                                               height=2 * np.array(errs), beam=width / 3))
+                                               height=2 * np.array(errs), beam=width / 3,
+                                               pen=whiskers))
         self.chart.getAxis("bottom").setTicks([list(enumerate(tasks))])
         self.chart.setLabel("left", "accuracy / pass rate (%)")
         self.bars = [(m, t) for m in models for t in tasks

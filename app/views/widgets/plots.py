@@ -111,7 +111,7 @@ def _moved_brush(value):
 
 def restyle_plot(plot: pg.PlotWidget) -> None:
     """Put `plot` and everything drawn in it in the current theme: its background, titles,
-    axes, legend, curves, fills, bars and lines (a colour of either palette moves to the
+    axes, legend, curves, fills, bars, error bars and lines (a colour of either palette moves to the
     current one; others stay)."""
     plot.setBackground(theme.color("plot_bg"))
     for item in plot.scene().items():
@@ -145,6 +145,8 @@ def restyle_plot(plot: pg.PlotWidget) -> None:
             label = getattr(item, "label", None)          # only a labelled line has one
             if label is not None:
                 label.setColor(tint(label.color))
+        elif isinstance(item, pg.ErrorBarItem):
+            item.setData(pen=_moved_pen(item.opts.get("pen")))
         elif isinstance(item, pg.BarGraphItem):
             o = item.opts
             if o.get("brushes") is not None:

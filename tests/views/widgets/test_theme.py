@@ -70,6 +70,15 @@ def plot_problems(plot: pg.PlotWidget, dark: bool) -> list[str]:
             if pen.style() != Qt.NoPen and pen.color().alpha() > 0 and \
                     contrast(pen.color(), bg) < GRAPHICS:
                 out.append(f"{name}: curve {pen.color().name()} on {bg.name()}")
+        elif isinstance(item, pg.BarGraphItem) and dark:
+            for brush in item.opts.get("brushes") or [item.opts.get("brush")]:
+                color = pg.mkBrush(brush).color()
+                if contrast(color, bg) < GRAPHICS:
+                    out.append(f"{name}: bar {color.name()} on {bg.name()}")
+        elif isinstance(item, pg.ErrorBarItem) and dark:
+            color = pg.mkPen(item.opts.get("pen")).color()
+            if contrast(color, bg) < GRAPHICS:
+                out.append(f"{name}: error bar {color.name()} on {bg.name()}")
         elif isinstance(item, pg.LegendItem) and item.opts.get("brush") is not None:
             fill = pg.mkBrush(item.opts["brush"]).color()
             if (luminance(fill) < 0.05) != dark:
@@ -201,3 +210,36 @@ def test_view_menu_theme_is_kept_for_the_next_start(qtbot, ctx, qapp, restore, m
     monkeypatch.setenv(theme.ENV, "light")          # the environment wins
     win.restore_theme()
     assert not theme.is_dark() and win.theme_actions["light"].isChecked()
+
+
+def test_evaluate_bars_are_the_themes_palette(qtbot, ctx, qapp, restore):
+    """Evaluate's bars (one colour per model) and error bars are the plots' palette in the
+    current theme: drawn in the dark one's colours, moved to the light one's at a switch."""
+    from app.views.evaluate.view import EvaluateView
+
+    theme.apply_theme(qapp, mode="dark")
+    view = EvaluateView(ctx)
+    qtbot.addWidget(view)
+    models = [f"model{i}" for i in range(len(theme.CURVES) + 1)]     # the palette wraps
+    view.show_results([{"model": m, "task": t, "kind": "jsonl", "metric": "acc",
+                        "value": 0.25 + 0.05 * i, "stderr": 0.04, "n": 20}
+                       for i, m in enumerate(models) for t in ("jsonl:a.jsonl", "mc:b.bin")])
+
+    def colors(kind):
+        items = [i for i in view.chart.getPlotItem().items if isinstance(i, kind)]
+        if kind is pg.BarGraphItem:
+            return [pg.mkBrush(i.opts["brush"]).color().name() for i in items]
+        return [pg.mkPen(i.opts["pen"]).color().name() for i in items]
+
+    assert plot_problems(view.chart, dark=True) == []
+    dark_bars = colors(pg.BarGraphItem)
+    assert len(set(dark_bars)) == len(theme.CURVES)                 # models told apart
+    # the dark colour of each light curve colour (one two names share: the first name's)
+    assert set(dark_bars) == {theme.translate(theme.LIGHT[c]) for c in theme.CURVES}
+    assert set(dark_bars) <= set(theme.DARK.values())
+    assert set(colors(pg.ErrorBarItem)) == {theme.translate(theme.LIGHT["axis_text"])}
+    theme.apply_theme(qapp, mode="light")                           # followed live
+    light_bars = set(colors(pg.BarGraphItem))    # (a dark colour two names share moves back
+    assert light_bars <= set(theme.LIGHT.values())     # to the first name's light one)
+    assert len(light_bars) == len(theme.CURVES)
+    assert set(colors(pg.ErrorBarItem)) == {theme.LIGHT["axis_text"]}
