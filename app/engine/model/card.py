@@ -154,7 +154,8 @@ RUNTIME_BYTES = 165 << 20
 @dataclass(frozen=True)
 class MemoryEstimate:
     """Bytes a training run needs, by part, for the card's LoRA rank (every target) and
-    context, float32 compute. `total_for` puts them together for the chosen settings."""
+    context, float32 compute. `total_for` puts them together for the chosen settings (under
+    precision "bf16" the cache holds half: `cached`)."""
 
     weights: int                        # base weights as stored (memory-mapped, all read)
     dequantized: int                    # float32 copies of every quantized tensor the engine
@@ -179,18 +180,27 @@ class MemoryEstimate:
         kept = kept_activation_bytes(list(self.layer_activations), self.boundary, checkpoint)
         return kept + max(self.loss_head, max(self.layer_backward, default=0))
 
-    def dequantized_in_use(self, cache_budget: int) -> int:
-        """Float32 weights alive: what the cache keeps under `cache_budget` bytes, plus
-        `dequant_working` when the cache cannot keep them all."""
-        kept = min(cache_budget, self.dequantized)
-        return kept + (self.dequant_working if kept < self.dequantized else 0)
+    def cached(self, precision: str = "fp32") -> int:
+        """The most the weight cache holds for a run whose base's products compute in
+        `precision` (a chosen one: "fp32", "tf32" or "bf16"): `dequantized`, or half of it
+        under bf16, where the cache holds the weights packed in bf16 (WeightStore.packed)."""
+        return self.dequantized // 2 if precision == "bf16" else self.dequantized
+
+    def dequantized_in_use(self, cache_budget: int, precision: str = "fp32") -> int:
+        """Dequantized weights alive: what the cache keeps under `cache_budget` bytes (in
+        float32, or packed bf16: `cached`), plus `dequant_working` when the cache cannot keep
+        them all (counted in float32 under bf16 too: a bound)."""
+        whole = self.cached(precision)
+        kept = min(cache_budget, whole)
+        return kept + (self.dequant_working if kept < whole else 0)
 
     def total_for(self, trained_state: int, checkpoint: int = 0,
-                  cache_budget: int | None = None) -> int:
-        """Weights, float32 weights in use, `trained_state` (adapter or full copies with their
-        gradients and moments), activations and the process's runtime."""
+                  cache_budget: int | None = None, precision: str = "fp32") -> int:
+        """Weights, dequantized weights in use (in `precision`), `trained_state` (adapter or
+        full copies with their gradients and moments), activations and the process's
+        runtime."""
         budget = default_cache_budget() if cache_budget is None else cache_budget
-        return (self.weights + self.dequantized_in_use(budget) + trained_state
+        return (self.weights + self.dequantized_in_use(budget, precision) + trained_state
                 + self.activations(checkpoint) + RUNTIME_BYTES)
 
     @property
@@ -229,6 +239,8 @@ class ModelCard:
         types = ", ".join(f"{t} x{n}" for t, n in sorted(self.tensor_types.items(),
                                                           key=lambda kv: -kv[1]))
         m = self.memory
+        auto = choose_precision("auto")      # what a run with the default settings computes in
+        cache = m.dequantized_in_use(default_cache_budget(), auto.name)
         return [
             ("File", os.path.basename(self.path)),
             ("Name", self.name),
@@ -244,10 +256,11 @@ class ModelCard:
             ("File size", human_bytes(self.file_size)),
             ("Chat template", "yes" if self.has_chat_template else "no (ChatML default)"),
             # what --precision auto picks on this computer, and what the bf16 extra would gain
-            ("Precision (auto)", choose_precision("auto").reason),
+            ("Precision (auto)", auto.reason),
             (f"LoRA run estimate (rank {self.lora_rank}, context {self.context})",
-             f"{human_bytes(m.total)}: weights {human_bytes(m.weights)}, dequantized weights "
-             f"{human_bytes(m.dequantized_in_use(default_cache_budget()))}, adapter+optimizer "
+             f"{human_bytes(m.total_for(m.adapter, precision=auto.name))}: weights "
+             f"{human_bytes(m.weights)}, dequantized weights {human_bytes(cache)}"
+             f"{' (packed bf16)' if auto.bf16 and cache else ''}, adapter+optimizer "
              f"{human_bytes(m.adapter)} ({human_count(self.lora_params)} trainable), activations "
              f"{human_bytes(m.activations())}, runtime {human_bytes(RUNTIME_BYTES)}"),
         ]

@@ -8,7 +8,9 @@ instead of the adapter (its float32 copy, gradient and two AdamW moments). `chec
 gradient-checkpointing interval (0: off) and `weight_cache_mb` the dequantized-weight cache
 (None: what a run gets by default, `cache_budget_for`: 40% of the memory of `device`, less
 where the run would otherwise pass RUN_MEMORY_SHARE of that memory). On device "cuda" the estimate
-carries the GPU's free and total memory too (None where no GPU is usable).
+carries the GPU's free and total memory too (None where no GPU is usable). `precision` is the
+run's --precision (auto|fp32|bf16), resolved as the trainer resolves it (`run_precision`): under
+bf16 the cache holds the frozen weights packed in bf16, half the float32 bytes.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from app.engine.errors import OutOfMemoryError
 from app.engine.model.card import RUNTIME_BYTES, ModelCard, describe_model, human_bytes
 from app.engine.model.lora import LoraConfig
 from app.engine.model.weights import default_cache_budget
+from app.engine.runtime.bf16 import choose
 from app.engine.runtime.backend import array_module, device_memory, gpu_available
 from app.engine.training.config import TrainConfig
 
@@ -36,30 +39,45 @@ class TrainingMemory:
 
     total: int
     weights: int                     # base weights as stored (memory-mapped)
-    dequantized: int                 # float32 copies of quantized weights alive
+    dequantized: int                 # copies of quantized weights alive (float32, or bf16)
     trained: int                     # adapter (or full copies) + gradients + optimizer
     trainable: int                   # the parameters trained
     activations: int                 # kept activations and backward's buffers
     runtime: int                     # the engine's process before a model
     gpu: tuple[int, int] | None      # (free, total) of the GPU, on device "cuda"
+    precision: str = "fp32"          # what the base's products compute in: "fp32" or "bf16"
 
 
 def estimate_memory(card: ModelCard, trainable: int | None, full: bool = False,
                     device: str = "cpu", checkpoint: int = 0,
-                    weight_cache_mb: int | None = None) -> TrainingMemory:
+                    weight_cache_mb: int | None = None,
+                    precision: str = "auto") -> TrainingMemory:
     """See the module docstring."""
     m = card.memory
     xp, on_gpu = _compute_module(device)
+    chosen = run_precision(precision, device)
     trainable, state = _trained(card, trainable, full)
     if weight_cache_mb is not None:
         budget = weight_cache_mb << 20
     else:
-        budget = cache_budget_for(m.total_for(state, checkpoint, 0), xp)
+        budget = cache_budget_for(m.total_for(state, checkpoint, 0, chosen), xp)
     return TrainingMemory(
-        total=m.total_for(state, checkpoint, budget), weights=m.weights,
-        dequantized=m.dequantized_in_use(budget), trained=state, trainable=trainable,
+        total=m.total_for(state, checkpoint, budget, chosen), weights=m.weights,
+        dequantized=m.dequantized_in_use(budget, chosen), trained=state, trainable=trainable,
         activations=m.activations(checkpoint), runtime=RUNTIME_BYTES,
-        gpu=device_memory(array_module("cuda")) if on_gpu else None)
+        gpu=device_memory(array_module("cuda")) if on_gpu else None, precision=chosen)
+
+
+def run_precision(requested: str, device: str = "cpu") -> str:
+    """The precision a run asking for `requested` on `device` computes its base's products in,
+    as TrainSession chooses it (app.engine.runtime.bf16.choose_precision): "bf16" or "fp32".
+    A GPU's cache is float32 whatever it computes in (its TF32 rounds inside cuBLAS). On the
+    CPU the library is not loaded here (a second, for every estimate): a broken install, which
+    the run would find and fall back from to float32, is taken at its word (the estimate is
+    then short by half the cache; the run's log says why it fell back)."""
+    if _compute_module(device)[1]:
+        return "fp32"
+    return "bf16" if choose(requested).bf16 else "fp32"
 
 
 def _compute_module(device: str):
@@ -98,7 +116,8 @@ def run_cache_budget(model_path: str, train: TrainConfig, context: int) -> int:
     kinds = tuple(LoraConfig(targets=tuple(train.lora_targets)).kinds())
     card = describe_model(model_path, train.lora_rank, context, train.expert_rank, kinds)
     rest = estimate_memory(card, card.lora_params, train.mode == "full", train.device,
-                           train.checkpoint_interval, weight_cache_mb=0).total
+                           train.checkpoint_interval, weight_cache_mb=0,
+                           precision=train.precision).total
     return cache_budget_for(rest, _compute_module(train.device)[0])
 
 
@@ -113,7 +132,8 @@ def check_run_memory(model_path: str, train: TrainConfig, context: int, sequence
     kinds = tuple(LoraConfig(targets=tuple(train.lora_targets)).kinds())
     card = describe_model(model_path, train.lora_rank, context, train.expert_rank, kinds)
     run = estimate_memory(card, card.lora_params, train.mode == "full", train.device,
-                          train.checkpoint_interval, weight_cache_mb=0)
+                          train.checkpoint_interval, weight_cache_mb=0,
+                          precision=train.precision)
     c = card.config
     kv = sequences * sequence_tokens * c.n_layer * 2 * c.n_head_kv * c.head_dim * 4
     xp, on_gpu = _compute_module(train.device)
