@@ -2,7 +2,8 @@
 
 `memory_sentence(est, tokens, full, checkpoint, device)` words an engine estimate
 (`estimate_memory`, app.engine.training.memory): the total, then each part; `tokens` says what the
-activations are for ("context 256"). On device "cuda" it ends with the GPU's memory, total and
+activations are for ("context 256"). The dequantized weights say when the cache holds them packed
+in bf16 (half the float32 bytes). On device "cuda" it ends with the GPU's memory, total and
 free.
 """
 
@@ -13,7 +14,9 @@ from app.engine.api import TrainingMemory, human_bytes, human_count
 
 def memory_sentence(est: TrainingMemory, tokens: str, full: bool, checkpoint: int,
                     device: str) -> str:
-    cached = f", dequantized weights {human_bytes(est.dequantized)}" if est.dequantized else ""
+    packed = " (packed bf16: --precision)" if est.precision == "bf16" else ""
+    cached = (f", dequantized weights {human_bytes(est.dequantized)}{packed}"
+              if est.dequantized else "")
     what = "trained copies + gradients + optimizer" if full else "adapter + optimizer"
     saving = f"checkpoint every {checkpoint} layers" if checkpoint else "no checkpointing"
     return (f"Estimated memory: {human_bytes(est.total)} \u2014 weights "

@@ -62,7 +62,8 @@ from app.views.widgets.form_fields import combo, set_combo
 from app.views.widgets.plots import box
 from app.views.widgets.tooltips import KIND_TIPS, NEW_RUN_TIPS
 
-ESTIMATE_ROW = "LoRA run estimate"
+ESTIMATE_ROW = "LoRA run estimate"                      # the card's row, until the first
+ESTIMATE_LABEL = "Estimated memory (current settings)"  # estimate of the form renames it
 DATA_KEY, PROMPTS_KEY = "recent/dataset", "recent/prompts"
 KTO_KIND = "kto"                    # the preference method that takes unpaired rows too
 PAIRS_KEY = "recent/preferences"    # a preference run's file: its own, not the dataset's
@@ -339,12 +340,13 @@ class NewRunView(QWidget):
         full, device = self.form.mode() == "full", self.form["device"].currentData()
         checkpoint = self.form["checkpoint_interval"].value()
         est = estimate_memory(card, self.form.trainable_params(), full, device, checkpoint,
-                              train.get("weight_cache_mb"))
+                              train.get("weight_cache_mb"), train.get("precision", "auto"))
         self.memory_estimate = est.total
         text = memory_sentence(est, tokens, full, checkpoint, device)
         self.memory_label.setText(text)
-        self.card_view.set_row(ESTIMATE_ROW, "Estimated memory (current settings)",
-                               text.split(": ", 1)[-1])
+        value = text.split(": ", 1)[-1]
+        if not self.card_view.set_row(ESTIMATE_LABEL, ESTIMATE_LABEL, value):
+            self.card_view.set_row(ESTIMATE_ROW, ESTIMATE_LABEL, value)
         self._update_summary()
 
     # ---------------------------------------------------------------- dataset
@@ -399,7 +401,7 @@ class NewRunView(QWidget):
         if key in DATA_KEYS or key in ("all", "seed", "clip", "weights_path"):
             self._relint()
         if key in ("rank", "context", "targets", "mode", "device", "checkpoint_interval",
-                   "weight_cache_mb", "all"):
+                   "weight_cache_mb", "precision", "all"):
             self._estimate_timer.start()
         self._update_summary()
 

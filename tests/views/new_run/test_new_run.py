@@ -520,3 +520,24 @@ def test_targets_llamacpp_cannot_load_are_refused_before_a_run_exists(view, ctx)
     with pytest.raises(ConfigError, match="This model's targets"):
         view._check_and_queue(path, config, False)
     assert ctx.queue.list("queued") == [] and not path.exists()
+
+
+def test_the_estimate_follows_the_precision(qtbot, view):
+    """Under --precision bf16 the weight cache holds the quantized weights packed in bf16, half
+    their float32 bytes; the sentence says so (issue 30)."""
+    path = str(GOLDEN / "qwen3moe-q4_0.gguf")
+    view.open_model(path)
+    qtbot.waitUntil(lambda: view.card is not None and view.card.path == path, timeout=5000)
+    view.form["precision"].setCurrentIndex(view.form["precision"].findData("fp32"))
+    qtbot.waitUntil(lambda: "packed" not in view.memory_label.text()
+                    and "dequantized" in view.memory_label.text(), timeout=5000)
+    fp32 = view.memory_estimate
+    view.form["precision"].setCurrentIndex(view.form["precision"].findData("bf16"))
+    qtbot.waitUntil(lambda: view.memory_estimate != fp32, timeout=5000)
+    card = describe_model(path, 8, 256)
+    assert view.memory_estimate == fp32 - card.memory.dequantized // 2
+    assert "(packed bf16" in view.memory_label.text()
+    # the card's row follows too (it stayed at the first estimate of the screen before)
+    rows = dict(view.card_view.shown_rows())
+    assert rows["Estimated memory (current settings)"] == view.memory_label.text().split(": ", 1)[1]
+    view.grab().save("/tmp/shots/new_run_bf16_estimate.png")
