@@ -18,7 +18,7 @@ from app.engine.export.verify import llamacpp_python  # can the llama.cpp cross-
 from app.engine.export.evaluate import compare_perplexity  # perplexity as llama-perplexity
 from app.engine.evaluation.job import EvalConfig, new_eval_job  # the Evaluate screen's job
 from app.engine.evaluation.runner import parse_task
-from app.engine.evaluation.during_training import CHOICE_KINDS as EVAL_TASK_KINDS  # --eval-task's
+from app.engine.evaluation.during_training import CHOICE_KINDS as EVAL_TASK_KINDS  # --eval-task
 from app.engine.evaluation.results import saved_cell  # a saved result as text
 from app.engine.evaluation.store import latest_evals, read_evals  # RUN_DIR/evals.jsonl
 from app.engine.hub import client as hub  # models from the Hugging Face Hub (Get a model...)
@@ -88,5 +88,6 @@ __all__ = [
     "ExportTargetExists", "export", "source_from_adapter", "source_from_run",
     "compare_perplexity", "expected_export_size", "llamacpp_python",
     # evaluation: benchmark tasks and prompt suites, queued as a job (the Evaluate screen)
-    "EvalConfig", "new_eval_job", "parse_task", "EVAL_TASK_KINDS", "read_evals", "latest_evals", "saved_cell",
+    "EvalConfig", "new_eval_job", "parse_task", "EVAL_TASK_KINDS", "read_evals", "latest_evals",
+    "saved_cell",
 ]

@@ -35,7 +35,8 @@ from PySide6.QtWidgets import (QCheckBox, QFileDialog, QFrame, QGridLayout, QHBo
                                QLineEdit, QPushButton, QScrollArea, QVBoxLayout, QWidget)
 
 from app.engine.api import precision_choice
-from app.engine.api import (DEFAULT_BETA, EVAL_TASK_KINDS, GRPO, PREFERENCE_KINDS, SFT, TARGET_GROUPS,
+from app.engine.api import (DEFAULT_BETA, EVAL_TASK_KINDS, GRPO, PREFERENCE_KINDS, SFT,
+                            TARGET_GROUPS,
                             DataConfig, GrpoConfig, LintReport, ModelCard, PreferenceConfig,
                             RunConfig, TrainConfig, default_context, default_lr,
                             EngineError, gpu_available, human_bytes, human_count,

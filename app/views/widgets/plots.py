@@ -111,8 +111,8 @@ def _moved_brush(value):
 
 def restyle_plot(plot: pg.PlotWidget) -> None:
     """Put `plot` and everything drawn in it in the current theme: its background, titles,
-    axes, legend, curves, fills, bars, error bars and lines (a colour of either palette moves to the
-    current one; others stay)."""
+    axes, legend, curves, fills, bars, error bars and lines (a colour of either palette moves to
+    the current one; others stay)."""
     plot.setBackground(theme.color("plot_bg"))
     for item in plot.scene().items():
         if isinstance(item, pg.AxisItem):
