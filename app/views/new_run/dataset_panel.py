@@ -24,7 +24,7 @@ from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QColor, QFont, QTextCharFormat, QTextCursor
 from PySide6.QtWidgets import (QAbstractItemView, QFileDialog, QHBoxLayout, QHeaderView, QLabel,
                                QLineEdit, QProgressBar, QPushButton, QSplitter, QTableWidget,
-                               QTableWidgetItem, QTextEdit, QVBoxLayout, QWidget)
+                               QTextEdit, QVBoxLayout, QWidget)
 
 from app.engine.api import ConfigError, DataConfig, LintReport, lint_file, lint_preference_file
 from app.views.context import Background
@@ -32,6 +32,7 @@ from app.views.widgets import theme
 from app.views.widgets.error_panel import ErrorPanel
 from app.views.widgets.fit import WrappedLabel
 from app.views.widgets.plots import pen, plot_widget, tint
+from app.views.widgets.tables import fill_rows
 from app.views.widgets.tooltips import NEW_RUN_TIPS
 
 PREVIEW_ROWS = 30
@@ -388,12 +389,7 @@ class DatasetPanel(QWidget):
         rejected = r["rejected"] if isinstance(r, dict) else [
             {"line": x.line, "kind": x.kind, "reason": x.reason} for x in r.rejected]
         count = r["rejected_count"] if isinstance(r, dict) else r.rejected_count
-        t.setRowCount(len(rejected))
-        for i, rej in enumerate(rejected):
-            for c, text in enumerate((str(rej["line"]), rej["kind"], rej["reason"])):
-                item = QTableWidgetItem(text)
-                item.setToolTip(text)
-                t.setItem(i, c, item)
+        fill_rows(t, [(str(rej["line"]), rej["kind"], rej["reason"]) for rej in rejected])
         more = count - len(rejected)
         self.bad_rows_title.setText(
             "Rejected rows: none" if not count else
@@ -491,12 +487,7 @@ def fill_preview(t: QTableWidget, preview: tuple[list[str], list[list[str]]]) ->
     t.clear()
     t.setColumnCount(len(columns))
     t.setHorizontalHeaderLabels(columns)
-    t.setRowCount(len(rows))
-    for r, row in enumerate(rows):
-        for c, text in enumerate(row):
-            item = QTableWidgetItem(text)
-            item.setToolTip(text)
-            t.setItem(r, c, item)
+    fill_rows(t, rows)
     if columns:
         t.horizontalHeader().setSectionResizeMode(0, QHeaderView.ResizeToContents)
         for c in range(1, len(columns)):
