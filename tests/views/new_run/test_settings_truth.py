@@ -257,3 +257,29 @@ def test_every_setting_of_the_engine_has_a_field(new_run):
                       ("eval_task", "--eval-task"), ("eval_task_limit", "--eval-task-limit"),
                       ("best_by", "--best-by")):
         assert flag in form[key].toolTip(), key
+
+
+def test_the_evaluation_tasks_refusals_show_under_its_field(new_run, monkeypatch, tmp_path):
+    """The evaluation task's field (issue 32) refuses what `train --eval-task` refuses, under
+    the field: not a task, a prompt suite (training scores multiple choice only), a missing
+    file, a run with nothing held out; the file dialog's filter names the spec's kind."""
+    from PySide6.QtWidgets import QFileDialog
+    form = new_run.form
+    task = tmp_path / "wino.csv"
+    task.write_text("x")
+    for text, words in (("nonsense", "Not a task"), (f"suite:{task}", "not suite"),
+                        (f"mc:{tmp_path / 'none.bin'}", "There is no file")):
+        form.eval_task.setText(text)
+        assert words in form.errors()["eval_task"], text
+        assert form.values()["eval_task"] == text            # kept as typed, refused
+    monkeypatch.setattr(QFileDialog, "getOpenFileName",
+                        staticmethod(lambda *a, **k: (str(task), "WinoGrande (*.csv)")))
+    form._eval_task_browse.click()
+    assert form.eval_task.text() == f"winogrande:{task}" and "eval_task" not in form.errors()
+    form["val_split"].setValue(0)
+    assert "validation split" in form.errors()["eval_task"]
+    form["val_path"].setText(str(SAMPLE_CHAT))                  # a validation file will do
+    assert "eval_task" not in form.errors()
+    assert form.values()["eval_task"] == f"winogrande:{task.resolve()}"
+    form.eval_task.setText("")
+    assert form.values()["eval_task"] == "" and "eval_task" not in form.errors()
