@@ -3,6 +3,8 @@ line) for files that do not read."""
 
 from __future__ import annotations
 
+import json
+
 import struct
 
 import pytest
@@ -109,6 +111,31 @@ def test_jsonl_tasks(tmp_path):
         [t.texts for t in read_tasks("mc", EVAL / "mc.bin")]
 
 
+def test_the_bundled_suite_scores_what_the_preference_pairs_teach():
+    """The suite's last 16 rows ask what preferences.jsonl teaches, on prompts it does not
+    hold: the right answer AND the chosen answers' ending. An answer that is only the ending
+    (what a DPO adapter without --sft-weight writes: the answer's tokens are the same in the
+    chosen and the rejected answer, so DPO's margin never sees them) or only the answer (the
+    base) does not pass."""
+    from app.engine.evaluation.suites import read_suite
+    from app.engine.training.reward_functions import RewardScorer, ScoreItem
+    from tests.conftest import SAMPLE_DATA
+
+    taught = {json.loads(line)["prompt"][0]["content"]
+              for line in (SAMPLE_DATA / "preferences.jsonl").read_text().splitlines()}
+    rows = read_suite(SAMPLE_DATA / "eval_suite.jsonl")[40:]
+    assert len(rows) == 16
+    for r in rows:
+        assert r.row["messages"][0]["content"] not in taught
+        scorer = RewardScorer(r.specs, source="suite")
+        answer = r.row["answer"]
+        texts = [f"{answer} Have a nice day!", "Have a nice day!", answer, f"Sure! {answer}"]
+        items = [ScoreItem("", t, r.row, r.index, r.line, 8, 64) for t in texts]
+        totals = [float(v @ scorer.weights) for v in scorer.score(items)]
+        scorer.close()
+        assert [t >= r.pass_at for t in totals] == [True, False, False, False], (r.line, totals)
+
+
 def test_jsonl_chat_rows_and_the_bundled_sample_sets():
     from app.engine.evaluation.suites import read_suite
     from app.engine.evaluation.scoring import tokenize_task
@@ -117,8 +144,8 @@ def test_jsonl_chat_rows_and_the_bundled_sample_sets():
     from tests.conftest import SAMPLE_DATA
 
     items = read_tasks("jsonl", SAMPLE_DATA / "eval_tasks.jsonl")
-    assert len(items) == 40 and all(t.messages and len(t.texts) == 3 for t in items)
-    assert len(read_suite(SAMPLE_DATA / "eval_suite.jsonl")) == 40
+    assert len(items) == 56 and all(t.messages and len(t.texts) == 3 for t in items)
+    assert len(read_suite(SAMPLE_DATA / "eval_suite.jsonl")) == 56
     tok = load_model(SAMPLE_DATA / "tiny-moe.gguf").tokenizer
     t = tokenize_task(tok, items[0])
     prompt = generation_prompt_ids(tok, items[0].messages)
