@@ -2,10 +2,14 @@
 (sample_data/corpus.txt, the project's own generated text): a HellaSwag file, a WinoGrande CSV,
 a llama.cpp binary multiple-choice file and the same questions as JSONL. Seeded: the same files
 every time. Run from the repository root: python tests/data/eval/make_tasks.py
+
+Larger files for measuring parity (not committed: the fixtures stay the 60-task ones), e.g.
+python tests/data/eval/make_tasks.py --n 300 --seed 7 --out /tmp/eval300
 """
 
 from __future__ import annotations
 
+import argparse
 import csv
 import io
 import json
@@ -38,7 +42,7 @@ def story_sentences() -> list[list[str]]:
     return out
 
 
-def hellaswag(rng: random.Random, docs) -> str:
+def hellaswag(rng: random.Random, docs, N: int = N) -> str:
     lines = []
     while len(lines) < 6 * N:
         doc = rng.choice(docs)
@@ -73,7 +77,7 @@ COLORS = [("The sky", "blue"), ("Grass", "green"), ("Snow", "white"), ("A banana
           ("The sun", "yellow"), ("Fire", "hot"), ("Ice", "cold")]
 
 
-def winogrande(rng: random.Random) -> str:
+def winogrande(rng: random.Random, N: int = N) -> str:
     """Rows whose options change what follows the blank (a pronoun, a sound, a sum), and some
     with the blank at the end (llama.cpp then scores from the common prefix: the other rule)."""
     boys = [k for k, p in KIDS if p == "he"]
@@ -113,7 +117,7 @@ def winogrande(rng: random.Random) -> str:
     return buf.getvalue()
 
 
-def questions(rng: random.Random) -> list[tuple[str, list[str], int]]:
+def questions(rng: random.Random, N: int = N) -> list[tuple[str, list[str], int]]:
     out = []
     for i in range(N):
         q, a = FACTS[i % len(FACTS)]
@@ -126,12 +130,20 @@ def questions(rng: random.Random) -> list[tuple[str, list[str], int]]:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n", type=int, default=N, help=f"tasks per file (default {N})")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="added to the fixtures' seeds (default 0: the committed files)")
+    ap.add_argument("--out", type=Path, default=OUT, help="folder (default: this one)")
+    args = ap.parse_args()
+    n, out = args.n, args.out
+    out.mkdir(parents=True, exist_ok=True)
     docs = story_sentences()
-    (OUT / "hellaswag.txt").write_text(hellaswag(random.Random(2032), docs))
-    (OUT / "winogrande.csv").write_text(winogrande(random.Random(2033)))
-    qs = questions(random.Random(2034))
-    write_mc(OUT / "mc.bin", [(q, c, [int(j == g) for j in range(len(c))]) for q, c, g in qs])
-    with open(OUT / "mc.jsonl", "w") as f:
+    (out / "hellaswag.txt").write_text(hellaswag(random.Random(2032 + args.seed), docs, n))
+    (out / "winogrande.csv").write_text(winogrande(random.Random(2033 + args.seed), n))
+    qs = questions(random.Random(2034 + args.seed), n)
+    write_mc(out / "mc.bin", [(q, c, [int(j == g) for j in range(len(c))]) for q, c, g in qs])
+    with open(out / "mc.jsonl", "w") as f:
         for q, c, g in qs:
             f.write(json.dumps({"question": q, "choices": c, "answer": g}) + "\n")
 
