@@ -36,6 +36,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from app.engine.errors import ConfigError
+from app.engine.evaluation.runner import parse_task
 from app.engine.runs.rundir import (CHECKPOINTS, CONFIG, LOG, METRICS, STATUS, RunDir,
                                     enclosing_run)
 from app.engine.runs.runlock import LOCK
@@ -115,6 +116,12 @@ def run_inputs(run_dir: str | os.PathLike) -> list[tuple[str, Path]]:
     rewards = config.get("rewards") if isinstance(config.get("rewards"), list) else []
     named += [("the run's reward file", r.get("arg")) for r in rewards
               if isinstance(r, dict) and r.get("kind") == "file"]
+    task = config.get("eval_task")
+    if isinstance(task, str) and task:            # KIND:PATH (issue 32); not one: no file
+        try:
+            named.append(("the run's evaluation task", parse_task(task).path))
+        except ConfigError:
+            pass
     found = [(label, Path(p).expanduser().absolute()) for label, p in named
              if isinstance(p, str) and p]
     return found + [(f"the run's {name}", run.path / name) for name in RUN_FILES]

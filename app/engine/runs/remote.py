@@ -21,6 +21,7 @@ import os
 import threading
 
 from app.engine.errors import Cancelled, MissingModuleError
+from app.engine.evaluation.runner import TaskSpec, parse_task
 from app.engine.runs.clusters import PathMap
 from app.engine.runs.executors.ray import SUBMISSION_ENV
 from app.engine.runs.reporter import RunReporter, failure
@@ -42,7 +43,13 @@ class MappedRunDir(RunDir):
         self.path_map = path_map
 
     def config(self) -> dict:
-        return _to_cluster(super().config(), self.path_map)
+        config = _to_cluster(super().config(), self.path_map)
+        task = config.get("eval_task")
+        if isinstance(task, str) and task:        # KIND:PATH (issue 32): its path maps too
+            spec = parse_task(task)
+            config["eval_task"] = TaskSpec(spec.kind, _to_cluster(spec.path, self.path_map)
+                                           ).to_text()
+        return config
 
 
 def _to_cluster(value, path_map: PathMap):

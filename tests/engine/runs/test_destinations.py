@@ -22,7 +22,8 @@ def run(tmp_path) -> RunDir:
     run = RunDir.create(tmp_path / "run", {
         "model": str(tmp_path / "m.gguf"), "data": str(data),
         "data_config": {"val_path": str(tmp_path / "val.jsonl")},
-        "rewards": [{"kind": "file", "arg": str(tmp_path / "rew.py")}, {"kind": "exact"}]})
+        "rewards": [{"kind": "file", "arg": str(tmp_path / "rew.py")}, {"kind": "exact"}],
+        "eval_task": f"winogrande:{tmp_path / 'wino.csv'}"})
     for name in ("status.json", "metrics.jsonl", "log.txt"):
         (run.path / name).write_text("")
     (run.checkpoints_dir / "step-1").mkdir()
@@ -65,6 +66,7 @@ def test_a_runs_inputs_come_from_its_config(run, tmp_path):
     assert labels[str(tmp_path / "data.jsonl")] == "the run's dataset"
     assert labels[str(tmp_path / "val.jsonl")] == "the run's validation data"
     assert labels[str(tmp_path / "rew.py")] == "the run's reward file"
+    assert labels[str(tmp_path / "wino.csv")] == "the run's evaluation task"
     assert labels[str(run.config_path)] == "the run's config.json"
     with pytest.raises(ConfigError, match="would write over the run's dataset"):
         check_destination(tmp_path / "data.jsonl", overwrite=True, inputs=run_inputs(run.path))

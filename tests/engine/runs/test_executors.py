@@ -137,3 +137,12 @@ def test_the_config_files_are_read_through_the_path_map(tmp_path):
         "model": "/models/m.gguf", "data": "/mnt/me/data/d.jsonl",
         "data_config": {"val_path": "/mnt/me/data/v.jsonl", "format": "auto"},
         "rewards": [{"path": "/opt/rewards.py"}], "name": "chat-1"}
+
+
+def test_the_evaluation_tasks_path_reads_as_the_cluster_sees_it(tmp_path):
+    """eval_task is KIND:PATH (issue 32): its path part maps like any other file's."""
+    run = RunDir.create(tmp_path / "run", {"eval_task": "hellaswag:/home/me/tasks/h.txt",
+                                           "data": "/home/me/d.jsonl"})
+    mapped = MappedRunDir(run.path, PathMap.parse("/home/me=/mnt/me"))
+    assert mapped.config() == {"eval_task": "hellaswag:/mnt/me/tasks/h.txt",
+                               "data": "/mnt/me/d.jsonl"}
