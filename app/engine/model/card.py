@@ -149,6 +149,10 @@ def kept_activation_bytes(layers: list[int], boundary: int, checkpoint: int) -> 
 # The engine's process without a model's own memory: Python, NumPy and the compiled kernels
 # (Numba, llvmlite's 69 MB mapped): 164 MB measured after two LoRA steps on a 28 KB model.
 RUNTIME_BYTES = 165 << 20
+# What a run whose bf16 products go through the library (PyTorch's oneDNN) adds to that: its
+# libraries, +192 MB of RSS importing them in a bare process here (+115-175 MB in runs:
+# docs/PERFORMANCE.md, "bf16 products"), and oneDNN's compiled kernels, about 20 MB.
+BF16_LIBRARY_BYTES = 210 << 20
 
 
 @dataclass(frozen=True)
@@ -241,6 +245,7 @@ class ModelCard:
         m = self.memory
         auto = choose_precision("auto")      # what a run with the default settings computes in
         cache = m.dequantized_in_use(default_cache_budget(), auto.name)
+        library = BF16_LIBRARY_BYTES if auto.backend == "onednn" else 0
         return [
             ("File", os.path.basename(self.path)),
             ("Name", self.name),
@@ -258,11 +263,11 @@ class ModelCard:
             # what --precision auto picks on this computer, and what the bf16 extra would gain
             ("Precision (auto)", auto.reason),
             (f"LoRA run estimate (rank {self.lora_rank}, context {self.context})",
-             f"{human_bytes(m.total_for(m.adapter, precision=auto.name))}: weights "
+             f"{human_bytes(m.total_for(m.adapter, precision=auto.name) + library)}: weights "
              f"{human_bytes(m.weights)}, dequantized weights {human_bytes(cache)}"
              f"{' (packed bf16)' if auto.bf16 and cache else ''}, adapter+optimizer "
              f"{human_bytes(m.adapter)} ({human_count(self.lora_params)} trainable), activations "
-             f"{human_bytes(m.activations())}, runtime {human_bytes(RUNTIME_BYTES)}"),
+             f"{human_bytes(m.activations())}, runtime {human_bytes(RUNTIME_BYTES + library)}"),
         ]
 
     def to_dict(self) -> dict:

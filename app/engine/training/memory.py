@@ -10,7 +10,8 @@ gradient-checkpointing interval (0: off) and `weight_cache_mb` the dequantized-w
 where the run would otherwise pass RUN_MEMORY_SHARE of that memory). On device "cuda" the estimate
 carries the GPU's free and total memory too (None where no GPU is usable). `precision` is the
 run's --precision (auto|fp32|bf16), resolved as the trainer resolves it (`run_precision`): under
-bf16 the cache holds the frozen weights packed in bf16, half the float32 bytes.
+bf16 the cache holds the frozen weights packed in bf16, half the float32 bytes, and where the
+products go through the library (oneDNN) the runtime counts its libraries (BF16_LIBRARY_BYTES).
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from app.engine.errors import OutOfMemoryError
-from app.engine.model.card import RUNTIME_BYTES, ModelCard, describe_model, human_bytes
+from app.engine.model.card import (BF16_LIBRARY_BYTES, RUNTIME_BYTES, ModelCard, describe_model,
+                                   human_bytes)
 from app.engine.model.lora import LoraConfig
 from app.engine.model.weights import default_cache_budget
-from app.engine.runtime.bf16 import choose
+from app.engine.runtime.bf16 import FP32, Precision, choose
 from app.engine.runtime.backend import array_module, device_memory, gpu_available
 from app.engine.training.config import TrainConfig
 
@@ -43,7 +45,7 @@ class TrainingMemory:
     trained: int                     # adapter (or full copies) + gradients + optimizer
     trainable: int                   # the parameters trained
     activations: int                 # kept activations and backward's buffers
-    runtime: int                     # the engine's process before a model
+    runtime: int                     # the engine's process before a model (+ the bf16 library)
     gpu: tuple[int, int] | None      # (free, total) of the GPU, on device "cuda"
     precision: str = "fp32"          # what the base's products compute in: "fp32" or "bf16"
 
@@ -56,28 +58,31 @@ def estimate_memory(card: ModelCard, trainable: int | None, full: bool = False,
     m = card.memory
     xp, on_gpu = _compute_module(device)
     chosen = run_precision(precision, device)
+    library = BF16_LIBRARY_BYTES if chosen.backend == "onednn" else 0
     trainable, state = _trained(card, trainable, full)
     if weight_cache_mb is not None:
         budget = weight_cache_mb << 20
     else:
-        budget = cache_budget_for(m.total_for(state, checkpoint, 0, chosen), xp)
+        budget = cache_budget_for(m.total_for(state, checkpoint, 0, chosen.name) + library, xp)
     return TrainingMemory(
-        total=m.total_for(state, checkpoint, budget, chosen), weights=m.weights,
-        dequantized=m.dequantized_in_use(budget, chosen), trained=state, trainable=trainable,
-        activations=m.activations(checkpoint), runtime=RUNTIME_BYTES,
-        gpu=device_memory(array_module("cuda")) if on_gpu else None, precision=chosen)
+        total=m.total_for(state, checkpoint, budget, chosen.name) + library, weights=m.weights,
+        dequantized=m.dequantized_in_use(budget, chosen.name), trained=state,
+        trainable=trainable, activations=m.activations(checkpoint),
+        runtime=RUNTIME_BYTES + library,
+        gpu=device_memory(array_module("cuda")) if on_gpu else None, precision=chosen.name)
 
 
-def run_precision(requested: str, device: str = "cpu") -> str:
+def run_precision(requested: str, device: str = "cpu") -> Precision:
     """The precision a run asking for `requested` on `device` computes its base's products in,
-    as TrainSession chooses it (app.engine.runtime.bf16.choose_precision): "bf16" or "fp32".
-    A GPU's cache is float32 whatever it computes in (its TF32 rounds inside cuBLAS). On the
+    as TrainSession chooses it (app.engine.runtime.bf16.choose_precision): bf16 (the library's
+    or the emulation) or float32. A GPU's cache is float32 whatever it computes in (its TF32
+    rounds inside cuBLAS): FP32 here. On the
     CPU the library is not loaded here (a second, for every estimate): a broken install, which
     the run would find and fall back from to float32, is taken at its word (the estimate is
     then short by half the cache; the run's log says why it fell back)."""
     if _compute_module(device)[1]:
-        return "fp32"
-    return "bf16" if choose(requested).bf16 else "fp32"
+        return FP32
+    return choose(requested)
 
 
 def _compute_module(device: str):

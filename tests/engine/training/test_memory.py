@@ -131,9 +131,13 @@ def test_training_itself_refuses_a_run_past_the_machines_memory(monkeypatch, tmp
 # ---- precision bf16 (issue 30): the cache holds the frozen weights packed in bf16 ------------
 
 def test_under_bf16_the_estimate_counts_half_the_cache(monkeypatch):
+    from app.engine.model.card import BF16_LIBRARY_BYTES
+    from app.engine.runtime import bf16 as precision
+
     card = describe_model(MODEL, 8, 64)
     whole = card.memory.dequantized                      # the whole model in float32
     kw = dict(weight_cache_mb=(2 * whole >> 20) + 1)     # a budget that keeps it all
+    monkeypatch.setattr(precision, "_device", precision.Device(None, False))  # the emulation
     fp32 = estimate_memory(card, card.lora_params, precision="fp32", **kw)
     bf16 = estimate_memory(card, card.lora_params, precision="bf16", **kw)
     assert (fp32.precision, bf16.precision) == ("fp32", "bf16")
@@ -143,6 +147,11 @@ def test_under_bf16_the_estimate_counts_half_the_cache(monkeypatch):
     for forced, want in (("fp32", fp32), ("bf16", bf16)):
         monkeypatch.setenv("WORKBENCH_PRECISION", forced)
         assert estimate_memory(card, card.lora_params, **kw) == want
+    # through the library (a CPU with the unit and the extra): its libraries on top
+    monkeypatch.setattr(precision, "_device", precision.Device("AVX512-BF16", True))
+    onednn = estimate_memory(card, card.lora_params, precision="bf16", **kw)
+    assert onednn.total == bf16.total + BF16_LIBRARY_BYTES
+    assert onednn.runtime == bf16.runtime + BF16_LIBRARY_BYTES
 
 
 def test_a_bf16_step_stays_within_its_estimate(monkeypatch):
@@ -181,6 +190,9 @@ def test_a_bf16_step_stays_within_its_estimate(monkeypatch):
 def test_the_model_cards_estimate_follows_auto(monkeypatch):
     from app.engine.model.card import human_bytes
 
+    from app.engine.runtime import bf16
+
+    monkeypatch.setattr(bf16, "_device", bf16.Device(None, False))   # the emulation
     card = describe_model(MODEL, 8, 64)
     m = card.memory
     for forced, cache, packed in (("fp32", m.dequantized, ""), ("bf16", m.dequantized // 2,
