@@ -32,7 +32,10 @@ MODES = ("light", "dark", "system")
 ENV = "WORKBENCH_THEME"
 
 # name: (light, dark); the two palettes have the same names, so a colour of one moves to
-# the same name's in the other (`translate`)
+# the same name's in the other (`translate`). A colour found on screen must name one pair: two
+# names with the same colour in one palette have the same in the other too (a shade apart
+# where they differ: "#56d365", "#56d366"), or a theme switch there and back changes a curve
+# into another name's colour (tests/views/widgets/test_theme.py).
 COLORS = {
     # window
     "base": ("#ffffff", "#1e2227"),
@@ -46,7 +49,7 @@ COLORS = {
     "accent": ("#2f6fde", "#4a86f0"),
     "accent_hover": ("#2a63c7", "#3b74d9"),
     "hover": ("#f0f2f5", "#2c3238"),
-    "list_hover": ("#e9ecf0", "#2c3238"),
+    "list_hover": ("#e9ecf0", "#2c3239"),
     "selected": ("#dce7fb", "#24406e"),
     "heading": ("#3a4047", "#c9d1d9"),
     "title": ("#2f3a48", "#dfe5ec"),
@@ -71,21 +74,21 @@ COLORS = {
     "primary_disabled": ("#a9c1ee", "#2c4370"),
     "primary_disabled_text": ("#f4f7fd", "#8a98b5"),
     "progress_chunk": ("#a9c4f2", "#2f5597"),
-    "done": ("#2e7d4f", "#56d364"),
+    "done": ("#2e7d4f", "#56d366"),
     # plots and tints
     "plot_bg": ("#ffffff", "#1e2227"),
     "plot_title": ("#3a4047", "#c9d1d9"),
-    "axis_text": ("#4d545c", "#b4bcc5"),
+    "axis_text": ("#4d545d", "#b4bcc5"),
     "axis": ("#aab1b8", "#5d6670"),
     "raw_curve": ("#9db8ec", "#4f6f9e"),
     "orange": ("#e08a1e", "#f0a040"),
     "legend_text": ("#1f2328", "#e6e8eb"),
     "legend_bg": ("#ffffffd7", "#1e2227d7"),
     "trained_bg": ("#c9f0d3", "#1f4a2c"),
-    "good_tint": ("#e3f4e8", "#1c3b27"),
-    "bad_tint": ("#fbe7e5", "#4a2323"),
-    "curve1": ("#d1453b", "#ff7b72"),
-    "curve2": ("#2e9d5b", "#56d364"),
+    "good_tint": ("#e3f4e8", "#1c3b28"),
+    "bad_tint": ("#fbe7e5", "#4a2324"),
+    "curve1": ("#d1453c", "#ff7b73"),
+    "curve2": ("#2e9d5b", "#56d365"),
     "curve3": ("#8e44ad", "#c297ff"),
     "curve4": ("#e08a1e", "#f0a040"),
     "curve5": ("#16a2b8", "#39c5cf"),

@@ -178,16 +178,15 @@ def test_palettes_name_the_same_colours_and_translate(qapp, restore, monkeypatch
     monkeypatch.setenv(theme.ENV, "sepia")
     assert theme.requested_mode() == "system"
     theme.apply_theme(qapp, mode="dark")
-    values = list(theme.LIGHT.values())
-    for name, light in theme.LIGHT.items():
-        if values.count(light) == 1:            # a colour two names share maps to the first
-            assert theme.translate(light) == theme.DARK[name], name
-            assert theme.translate(light.upper()) == theme.DARK[name], name
+    for name, light in theme.LIGHT.items():    # every name's colour, whichever name shares it
+        assert theme.translate(light) == theme.DARK[name], name
+        assert theme.translate(light.upper()) == theme.DARK[name], name
     assert theme.translate("#123456") == "#123456"
     text = f'<span style="color:{theme.LIGHT["accent"]}">x</span>'
     assert theme.translate(text) == f'<span style="color:{theme.DARK["accent"]}">x</span>'
     theme.apply_theme(qapp, mode="light")
-    assert theme.translate(theme.DARK["accent"]) == theme.LIGHT["accent"]
+    for name, dark in theme.DARK.items():      # and back: there and back is where it started
+        assert theme.translate(dark) == theme.LIGHT[name], name
     sheet = theme.style_sheet(theme.DARK, font_scale=1.5)
     assert "$" not in sheet and "font-size: 15pt" in sheet and "font-size: 21pt" in sheet
 
@@ -234,12 +233,9 @@ def test_evaluate_bars_are_the_themes_palette(qtbot, ctx, qapp, restore):
     assert plot_problems(view.chart, dark=True) == []
     dark_bars = colors(pg.BarGraphItem)
     assert len(set(dark_bars)) == len(theme.CURVES)                 # models told apart
-    # the dark colour of each light curve colour (one two names share: the first name's)
-    assert set(dark_bars) == {theme.translate(theme.LIGHT[c]) for c in theme.CURVES}
+    assert set(dark_bars) == {theme.DARK[c] for c in theme.CURVES}
     assert set(dark_bars) <= set(theme.DARK.values())
-    assert set(colors(pg.ErrorBarItem)) == {theme.translate(theme.LIGHT["axis_text"])}
+    assert set(colors(pg.ErrorBarItem)) == {theme.DARK["axis_text"]}
     theme.apply_theme(qapp, mode="light")                           # followed live
-    light_bars = set(colors(pg.BarGraphItem))    # (a dark colour two names share moves back
-    assert light_bars <= set(theme.LIGHT.values())     # to the first name's light one)
-    assert len(light_bars) == len(theme.CURVES)
+    assert set(colors(pg.BarGraphItem)) == {theme.LIGHT[c] for c in theme.CURVES}
     assert set(colors(pg.ErrorBarItem)) == {theme.LIGHT["axis_text"]}
