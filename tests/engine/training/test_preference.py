@@ -276,7 +276,7 @@ def test_pause_and_resume_is_exact(tmp_path, method):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["dpo", "kto"])
+@pytest.mark.parametrize("method", ["dpo", "orpo", "simpo", "kto"])
 def test_kill_9_mid_run_then_resume_gives_the_uninterrupted_steps(tmp_path, method):
     """A queue worker killed with SIGKILL mid-run (it finds the loop through the run-kind
     table): the next worker resumes from the newest checkpoint and every step's loss and
