@@ -122,3 +122,23 @@ def best_run_dir(ctx):
         run.append_metrics({"type": "eval", "step": step, "loss": loss, "accuracy": 0.5,
                             "perplexity": 4.0, "best": best})
     return str(run.path)
+
+
+@pytest.fixture
+def restore(qapp):
+    """The application's theme, style sheet, font and scheme as they were after the test (a
+    test that applies the theme, as the app does at its start, leaves no trace for the next)."""
+    from app.views.widgets import theme
+    from tests.views.test_fits_screen import drop_orphans
+
+    drop_orphans()
+    t = theme.current()
+    mode, dark = t.mode, t.dark
+    sheet, font, palette = qapp.styleSheet(), qapp.font(), qapp.palette()
+    yield
+    theme.apply_theme(qapp, mode="light", font_scale=1.0)
+    t._system_dark = None
+    qapp.setStyleSheet(sheet)
+    qapp.setFont(font)
+    qapp.setPalette(palette)
+    t.mode, t.dark = mode, dark

@@ -29,12 +29,17 @@ from app.views.widgets.run_tail import clock
 COLUMNS = ("Run", "Type", "Model", "Dataset", "Created", "Duration", "Steps", "Best", "Where",
            "Status")
 COL = {name: i for i, name in enumerate(COLUMNS)}
-# Each column's width: its sample text in the table's font (so at any scale), plus padding;
-# Run takes the rest. Longer models and datasets are elided in the middle, whole in the tooltip.
+# Each column's width: its sample text in the table's font as the style sheet sets it (so at
+# any scale), plus padding; Run takes the rest. Longer models and datasets are elided in the middle, whole in the tooltip.
 SAMPLES = {"Type": "GRPO", "Model": "tiny-moe.gguf", "Dataset": "addition.jsonl",
            "Created": "2026-11-28 06:47", "Duration": "10:00:00", "Steps": "1000/1000",
            "Best": "1.284 @ 1770", "Where": "this computer", "Status": "running \u00b7 ETA 0:00:07"}
 PADDING = 20
+# A narrow table: the Run column keeps a default name whole ("<created>-<dataset>"), and the
+# columns that elide (Model, Dataset, Where) give up width for it, down to ELIDED_MIN each.
+RUN_SAMPLE = "20261128-064712-chat"
+ELIDING = ("Model", "Dataset", "Where")
+ELIDED_MIN = 60
 HEADER_TIPS = {
     "Run": "The run's name (a display name given here, else its folder's); hover for its folder",
     "Type": "SFT (supervised fine-tuning) or GRPO (reinforcement learning with rewards)",

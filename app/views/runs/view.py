@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import time
 
-from PySide6.QtCore import QFile, Qt, QUrl
+from PySide6.QtCore import QEvent, QFile, Qt, QUrl
 from PySide6.QtGui import QDesktopServices
 from PySide6.QtWidgets import (QAbstractItemView, QHBoxLayout, QHeaderView, QInputDialog, QLabel,
                                QLineEdit, QMessageBox, QPushButton, QSpinBox, QSplitter,
@@ -34,8 +34,8 @@ from app.engine.api import (ConfigError, EngineError, JobStateError, RunDir, can
                             forget_run, rename_run)
 from app.views.runs.details import DetailsPane
 from app.views.runs.run_rows import Listing, RunLister, RunRow
-from app.views.runs.table import (COL, COLUMNS, PADDING, PATH_ROLE, SAMPLES, ProgressDelegate,
-                                  RunsModel)
+from app.views.runs.table import (COL, COLUMNS, ELIDED_MIN, ELIDING, PADDING, PATH_ROLE,
+                                  RUN_SAMPLE, SAMPLES, ProgressDelegate, RunsModel)
 from app.views.widgets.error_panel import BUG_HINT, ErrorPanel
 from app.views.widgets.fit import FlowLayout
 from app.views.widgets.run_tail import BackgroundPoll
@@ -95,9 +95,8 @@ class RunsView(QWidget):
         header = t.horizontalHeader()
         header.setSectionResizeMode(QHeaderView.Interactive)
         header.setMinimumSectionSize(40)
-        for name, sample in SAMPLES.items():
-            t.setColumnWidth(COL[name], t.fontMetrics().horizontalAdvance(sample) + PADDING)
         header.setSectionResizeMode(COL["Run"], QHeaderView.Stretch)
+        self._fit_columns()
         header.setSortIndicator(-1, Qt.AscendingOrder)      # the queue's order until a click
         t.setSortingEnabled(True)
         self._sorted_by = (-1, Qt.AscendingOrder)
@@ -464,6 +463,34 @@ class RunsView(QWidget):
             self, "Rename run", f"Display name (the folder {row.folder} keeps its name; "
             "empty: the folder's name):", text=row.name)
         return name if ok else None
+
+    def _fit_columns(self) -> None:
+        """Each column at its sample's width in the font the table shows (polished first: the
+        style sheet's font is not the widget's before), Run stretching over the rest; where
+        that leaves Run too narrow for a default name, the eliding columns give up width."""
+        t = self.table
+        t.ensurePolished()
+        metrics = t.fontMetrics()
+        widths = {name: metrics.horizontalAdvance(sample) + PADDING
+                  for name, sample in SAMPLES.items()}
+        short = (metrics.horizontalAdvance(RUN_SAMPLE) + PADDING + sum(widths.values())
+                 - t.viewport().width())
+        spare = sum(max(0, widths[name] - ELIDED_MIN) for name in ELIDING)
+        if short > 0 and spare > 0:
+            share = min(1.0, short / spare)
+            for name in ELIDING:
+                widths[name] -= round(max(0, widths[name] - ELIDED_MIN) * share)
+        for name, width in widths.items():
+            t.setColumnWidth(COL[name], width)
+
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)
+        self._fit_columns()
+
+    def changeEvent(self, event) -> None:
+        super().changeEvent(event)
+        if event.type() in (QEvent.FontChange, QEvent.StyleChange):
+            self._fit_columns()
 
     def closeEvent(self, event) -> None:
         self.poll.stop()

@@ -35,10 +35,14 @@ def names(view) -> list[str]:
     return [view.text(i, "Run") for i in range(view.model.rowCount())]
 
 
-def test_the_main_window_at_1280x720_shows_every_column_whole(qtbot, ctx):
-    """The state, the best evaluation and a default name are not clipped at 1280x720."""
+def test_the_main_window_at_1280x720_shows_every_column_whole(qtbot, ctx, qapp, restore):
+    """The state, the best evaluation and a default name are not clipped at 1280x720, in the
+    font the app's style sheet sets (10 pt: the columns were sized in Qt's default 9 pt before
+    the sheet applied, and Run was left 165 px for a 166 px name)."""
     from app.views.main_window import MainWindow
+    from app.views.widgets import theme
 
+    theme.apply_theme(qapp, mode="light")                  # as prepare_app does at the start
     fake = make(ctx, DEFAULT_NAME, 30)
     fake.eval()
     fake.run.write_status(state="running")

@@ -14,7 +14,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtGui import QColor, QPalette
 
 from app.views.widgets import theme
-from tests.views.test_fits_screen import drop_orphans, screen_pages, window_with_runs
+from tests.views.test_fits_screen import screen_pages, window_with_runs
 
 TEXT, GRAPHICS = 4.5, 3.0
 
@@ -29,22 +29,6 @@ def luminance(color: QColor) -> float:
 def contrast(a: QColor, b: QColor) -> float:
     la, lb = sorted((luminance(a), luminance(b)), reverse=True)
     return (la + 0.05) / (lb + 0.05)
-
-
-@pytest.fixture
-def restore(qapp):
-    """The application's theme, style sheet, font and scheme as they were."""
-    drop_orphans()
-    t = theme.current()
-    mode, dark = t.mode, t.dark
-    sheet, font, palette = qapp.styleSheet(), qapp.font(), qapp.palette()
-    yield
-    theme.apply_theme(qapp, mode="light", font_scale=1.0)
-    t._system_dark = None
-    qapp.setStyleSheet(sheet)
-    qapp.setFont(font)
-    qapp.setPalette(palette)
-    t.mode, t.dark = mode, dark
 
 
 def plot_problems(plot: pg.PlotWidget, dark: bool) -> list[str]:
