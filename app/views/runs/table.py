@@ -17,9 +17,10 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from PySide6.QtCore import QAbstractTableModel, QModelIndex, Qt
+from PySide6.QtCore import QAbstractTableModel, QModelIndex, Qt, Signal
 from PySide6.QtGui import QColor
-from PySide6.QtWidgets import QApplication, QStyle, QStyledItemDelegate, QStyleOptionProgressBar
+from PySide6.QtWidgets import (QApplication, QStyle, QStyledItemDelegate, QStyleOptionProgressBar,
+                               QTableView)
 
 from app.engine.api import KINDS, LOCAL, PREFERENCE_KINDS
 from app.views.runs.run_rows import RunRow
@@ -145,6 +146,17 @@ def haystack(row: RunRow) -> str:
     """What the filter matches: name (and folder), model, dataset, state, type."""
     return " ".join((row.name, row.folder, row.model, row.dataset, row.label,
                      kind_label(row))).casefold()
+
+
+class RunsTable(QTableView):
+    """The runs table; `resized` after its own geometry changed (the view fits its columns to
+    the width the table has then, not the one it had when its parent was resized)."""
+
+    resized = Signal()
+
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)
+        self.resized.emit()
 
 
 class RunsModel(QAbstractTableModel):

@@ -28,14 +28,14 @@ from PySide6.QtCore import QEvent, QFile, Qt, QUrl
 from PySide6.QtGui import QDesktopServices
 from PySide6.QtWidgets import (QAbstractItemView, QHBoxLayout, QHeaderView, QInputDialog, QLabel,
                                QLineEdit, QMessageBox, QPushButton, QSpinBox, QSplitter,
-                               QTableView, QVBoxLayout, QWidget)
+                               QVBoxLayout, QWidget)
 
 from app.engine.api import (ConfigError, EngineError, JobStateError, RunDir, can_continue,
                             forget_run, rename_run)
 from app.views.runs.details import DetailsPane
 from app.views.runs.run_rows import Listing, RunLister, RunRow
 from app.views.runs.table import (COL, COLUMNS, ELIDED_MIN, ELIDING, PADDING, PATH_ROLE,
-                                  RUN_SAMPLE, SAMPLES, ProgressDelegate, RunsModel)
+                                  RUN_SAMPLE, SAMPLES, ProgressDelegate, RunsModel, RunsTable)
 from app.views.widgets.error_panel import BUG_HINT, ErrorPanel
 from app.views.widgets.fit import FlowLayout
 from app.views.widgets.run_tail import BackgroundPoll
@@ -79,7 +79,7 @@ class RunsView(QWidget):
         self.filter_box.textChanged.connect(self._on_filter)
 
         self.model = RunsModel(self)
-        t = self.table = QTableView()
+        t = self.table = RunsTable()
         t.setModel(self.model)
         t.setSelectionBehavior(QAbstractItemView.SelectRows)
         t.setSelectionMode(QAbstractItemView.SingleSelection)
@@ -97,6 +97,7 @@ class RunsView(QWidget):
         header.setMinimumSectionSize(40)
         header.setSectionResizeMode(COL["Run"], QHeaderView.Stretch)
         self._fit_columns()
+        t.resized.connect(self._fit_columns)
         header.setSortIndicator(-1, Qt.AscendingOrder)      # the queue's order until a click
         t.setSortingEnabled(True)
         self._sorted_by = (-1, Qt.AscendingOrder)
@@ -482,10 +483,6 @@ class RunsView(QWidget):
                 widths[name] -= round(max(0, widths[name] - ELIDED_MIN) * share)
         for name, width in widths.items():
             t.setColumnWidth(COL[name], width)
-
-    def resizeEvent(self, event) -> None:
-        super().resizeEvent(event)
-        self._fit_columns()
 
     def changeEvent(self, event) -> None:
         super().changeEvent(event)
