@@ -36,9 +36,10 @@ SAMPLES = {"Type": "GRPO", "Model": "tiny-moe.gguf", "Dataset": "addition.jsonl"
            "Created": "2026-11-28 06:47", "Duration": "10:00:00", "Steps": "1000/1000",
            "Best": "1.284 @ 1770", "Where": "this computer", "Status": "running \u00b7 ETA 0:00:07"}
 PADDING = 20
-# A narrow table: the Run column keeps a default name whole ("<created>-<dataset>"), and the
-# columns that elide (Model, Dataset, Where) give up width for it, down to ELIDED_MIN each.
-RUN_SAMPLE = "20261128-064712-chat"
+# A narrow table: the Run column keeps a default name whole (a run's "<created>-<dataset>",
+# an evaluation's "<created>-<id>", the longer), and the columns that elide (Model, Dataset,
+# Where) give up width for it, down to ELIDED_MIN each.
+RUN_SAMPLE = "20261128-084514-7a07bc"
 ELIDING = ("Model", "Dataset", "Where")
 ELIDED_MIN = 60
 HEADER_TIPS = {
