@@ -13,8 +13,9 @@ loss) stays float32. On a GPU `choose_precision` switches CuPy's float32 GEMMs t
   (`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`, asked here through a raw syscall before
   the library is loaded; oneDNN asks too). A CPU that lists amx_bf16 but whose kernel refuses (a
   VM, an old kernel) is treated as one without the unit: float32, with the refusal in the reason.
-- The library is oneDNN through PyTorch (`pip install -e '.[bf16]'`; the measurements that chose
-  it are in docs/PERFORMANCE.md, "bf16 products"). Imported only once bf16 was chosen.
+- The library is oneDNN, called through its C API (app.engine.runtime.onednn; `pip install -e
+  '.[bf16]'` installs the `onednn-cpu-gomp` wheel; the measurements that chose it are in
+  docs/PERFORMANCE.md, "bf16 products"). Loaded only once bf16 was chosen.
 - `choose(requested)` turns `precision = auto|fp32|bf16` into a `Precision`: auto = bf16 where
   the unit and the library are there, float32 elsewhere; an explicit bf16 without the unit or the
   library runs the EMULATION (same numerics, slower than float32: for tests and comparisons).
@@ -24,29 +25,21 @@ loss) stays float32. On a GPU `choose_precision` switches CuPy's float32 GEMMs t
   (transpose=True) or x @ w, float32 in and out.
 
 Numerics, the same on both backends up to summation order: x and W rounded to bf16 (round to
-nearest even), products accumulated in float32, and the result rounded to bf16 before it is
-returned as float32. The last rounding is the library's: PyTorch's CPU matmul on bf16 tensors
-writes bf16 (oneDNN accumulates in float32 and converts once; no CPU op of PyTorch 2.13 returns
-float32 from bf16 inputs: `mm(out_dtype=)` and `_grouped_mm(out_dtype=)` refuse on the CPU,
-`out=` must be bf16, and fpmath_mode=bf16 on float32 runs oneDNN's float32 kernel on this CPU).
-The emulation rounds its result the same way so that it is the library's oracle. So each output
-is within 3 u sum_k |x_k||w_k| of the exact product of the float32 inputs (u = 2^-8: 2u for the
-two inputs' rounding, u for the output's), plus the float32 accumulation term.
-
-Threads: the engine splits the products into row blocks on its own threads
-(app.engine.runtime.parallel) and calls the library inside each piece, so the library runs on
-one thread (torch.set_num_threads(1)), as BLAS does.
+nearest even), the products accumulated in float32 and returned in float32. So each output is
+within 2u sum_k |x_k||w_k| of the exact product of the float32 inputs (u = 2^-8, one for each
+input's rounding) plus the float32 accumulation term.
 """
 
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import os
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
+
+from app.engine.runtime import onednn
 
 PRECISIONS = ("auto", "fp32", "bf16")
 ENV = "WORKBENCH_PRECISION"
@@ -65,8 +58,8 @@ XFEATURE_XTILEDATA = 18
 
 @dataclass(frozen=True)
 class Device:
-    """What this CPU offers: `unit` ("AMX-BF16", "AVX512-BF16" or None), `library` (PyTorch
-    importable), `refused` (the kernel refused AMX's tile state: its message, else "")."""
+    """What this CPU offers: `unit` ("AMX-BF16", "AVX512-BF16" or None), `library` (oneDNN's
+    wheel installed), `refused` (the kernel refused AMX's tile state: its message, else "")."""
 
     unit: str | None
     library: bool
@@ -138,11 +131,8 @@ def request_amx_permission(syscall: Callable[..., int] | None = None) -> str:
 
 
 def library_available() -> bool:
-    """PyTorch (oneDNN) importable, without importing it (a second of start-up)."""
-    try:
-        return importlib.util.find_spec("torch") is not None
-    except (ImportError, ValueError):
-        return False
+    """oneDNN's wheel installed (found by its file list, not loaded)."""
+    return onednn.library_path() is not None
 
 
 _device: Device | None = None
@@ -184,7 +174,7 @@ def choose(requested: str = "auto", device: Device | None = None) -> Precision:
         return Precision("fp32", None, "float32: asked for (--precision fp32)")
     device = detect() if device is None else device
     if device.unit and device.library:
-        return Precision("bf16", "onednn", f"bf16: {device.unit} via oneDNN (PyTorch)")
+        return Precision("bf16", "onednn", f"bf16: {device.unit} via oneDNN")
     if requested == "bf16":
         why = ("this CPU has no bf16 unit" if not device.unit
                else f"the bf16 extra is missing ({INSTALL_HINT})")
@@ -260,13 +250,13 @@ def round_bf16(x) -> np.ndarray:
 
 class Bf16Weight:
     """A frozen weight (out, in) in bf16: `bits` uint16, C-contiguous, half its float32 bytes;
-    `tensor` the same memory as a torch.bfloat16 tensor when the library is in use. Rows slice
-    (the loss head's vocabulary chunks) without a copy."""
+    `backend` "onednn" or "emulation", the one its products run on. Rows slice (the loss
+    head's vocabulary chunks) without a copy."""
 
-    __slots__ = ("bits", "tensor")
+    __slots__ = ("bits", "backend")
 
-    def __init__(self, bits: np.ndarray, tensor: Any = None):
-        self.bits, self.tensor = bits, tensor
+    def __init__(self, bits: np.ndarray, backend: str = "emulation"):
+        self.bits, self.backend = bits, backend
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -278,18 +268,11 @@ class Bf16Weight:
 
     dtype = np.dtype(np.float32)      # what its products give
 
-    @property
-    def backend(self) -> str:
-        return "emulation" if self.tensor is None else "onednn"
-
     def __len__(self) -> int:
         return self.bits.shape[0]
 
     def __getitem__(self, rows):
-        bits = self.bits[rows]
-        if self.tensor is None or not isinstance(rows, slice):
-            return Bf16Weight(bits)       # a gather (the labels' rows): read as bits only
-        return Bf16Weight(bits, self.tensor[rows])
+        return Bf16Weight(self.bits[rows], self.backend)
 
     def widened(self) -> np.ndarray:
         """The float32 values (a new array): the emulation's operand, and for tests."""
@@ -309,71 +292,40 @@ def product(x, w, transpose: bool = True, out=None, xp=np):
     return xp.matmul(x, w.T if transpose else w, out=out)
 
 
-_torch = None
-# oneDNN compiles a kernel for every new shape it meets (measured here: about 3.5 ms and 0.7 MB
-# each, kept in its primitive cache), and an MoE layer's experts get a different number of rows
-# at every step. The rows of x are padded with zeros to a multiple of PAD_ROWS, so that a layer
-# meets a few shapes in a whole run; the padded rows' results are dropped.
-PAD_ROWS = 32
-
-
 def _library():
-    """torch, imported once, on one thread (the engine's threads call it, see above)."""
-    global _torch
-    if _torch is None:
-        import torch
-        torch.set_num_threads(1)
-        _torch = torch
-    return _torch
+    """oneDNN, opened once (app.engine.runtime.onednn.load: OSError where it cannot)."""
+    return onednn.load()
 
 
 def pack(w, backend: str = "emulation") -> Bf16Weight:
-    """A float32 weight (out, in) rounded to bf16 once, for `matmul`. With the library its own
-    conversion rounds (to nearest even, the same bits as round_bits: tested), 1.6x faster on
-    1536 x 512 here: full fine-tuning rounds every trained matrix once per pass."""
-    w = np.ascontiguousarray(w, dtype=np.float32)
-    if backend != "onednn" or not w.flags.writeable:   # torch wants writable arrays
-        return wrap(round_bits(w), backend)
-    torch = _library()
-    tensor = torch.from_numpy(w).to(torch.bfloat16)
-    return Bf16Weight(tensor.view(torch.int16).numpy().view(np.uint16), tensor)
+    """A float32 weight (out, in) rounded to bf16 once, for `matmul` on `backend`. With the
+    library its reorder rounds (to nearest even, the same bits as round_bits: tested), in one
+    pass where round_bits makes several: full fine-tuning rounds every trained matrix once per
+    pass."""
+    if backend != "onednn":
+        return Bf16Weight(round_bits(w))
+    return Bf16Weight(onednn.to_bf16(w), backend)
 
 
 def wrap(bits: np.ndarray, backend: str = "emulation") -> Bf16Weight:
     """bf16 bits (uint16, C-contiguous: round_bits' or filled by row blocks of it) as a weight
     for `matmul` on `backend`, without a copy."""
-    if backend != "onednn":
-        return Bf16Weight(bits)
-    torch = _library()
-    return Bf16Weight(bits, torch.from_numpy(bits).view(torch.bfloat16))
+    return Bf16Weight(bits, backend)
 
 
 def matmul(x, w: Bf16Weight, transpose: bool = True, out=None) -> np.ndarray:
     """x (M, K) float32 @ w^T (w (N, K), transpose=True) or @ w (w (K, N)) -> (M, N) float32
-    (into `out` if given, a C-contiguous float32 array), in bf16 with float32 accumulation:
-    see the module docstring for the numerics."""
-    if w.tensor is not None:
-        torch = _library()
-        m = x.shape[0]
-        rows = -(-m // PAD_ROWS) * PAD_ROWS            # see PAD_ROWS
-        xt = torch.zeros((rows, x.shape[1]), dtype=torch.bfloat16)
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        xt[:m] = torch.from_numpy(x if x.flags.writeable else x.copy())       # rounded (RNE)
-        y = torch.mm(xt, w.tensor.t() if transpose else w.tensor)[:m]          # bf16
-        if out is None:
-            out = np.empty(tuple(y.shape), np.float32)
-        torch.from_numpy(out).copy_(y)
-        return out
-    return emulated_matmul(x, w.bits, transpose, out)
+    (into `out` if given, a float32 array), in bf16 with float32 accumulation: see the module
+    docstring for the numerics."""
+    if w.backend != "onednn":
+        return emulated_matmul(x, w.bits, transpose, out)
+    if out is None:
+        out = np.empty((x.shape[0], w.shape[0] if transpose else w.shape[1]), np.float32)
+    return onednn.matmul(x, w.bits, transpose, out)
 
 
 def emulated_matmul(x, bits, transpose: bool = True, out=None) -> np.ndarray:
     """The library's numerics in NumPy (the oracle, and the path of CPUs without the unit):
-    inputs rounded to bf16, a float32 product, the result rounded to bf16."""
+    inputs rounded to bf16, a float32 product."""
     wf = widen(bits)
-    y = np.matmul(round_bf16(x), wf.T if transpose else wf)
-    y = round_bf16(y)
-    if out is None:
-        return y
-    out[...] = y
-    return out
+    return np.matmul(round_bf16(x), wf.T if transpose else wf, out=out)

@@ -3,12 +3,11 @@ bf16 rounding, and each bf16 product against its error bound.
 
 The bound of one output of x @ w^T in bf16 (see the module docstring for the numerics): x and w
 rounded to bf16 (relative error <= u = 2^-8 each, so each product within (2u + u^2) of exact),
-a float32 sum of K products (within gamma_K of its exact value, tests/float32_bounds.py), and
-the result rounded to bf16 (<= u of the result, itself <= (1 + 2u + u^2) M with
-M = sum_k |x_k||w_k|): |got - exact| <= (3u + 4u^2 + gamma_K (1 + 3u)) M, taken as
-(3u + gamma_K) M (1 + 4u). The emulation against the library (same rounded inputs, other
-summation order): the float32 sums differ by <= 2 gamma_K M' (M' the sum on the rounded
-inputs), and rounding two values to bf16 adds at most one bf16 spacing, <= 2^-7 |value|.
+and a float32 sum of K products (within gamma_K of its exact value, tests/float32_bounds.py),
+returned in float32: with M = sum_k |x_k||w_k|, |got - exact| <= (2u + u^2) M + gamma_K (1 + 2u
++ u^2) M, taken as (2u + gamma_K) M (1 + 2u). The emulation against the library (same rounded
+inputs, other summation order): the two float32 sums differ by <= 2 gamma_K M' (M' the sum on
+the rounded inputs).
 """
 
 from __future__ import annotations
@@ -66,7 +65,7 @@ def test_choice_with_unit_and_library():
     device = bf16.detect(flags=frozenset({"avx512_bf16"}), library=True)
     got = bf16.choose("auto", device)
     assert (got.name, got.backend) == ("bf16", "onednn")
-    assert got.reason == "bf16: AVX512-BF16 via oneDNN (PyTorch)"
+    assert got.reason == "bf16: AVX512-BF16 via oneDNN"
     assert bf16.choose("fp32", device).name == "fp32"
 
 
@@ -106,13 +105,12 @@ def test_amx_permission_granted_and_refused():
 
 def test_a_library_that_fails_to_load_falls_back_with_its_reason(monkeypatch):
     monkeypatch.setattr(bf16, "_device", bf16.Device("AVX512-BF16", True))
-    monkeypatch.setattr(bf16, "_torch", None)
 
     def broken():
-        raise OSError("libtorch_cpu.so: cannot open shared object file")
+        raise OSError("libgomp.so.1: cannot open shared object file")
     monkeypatch.setattr(bf16, "_library", broken)
     auto = bf16.choose_precision("auto")
-    assert auto.name == "fp32" and "libtorch_cpu.so" in auto.reason
+    assert auto.name == "fp32" and "libgomp.so.1" in auto.reason
     forced = bf16.choose_precision("bf16")
     assert forced.backend == "emulation" and "failed to load" in forced.reason
 
@@ -202,7 +200,7 @@ def test_product_within_bf16_bound(backend, transpose):
     got = bf16.matmul(x, bf16.pack(w, backend), transpose)
     assert got.dtype == np.float32 and got.shape == (m, n)
     exact, mag = exact_and_magnitude(x, w, transpose)
-    bound = (3 * U + gamma(k)) * (1 + 4 * U) * mag
+    bound = (2 * U + gamma(k)) * (1 + 2 * U) * mag
     assert np.all(np.abs(got - exact) <= bound)
     # ... and it is bf16, not float32: far outside float32's own bound somewhere.
     assert np.any(np.abs(got - exact) > 4 * gamma(k) * mag)
@@ -221,6 +219,21 @@ def test_product_into_out_rows(backend):
                                                        bf16.matmul(x[16:], w, True)]))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_product_of_a_transposed_view_into_columns(backend):
+    """Full fine-tuning's dW = dY^T x: x a transposed view, the result written into a block
+    of dW's columns; the rest of dW untouched."""
+    dy = RNG.standard_normal((70, 24)).astype(np.float32)              # (T, out)
+    x = bf16.pack(RNG.standard_normal((70, 40)).astype(np.float32), backend)   # (T, in)
+    dw = np.full((24, 100), np.nan, np.float32)
+    bf16.matmul(dy.T, x, False, out=dw[:, 30:70])
+    assert np.isnan(dw[:, :30]).all() and np.isnan(dw[:, 70:]).all()
+    # against the product of a contiguous copy (another call: equal up to summation order)
+    again = bf16.matmul(np.ascontiguousarray(dy.T), x, False)
+    _, mag = exact_and_magnitude(bf16.round_bf16(dy.T), x.widened(), False)
+    assert np.all(np.abs(dw[:, 30:70].astype(np.float64) - again) <= 2 * gamma(70) * mag)
+
+
 @pytest.mark.skipif(not bf16.library_available(), reason="the bf16 extra is not installed")
 @pytest.mark.parametrize("transpose", [True, False])
 def test_emulation_is_the_library_up_to_summation_order(transpose):
@@ -230,5 +243,4 @@ def test_emulation_is_the_library_up_to_summation_order(transpose):
     lib = bf16.matmul(x, bf16.pack(w, "onednn"), transpose)
     emu = bf16.matmul(x, bf16.pack(w, "emulation"), transpose)
     _, mag = exact_and_magnitude(bf16.round_bf16(x), bf16.round_bf16(w), transpose)
-    spacing = 2.0 ** -7 * np.maximum(np.abs(lib), np.abs(emu))
-    assert np.all(np.abs(lib.astype(np.float64) - emu) <= 2 * gamma(k) * mag + spacing)
+    assert np.all(np.abs(lib.astype(np.float64) - emu) <= 2 * gamma(k) * mag)

@@ -93,11 +93,11 @@ def test_full_fine_tuning_in_bf16_keeps_float32_masters_and_fresh_bf16_copies(tm
 
 @pytest.mark.slow
 def test_bf16_training_ends_near_float32():
-    """A cheap version of the issue's check (200 steps within 1%): 40 LoRA steps on the sample
-    model's chats, the last 10 steps' mean loss and the held-out loss within 2% of float32's.
-    Measured on the AVX512-BF16 development VM (docs/PERFORMANCE.md, "bf16 products"): 40
-    steps 0.9-1.5% (oneDNN and the emulation alike); 200 steps 0.45-1.2%. bf16's rounding is a
-    systematic ~1% here, not noise: float32 with lr x (1 + 1e-6) ends on the same 4 digits."""
+    """The issue's check: 200 LoRA steps on the sample model's chats (its first 200 chats, 4 a
+    step, in turn), the last 10 steps' mean loss and the held-out loss (40 other chats) within
+    1% of float32's. Measured on the AVX512-BF16 development VM (docs/PERFORMANCE.md, "bf16
+    products"): oneDNN -0.58% / +0.59%, the emulation (every CPU without the unit, and CI)
+    -0.04% / +0.21%; at lr 1e-2 all within 0.53%."""
     rows = [json.loads(line) for line in (SAMPLE_DATA / "chat.jsonl").read_text().splitlines()]
     results = {}
     for precision in ("fp32", "bf16"):
@@ -105,16 +105,16 @@ def test_bf16_training_ends_near_float32():
         train = _chat_batches(model, rows[:200], 4)
         held_out = _chat_batches(model, rows[-40:], 20)
         session = TrainSession(model, TrainConfig(
-            mode="lora", lora_rank=8, lora_alpha=16, lr=3e-3, max_steps=40,
+            mode="lora", lora_rank=8, lora_alpha=16, lr=3e-3, max_steps=200,
             lora_targets=("attention", "experts"), precision=precision))
         assert session.precision.name == precision
         before = session.evaluate(held_out)[0]
-        losses = [session.step([train[i]]).loss for i in range(40)]
+        losses = [session.step([train[i % len(train)]]).loss for i in range(200)]
         results[precision] = (np.mean(losses[-10:]), session.evaluate(held_out)[0], before)
     (train32, held32, before), (train16, held16, _) = results["fp32"], results["bf16"]
     assert held32 < 0.8 * before, results                               # it did learn
-    assert abs(train16 - train32) <= 0.02 * train32, results
-    assert abs(held16 - held32) <= 0.02 * held32, results
+    assert abs(train16 - train32) <= 0.01 * train32, results
+    assert abs(held16 - held32) <= 0.01 * held32, results
 
 
 @pytest.mark.skipif(not bf16.library_available(), reason="the bf16 extra is not installed")

@@ -8,7 +8,7 @@ from app.engine.training import events
 from app.views.monitor.view import MonitorView
 from tests.views.fake_runs import FakeRun
 
-REASON = "bf16: AVX512-BF16 via oneDNN (PyTorch)"
+REASON = "bf16: AVX512-BF16 via oneDNN"
 
 
 def test_the_start_events_precision_reaches_status_log_and_monitor(qtbot, ctx):
