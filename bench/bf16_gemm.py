@@ -5,9 +5,12 @@ For each bench shape (M x K x N: (256|1024) x 512 x 1536, 2048^3, the Gemma 3 he
 512 x 640 x 32768) it prints GFLOP/s of
 - fp32: NumPy's OpenBLAS float32, as the engine runs it (one BLAS thread per engine thread,
   row blocks on the engine's threads: app.engine.runtime.parallel);
-- onednn: PyTorch's bf16 matmul (oneDNN) the same way, through app.engine.runtime.bf16
-  (torch on one thread inside each engine piece), and `onednn-2t` torch alone on its own
-  2 OpenMP threads (one call, no engine threads);
+- onednn: oneDNN's matmul through its C API (app.engine.runtime.onednn, the `onednn-cpu-gomp`
+  wheel: bf16 inputs, float32 output) the same way, as the engine runs it (one thread inside
+  each engine piece), where installed;
+- torch: PyTorch's bf16 matmul (its own oneDNN; bf16 output: no CPU op of PyTorch 2.13 writes
+  float32 from bf16 inputs) on its own OpenMP threads, one call, where torch is installed (the
+  candidate of the first implementation);
 - mkl: MKL's cblas_gemm_bf16bf16f32 through ctypes (libmkl_rt from `pip install mkl`, found in
   sys.prefix/lib or at --mkl), on its own threads with OpenBLAS held at one, where installed;
 - emul: the NumPy emulation (what a CPU without the unit runs under --precision bf16).
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import glob
+import importlib.util
 import os
 import statistics
 import subprocess
@@ -29,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from app.engine.runtime import bf16
+from app.engine.runtime import bf16, onednn
 from app.engine.runtime.parallel import parallel_map, product_row_blocks, thread_count
 
 SHAPES = [(256, 512, 1536), (1024, 512, 1536), (2048, 2048, 2048), (512, 640, 32768)]
@@ -65,18 +69,14 @@ def candidates(m: int, k: int, n: int, mkl):
     out = np.empty((m, n), np.float32)
     runs = {"fp32": lambda: engine_rows(lambda r: np.matmul(x[r], w.T, out=out[r]), m, k, n)}
     if bf16.library_available():
-        import torch
         packed = bf16.pack(w, "onednn")
         runs["onednn"] = lambda: engine_rows(
             lambda r: bf16.matmul(x[r], packed, True, out=out[r]), m, k, n)
-
-        def two_threads():
-            torch.set_num_threads(thread_count())
-            try:
-                torch.mm(torch.from_numpy(x).to(torch.bfloat16), packed.tensor.t())
-            finally:
-                torch.set_num_threads(1)
-        runs["onednn-2t"] = two_threads
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+        torch.set_num_threads(thread_count())
+        w_bf16 = torch.from_numpy(w).to(torch.bfloat16)
+        runs["torch"] = lambda: torch.mm(torch.from_numpy(x).to(torch.bfloat16), w_bf16.t())
     if mkl is not None:
         xb, wb = bf16.round_bits(x), bf16.round_bits(w)
         runs["mkl"] = lambda: mkl.cblas_gemm_bf16bf16f32(
@@ -98,8 +98,9 @@ def gflops(fn, flop: float, budget: float) -> float:
     return flop * reps / (time.perf_counter() - t0) / 1e9
 
 
-def import_seconds(module: str) -> float | None:
-    code = f"import time; t = time.perf_counter(); import {module}; print(time.perf_counter() - t)"
+def import_seconds(statement: str) -> float | None:
+    """Seconds `statement` (an import, a load) takes in a fresh interpreter."""
+    code = f"import time; t = time.perf_counter(); {statement}; print(time.perf_counter() - t)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     return float(done.stdout) if done.returncode == 0 else None
 
@@ -125,7 +126,7 @@ def main(argv=None) -> None:
     device = bf16.detect()
     print(f"CPU bf16 unit: {device.unit or 'none'}; engine threads: {thread_count()}; "
           f"precision auto -> {bf16.choose('auto', device).reason}")
-    names = ["fp32", "onednn", "onednn-2t", "mkl", "emul"]
+    names = ["fp32", "onednn", "torch", "mkl", "emul"]
     print(f"{'shape (MxKxN)':>18} " + " ".join(f"{n:>10}" for n in names)
           + "   GFLOP/s, medians of rounds; x = ratio to fp32")
     for m, k, n in SHAPES:
@@ -140,14 +141,22 @@ def main(argv=None) -> None:
                           if name != "fp32")
         print(f"{f'{m}x{k}x{n}':>18} " + " ".join(cells) + f"   {ratios}")
     print()
-    import importlib.util
+    path = onednn.library_path()
+    if path is None:
+        print(f"{onednn.DISTRIBUTION}: not installed (pip install -e '.[bf16]')")
+    else:
+        size = sum(os.path.getsize(p) for p in glob.glob(str(Path(path).parent / "libdnnl.so*"))
+                   if not os.path.islink(p)) / 2**20
+        load = import_seconds("from app.engine.runtime import onednn; onednn.load()")
+        print(f"{onednn.DISTRIBUTION} ({path}): {size:.0f} MB installed (the wheel writes "
+              f"libdnnl.so three times), load {load:.2f} s")
     for module, label in (("numpy", "numpy (OpenBLAS)"), ("torch", "torch (oneDNN)")):
         spec = importlib.util.find_spec(module)
         if spec is None:
             print(f"{label}: not installed")
             continue
         size = tree_mb(spec.submodule_search_locations or [])
-        print(f"{label}: {size:.0f} MB installed, import {import_seconds(module):.2f} s")
+        print(f"{label}: {size:.0f} MB installed, import {import_seconds(f'import {module}'):.2f} s")
     if mkl_path:
         libdir = Path(mkl_path).parent
         size = sum(os.path.getsize(p) for p in glob.glob(str(libdir / "lib*"))

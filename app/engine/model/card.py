@@ -149,10 +149,11 @@ def kept_activation_bytes(layers: list[int], boundary: int, checkpoint: int) -> 
 # The engine's process without a model's own memory: Python, NumPy and the compiled kernels
 # (Numba, llvmlite's 69 MB mapped): 164 MB measured after two LoRA steps on a 28 KB model.
 RUNTIME_BYTES = 165 << 20
-# What a run whose bf16 products go through the library (PyTorch's oneDNN) adds to that: its
-# libraries, +192 MB of RSS importing them in a bare process here (+115-175 MB in runs:
-# docs/PERFORMANCE.md, "bf16 products"), and oneDNN's compiled kernels, about 20 MB.
-BF16_LIBRARY_BYTES = 210 << 20
+# What a run whose bf16 products go through the library (oneDNN, app.engine.runtime.onednn) adds
+# to that: +13 MB of RSS loading it in a bare process here, and its compiled kernels and each
+# thread's scratchpad: bench-moe-q8_0 LoRA with the weight cache off peaked 22 MB higher in bf16
+# than in float32 (docs/PERFORMANCE.md, "bf16 products").
+BF16_LIBRARY_BYTES = 40 << 20
 
 
 @dataclass(frozen=True)

@@ -44,11 +44,11 @@ from app.engine.runtime import onednn
 PRECISIONS = ("auto", "fp32", "bf16")
 ENV = "WORKBENCH_PRECISION"
 INSTALL_HINT = "pip install -e '.[bf16]'"
-# Training steps in bf16 against float32 (python -m bench --quick's rows, ctx 256: 1.20-1.45x on
-# the quiet machine, 1.43-1.75x under load 2-3) on the AVX512-BF16 machine that measured them
+# Training steps in bf16 against float32 (python -m bench --quick's rows with the weight cache,
+# ctx 256: 1.40-1.72x on the quiet machine) on the AVX512-BF16 machine that measured them
 # (docs/PERFORMANCE.md, "bf16 products"): what the reason promises a user without the extra.
 # Rounded: machines differ.
-MEASURED_GAIN = "1.2-1.8x"
+MEASURED_GAIN = "1.4-1.7x"
 
 # arch_prctl(2) on x86-64: request permission for a dynamically enabled XSAVE feature.
 SYS_ARCH_PRCTL = 158

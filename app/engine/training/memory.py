@@ -4,7 +4,8 @@
 `memory`, an app.engine.model.card.MemoryEstimate, holds the weights, the dequantized weights,
 the activations per layer and the adapter bytes of all LoRA targets); `trainable` the parameters
 of the chosen targets. Full fine-tuning (`full`) counts 16 bytes for every unquantized parameter
-instead of the adapter (its float32 copy, gradient and two AdamW moments). `checkpoint` is the
+instead of the adapter (its float32 copy, gradient and two AdamW moments), and 2 more under bf16
+(the bf16 copy of each trained matrix its pass's products read, app.engine.model.params). `checkpoint` is the
 gradient-checkpointing interval (0: off) and `weight_cache_mb` the dequantized-weight cache
 (None: what a run gets by default, `cache_budget_for`: 40% of the memory of `device`, less
 where the run would otherwise pass RUN_MEMORY_SHARE of that memory). On device "cuda" the estimate
@@ -60,6 +61,8 @@ def estimate_memory(card: ModelCard, trainable: int | None, full: bool = False,
     chosen = run_precision(precision, device)
     library = BF16_LIBRARY_BYTES if chosen.backend == "onednn" else 0
     trainable, state = _trained(card, trainable, full)
+    if full and chosen.bf16:        # each pass's bf16 copies of the trained matrices (params.py)
+        state += card.full_params * 2
     if weight_cache_mb is not None:
         budget = weight_cache_mb << 20
     else:

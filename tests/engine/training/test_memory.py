@@ -154,6 +154,21 @@ def test_under_bf16_the_estimate_counts_half_the_cache(monkeypatch):
     assert onednn.runtime == bf16.runtime + BF16_LIBRARY_BYTES
 
 
+def test_full_fine_tuning_in_bf16_counts_each_passs_bf16_copies(monkeypatch):
+    """Full fine-tuning in bf16 keeps float32 masters and makes a bf16 copy of each trained
+    matrix for a pass's products (app.engine.model.params): 2 bytes a parameter on top."""
+    from app.engine.runtime import bf16 as precision
+
+    card = describe_model(MODEL, 8, 64)
+    monkeypatch.setattr(precision, "_device", precision.Device(None, False))  # the emulation
+    kw = dict(full=True, weight_cache_mb=0)
+    fp32 = estimate_memory(card, None, precision="fp32", **kw)
+    bf16 = estimate_memory(card, None, precision="bf16", **kw)
+    assert fp32.trained == card.full_params * 16
+    assert bf16.trained == fp32.trained + card.full_params * 2
+    assert bf16.total - fp32.total == card.full_params * 2
+
+
 def test_a_bf16_step_stays_within_its_estimate(monkeypatch):
     """The traced peak (NumPy's allocations: tracemalloc) of a first bf16 step, whose cache
     fills with the packed weights inside the measurement, stays within the estimate's traced
