@@ -61,6 +61,11 @@ class Params:
         # trainer from the run's `precision`; inference stays float32.
         self.precision: Precision = FP32
         self._packed_full: dict = {}    # trained tensors rounded to bf16 for one pass
+        # Frozen tensors whose products stay float32 under bf16: a preference run's reference
+        # computes each tensor as its policy does (app.engine.training.preference), and full
+        # fine-tuning computes its trained 3-D experts in float32 (only 2-D matrices get a bf16
+        # copy per pass).
+        self.float32_names: frozenset[str] = frozenset()
 
     def has(self, name: str) -> bool:
         return name in self.full or name in self.store
@@ -76,7 +81,7 @@ class Params:
     def _in_bf16(self, name: str) -> bool:
         """A frozen base weight whose products run in bf16: under precision bf16, every matrix
         read from the file but the router's (its logits pick the experts: float32)."""
-        return (self.precision.bf16 and name not in self.full
+        return (self.precision.bf16 and name not in self.full and name not in self.float32_names
                 and "ffn_gate_inp" not in name and len(self.store.shape(name)) >= 2)
 
     def _full_in_bf16(self, name: str) -> bool:
@@ -84,6 +89,10 @@ class Params:
         the optimizer updates): 2-D, not the router's, on the CPU."""
         return (self.precision.bf16 and name in self.full and self.full[name].ndim == 2
                 and "ffn_gate_inp" not in name and isinstance(self.full[name], np.ndarray))
+
+    def computes_in_bf16(self, name: str) -> bool:
+        """Whether the products of tensor `name` run in bf16 in this pass's forward."""
+        return self._in_bf16(name) or self._full_in_bf16(name)
 
     def _packed_master(self, name: str):
         """The bf16 copy of a trained matrix for this pass, made at its first use in the pass."""

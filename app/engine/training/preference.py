@@ -290,8 +290,11 @@ class LogProbs:
         self.model, self.session, self.config = model, session, config
         self.ref_params = (model.params(ref_adapter, training=True)
                            if config.method in USES_REFERENCE else None)
-        if self.ref_params is not None:   # the base's products as the policy's (bf16 or fp32)
-            self.ref_params.precision = session.eval_params.precision
+        if self.ref_params is not None:   # each product as the policy's (bf16 or fp32)
+            policy = session.eval_params
+            self.ref_params.precision = policy.precision
+            self.ref_params.float32_names = frozenset(
+                name for name in policy.full if not policy.computes_in_bf16(name))
 
     def __call__(self, seqs: Seq[Sequence], reference: bool) -> np.ndarray:
         c = self.config

@@ -38,7 +38,7 @@ def _session(device: str, model_name: str, mode: str, **train) -> TrainSession:
     model = load_model(GOLDEN / model_name, device=device)
     config = TrainConfig(mode=mode, lora_rank=4, lora_alpha=8, lr=1e-2, max_steps=10,
                          lora_targets=("attention", "experts", "ffn", "router"), gclip=0.5,
-                         device=device, **train)
+                         device=device, precision="fp32", **train)      # float32 on both
     return TrainSession(model, config)
 
 

@@ -24,7 +24,8 @@ TEXT = (b"An expert is someone who has made every mistake in a narrow field. "
 CONFIG = TrainConfig(mode="lora", lora_rank=4, lora_alpha=8.0,
                      lora_targets=("attention", "experts", "router"), optimizer="adamw", lr=2e-2,
                      weight_decay=0.01, gclip=0.5, schedule="cosine", warmup_steps=3, min_lr=1e-3,
-                     max_grad_norm=0.0, max_steps=20, seed=1234)
+                     max_grad_norm=0.0, max_steps=20, seed=1234,
+                     precision="fp32")                    # the recorded losses are float32's
 
 
 def golden_run_losses() -> list[float]:

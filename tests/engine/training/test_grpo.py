@@ -105,7 +105,8 @@ def _sgd_gradient(model, adapter, batches):
     """The gradient a real step applies: one SGD step with lr 1 moves the parameters by -grad."""
     session = TrainSession(model, TrainConfig(lora_rank=4, lora_alpha=8, optimizer="sgd", lr=1.0,
                                               max_grad_norm=0.0,   # the raw gradient
-                                              lora_targets=("attention", "experts", "router")),
+                                              lora_targets=("attention", "experts", "router"),
+                                              precision="fp32"),   # a float32 gradient check
                            adapter)
     before = [np.array(x, np.float64) for pair in adapter.tensors.values() for x in pair]
     session.step(batches)

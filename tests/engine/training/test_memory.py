@@ -38,7 +38,7 @@ def test_the_estimate_uses_the_same_budget(machine_24gb, monkeypatch):
     rest = estimate_memory(card, card.lora_params, weight_cache_mb=0).total
     est = estimate_memory(card, card.lora_params)
     budget = cache_budget_for(rest, np)
-    assert est.dequantized == card.memory.dequantized_in_use(budget)
+    assert est.dequantized == card.memory.dequantized_in_use(budget, est.precision)
     # a run that would pass the share gets a cut cache, and the estimate stays within it
     monkeypatch.setattr(memory, "device_memory", lambda xp: (0, 3 * rest // 2))
     cut = estimate_memory(card, card.lora_params)

@@ -38,7 +38,7 @@ def test_lora_starts_at_the_base_model_and_learns():
     model = load_model(GOLDEN / "qwen2moe-q4_0.gguf")
     session = TrainSession(model, TrainConfig(mode="lora", lora_rank=8, lora_alpha=16, lr=2e-2,
                                               lora_targets=("attention", "experts", "router"),
-                                              max_steps=30))
+                                              max_steps=30, precision="fp32"))
     batch = _text_batch()
     base_loss, _ = session.model.loss(model.params(), batch.tokens, batch.labels,
                                       positions=batch.positions, segments=batch.segments)
@@ -76,7 +76,7 @@ def test_accumulating_micro_batches_equals_one_packed_batch():
     ids = np.frombuffer(TEXT, np.uint8).astype(np.int64)
     s1, s2 = (ids[:40], ids[1:41]), (ids[50:70], ids[51:71])
     config = TrainConfig(mode="lora", lora_targets=("attention", "experts", "shared", "ffn"),
-                         lr=1e-2, max_steps=1)
+                         lr=1e-2, max_steps=1, precision="fp32")     # a float32 identity
     session = TrainSession(model, config)
     session.step([pack([s1, s2])])                    # make B non-zero so every grad is non-trivial
     loss_a, _, tokens_a, grads_a, _ = session._accumulate([pack([s1]), pack([s2])])

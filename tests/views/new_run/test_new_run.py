@@ -123,11 +123,19 @@ def test_target_checkboxes_show_parameter_counts(qtbot, view):
     assert form.trainable_params() == 341_248 - form.group_counts()["router"]
 
 
+def in_float32(view) -> None:
+    """Precision fp32 in the form: the expectations below are float32's (MemoryEstimate's
+    formulas), whatever auto picks (WORKBENCH_PRECISION=bf16 forces it to bf16)."""
+    view.form["precision"].setCurrentIndex(view.form["precision"].findData("fp32"))
+
+
 def test_memory_estimate_follows_rank_context_and_targets(qtbot, view):
-    first = view.memory_estimate
+    in_float32(view)
     card = describe_model(str(SAMPLE_MODEL), 8, 256)
     adapter = view.form.trainable_params() * card.memory.adapter // card.lora_params
-    assert first == card.memory.total_for(adapter)          # default cache, no checkpointing
+    qtbot.waitUntil(lambda: view.memory_estimate == card.memory.total_for(adapter),
+                    timeout=5000)                             # default cache, no checkpointing
+    first = view.memory_estimate
     view.form["checkpoint_interval"].setValue(1)
     qtbot.waitUntil(lambda: view.memory_estimate == card.memory.total_for(adapter, 1),
                     timeout=5000)
@@ -150,9 +158,13 @@ def test_memory_estimate_follows_rank_context_and_targets(qtbot, view):
 
 
 def test_full_finetuning_has_a_memory_estimate(qtbot, view):
+    in_float32(view)
+    card = describe_model(str(SAMPLE_MODEL), 8, 256)
+    adapter = view.form.trainable_params() * card.memory.adapter // card.lora_params
+    qtbot.waitUntil(lambda: view.memory_estimate == card.memory.total_for(adapter),
+                    timeout=5000)
     lora = view.memory_estimate
     view.form["mode"].setCurrentIndex(view.form["mode"].findData("full"))
-    card = describe_model(str(SAMPLE_MODEL), 8, 256)
     want = card.memory.total_for(16 * card.full_params)
     qtbot.waitUntil(lambda: view.memory_estimate == want, timeout=5000)
     assert card.full_params == card.n_params                   # the sample model is all F32
