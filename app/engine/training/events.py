@@ -75,7 +75,7 @@ TRAIN_STEP = ("step", "total_steps", "epoch", "epochs", "loss", "accuracy", "lr"
 # ---- supervised runs (app.engine.training.sft) -------------------------------------------------
 
 # precision: what the frozen base's products compute in and why (app.engine.runtime.bf16:
-# Precision.reason, e.g. "bf16: AVX512-BF16 via oneDNN (PyTorch)"); status.json keeps it.
+# Precision.reason, e.g. "bf16: AVX512-BF16 via oneDNN"); status.json keeps it.
 SFT_START = EventSchema(START, ("total_steps", "epochs", "steps_per_epoch", "trainable",
                                 "train_rows", "val_rows", "skipped_rows", "resumed_at"),
                         optional=("precision",))
