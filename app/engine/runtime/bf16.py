@@ -50,6 +50,9 @@ INSTALL_HINT = "pip install -e '.[bf16]'"
 # Rounded: machines differ.
 MEASURED_GAIN = "1.4-1.7x"
 
+# oneDNN's wheel links GCC's OpenMP runtime from the system (app/engine/runtime/onednn.py).
+LIBGOMP_HINT = "libgomp1 on Debian and Ubuntu, libgomp on Fedora"
+
 # arch_prctl(2) on x86-64: request permission for a dynamically enabled XSAVE feature.
 SYS_ARCH_PRCTL = 158
 ARCH_REQ_XCOMP_PERM = 0x1023
@@ -201,6 +204,8 @@ def choose_precision(requested: str, xp=np) -> Precision:
                 _library()
             except Exception as exc:   # noqa: BLE001 - a broken install: float32, said so
                 why = f"the bf16 library failed to load ({type(exc).__name__}: {exc})"
+                if "libgomp" in str(exc):    # the wheel links the system's OpenMP runtime
+                    why += f"; install GCC's OpenMP runtime ({LIBGOMP_HINT})"
                 if requested == "bf16":
                     return Precision("bf16", "emulation", f"bf16 emulated in NumPy ({why})")
                 return Precision("fp32", None, f"float32: {why}")

@@ -111,6 +111,7 @@ def test_a_library_that_fails_to_load_falls_back_with_its_reason(monkeypatch):
     monkeypatch.setattr(bf16, "_library", broken)
     auto = bf16.choose_precision("auto")
     assert auto.name == "fp32" and "libgomp.so.1" in auto.reason
+    assert "install GCC's OpenMP runtime (libgomp1" in auto.reason
     forced = bf16.choose_precision("bf16")
     assert forced.backend == "emulation" and "failed to load" in forced.reason
 
