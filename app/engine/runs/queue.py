@@ -555,7 +555,12 @@ class JobQueue:
                               "run it in the foreground (without --queue or --on).") from None
         run = RunDir(key)
         if check:
-            run.config()
+            workers = run.config().get("workers", 1)
+            if executor == LOCAL and isinstance(workers, int) and workers > 1:
+                raise ConfigError(f"{key} trains data-parallel ({workers} workers) on a Ray "
+                                  "cluster; this machine's queue trains a run in one process.",
+                                  "Queue it on a cluster (--on CLUSTER, see `workbench cluster "
+                                  "list`), or set workers to 1 in its config.json.")
         holder = lock_holder(run)
         if holder is not None:
             raise RunBusyError(f"{key} is being written by {describe(holder)}; a run has one "

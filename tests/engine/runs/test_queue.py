@@ -83,6 +83,15 @@ def test_add_checks_the_run_directory(q, tmp_path):
     assert q.add(tmp_path / "empty", check=False) > 0
 
 
+def test_a_data_parallel_run_is_refused_by_the_local_queue(q, tmp_path):
+    """workers > 1 trains on a Ray cluster only: the local queue says so when the run is added,
+    not when its job starts and fails."""
+    run = str(RunDir.create(tmp_path / "runs" / "dp", {"name": "dp", "workers": 2}).path)
+    with pytest.raises(ConfigError, match=r"data-parallel \(2 workers\).*--on CLUSTER"):
+        q.add(run)
+    assert q.list() == []
+
+
 def test_one_active_job_per_run_directory(q, tmp_path):
     run = make_run(tmp_path, "a")
     first = q.add(run)
