@@ -247,8 +247,6 @@ class ComparePanel(QWidget):
     def _fill_list(self, found: tuple) -> None:
         runs, self._evals = found
         self._show_evals()
-        if any(p not in self._evals for p in (self.run_path, *self._compare) if p):
-            self.runs_poll.tick()       # a run shown while that read was under way: read again
         items = {self.compare_list.item(i).data(Qt.UserRole): self.compare_list.item(i)
                  for i in range(self.compare_list.count())}
         self.compare_list.blockSignals(True)

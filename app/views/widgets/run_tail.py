@@ -272,7 +272,10 @@ class RunTail(QObject):
 
 class BackgroundPoll(QObject):
     """Call `fn()` in the reader thread every `interval_ms` (one call in flight at a time) and
-    emit its return value as `result` on the GUI thread (an exception as `failed`)."""
+    emit its return value as `result` on the GUI thread (an exception as `failed`). A `tick()`
+    that comes while a call is in flight (the screen's state changed after that call began) is
+    kept, and the next call starts as soon as that one's result is delivered, not an interval
+    later."""
 
     result = Signal(object)
     failed = Signal(object)
@@ -281,6 +284,7 @@ class BackgroundPoll(QObject):
         super().__init__(parent)
         self.fn = fn
         self._future: Future | None = None
+        self._again = False                               # a tick came during the call
         self.timer = QTimer(self, interval=interval_ms)
         self.timer.timeout.connect(self.tick)
         self._check = QTimer(self, interval=50)           # delivers a result soon after it ends
@@ -294,15 +298,24 @@ class BackgroundPoll(QObject):
     def stop(self) -> None:
         self.timer.stop()
         self._check.stop()
+        self._again = False
 
     def tick(self) -> None:
-        self._deliver()
+        if self._deliver():
+            return                                        # the next call has just started
         if self._future is None:
-            self._future = reader_pool().submit(self.fn)
-            self._check.start()
+            self._submit()
+        else:
+            self._again = True
 
-    def _deliver(self) -> None:
-        fut = self._future
+    def _submit(self) -> None:
+        self._future = reader_pool().submit(self.fn)
+        self._check.start()
+
+    def _deliver(self) -> bool:
+        """Emit the finished call's result, if any; True when that started the next call (a tick
+        came while it ran)."""
+        fut, started = self._future, False
         if fut is not None and fut.done():
             self._future = None
             try:
@@ -311,8 +324,14 @@ class BackgroundPoll(QObject):
                 self.failed.emit(e)
             else:
                 self.result.emit(value)
+            if self._again:
+                self._again = False
+                if self._future is None:                  # (a slot may have ticked already)
+                    self._submit()
+                started = True
         if self._future is None:
             self._check.stop()
+        return started
 
 
 class PacedRedraw(QObject):

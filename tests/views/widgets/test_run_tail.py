@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import numpy as np
 
-from app.views.widgets.run_tail import PacedRedraw, RunTail, Series, clock, ema
+from app.views.widgets.run_tail import BackgroundPoll, PacedRedraw, RunTail, Series, clock, ema
 from tests.views.fake_runs import FakeRun
 
 
@@ -248,6 +249,31 @@ def test_clock():
     assert clock(3725.4) == "1:02:05" and clock(None) == "-" and clock(float("nan")) == "-"
 
 
+def test_a_tick_during_a_read_reads_again_right_after_it(qtbot):
+    """A screen ticks its poll when its state changes; a tick while a read is under way (begun
+    before the change) must not wait for the next interval (5 s for Compare's runs)."""
+    release, calls = threading.Event(), []
+
+    def read():
+        calls.append(len(calls))
+        if len(calls) == 1:
+            release.wait(5)
+        return len(calls)
+
+    poll = BackgroundPoll(read, interval_ms=60_000)
+    results = []
+    poll.result.connect(results.append)
+    poll.start()                                   # the first read, held
+    qtbot.waitUntil(lambda: len(calls) == 1, timeout=2000)
+    poll.tick()                                    # the state changed: read again
+    poll.tick()                                    # (twice: still one more read)
+    release.set()
+    qtbot.waitUntil(lambda: results == [1, 2], timeout=2000)
+    qtbot.wait(200)
+    assert calls == [0, 1] and results == [1, 2]
+    poll.stop()
+
+
 def test_paced_redraw_runs_one_callback_per_tick(qtbot):
     calls = []
     paced = PacedRedraw(interval_ms=10)
@@ -267,7 +293,6 @@ def test_garbage_is_collected_on_the_gui_thread(qtbot):
     """The reader thread allocates; collections (which destroy Qt objects in garbage cycles)
     must run on the GUI thread only, from a timer."""
     import gc
-    import threading
     import weakref
 
     from PySide6.QtCore import QObject
@@ -298,7 +323,6 @@ def test_a_run_whose_files_are_a_fifo_or_a_device_never_blocks_the_readers(tmp_p
     read (a plain open() blocked forever on a FIFO log.txt or metrics.jsonl, and read a
     /dev/zero link until memory ran out). Each read runs in a thread that must end at once."""
     import os
-    import threading
 
     from app.engine.api import RunDir
     from app.views.widgets.run_best import BestTracker
