@@ -203,7 +203,7 @@ def choose_precision(requested: str, xp=np) -> Precision:
             try:                       # the run will use it: load it now, or say why not
                 _library()
             except Exception as exc:   # noqa: BLE001 - a broken install: float32, said so
-                why = f"the bf16 library failed to load ({type(exc).__name__}: {exc})"
+                why = f"the bf16 library failed to load or run ({type(exc).__name__}: {exc})"
                 if "libgomp" in str(exc):    # the wheel links the system's OpenMP runtime
                     why += f"; install GCC's OpenMP runtime ({LIBGOMP_HINT})"
                 if requested == "bf16":
@@ -298,8 +298,11 @@ def product(x, w, transpose: bool = True, out=None, xp=np):
 
 
 def _library():
-    """oneDNN, opened once (app.engine.runtime.onednn.load: OSError where it cannot)."""
-    return onednn.load()
+    """oneDNN, opened once and tried on a tiny product (app.engine.runtime.onednn.load and
+    check: OSError or OneDNNError where it cannot run here)."""
+    lib = onednn.load()
+    onednn.check()
+    return lib
 
 
 def pack(w, backend: str = "emulation") -> Bf16Weight:

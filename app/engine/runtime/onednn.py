@@ -6,12 +6,13 @@ The library is libdnnl.so.3 of the `onednn-cpu-gomp` wheel (oneDNN 3.2 built wit
 `pip install -e '.[bf16]'`). It picks its kernels by the CPU (AMX-BF16 tiles, AVX512-BF16's
 dot products), and asks the kernel for AMX's tile state itself.
 
-- `load()` opens it once (OSError, with the loader's message, where it is missing or broken).
+- `load()` opens it once (OSError, with the loader's message, where it is missing or broken);
+  `check()` runs one tiny product and compares it (OneDNNError where it cannot run here).
 - `to_bf16(x)` rounds a float32 array to bf16 bits (uint16) with the library's reorder, to
   nearest even (tests check it is app.engine.runtime.bf16.round_bits bit for bit).
-- `matmul(x, w_bits, transpose, out)`: x (M, K) float32, any strides; w_bits (N, K) bf16 bits
-  (transpose: x @ w^T) or (K, N) (x @ w), C-contiguous; out (M, N) float32 with unit column
-  stride. x is rounded to bf16 first (a reorder), the product is accumulated in float32 and
+- `matmul(x, w_bits, transpose, out)`: x (M, K) float32; w_bits (N, K) bf16 bits (transpose:
+  x @ w^T) or (K, N) (x @ w); out (M, N) float32; each read or written through its own strides
+  (non-negative; others are copied first). x is rounded to bf16 first (a reorder), the product is accumulated in float32 and
   written in float32: each output is within 2u sum |x||w| (u = 2^-8) of the float32 inputs'
   exact product, plus the float32 summation term.
 
@@ -198,6 +199,17 @@ def load() -> _Library:
                                   "installed")
                 _library = _Library(path)
     return _library
+
+
+def check() -> None:
+    """One 3 x 2 @ (2 x 2)^T product through the library, against its exact value (small
+    integers: exact in bf16 and float32): OneDNNError where it cannot run or gets it wrong."""
+    x = np.array([[1, 2], [3, 4], [5, 6]], np.float32)
+    w = np.array([[1, -1], [2, 0]], np.float32)                 # (N, K)
+    got = matmul(x, to_bf16(w), True, np.empty((3, 2), np.float32))
+    if not np.array_equal(got, x @ w.T):
+        raise OneDNNError(f"oneDNN's bf16 product gave {got.tolist()} for "
+                          f"{(x @ w.T).tolist()}")
 
 
 def _elements(a: np.ndarray) -> tuple[int, ...]:

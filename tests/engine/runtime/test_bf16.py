@@ -113,7 +113,18 @@ def test_a_library_that_fails_to_load_falls_back_with_its_reason(monkeypatch):
     assert auto.name == "fp32" and "libgomp.so.1" in auto.reason
     assert "install GCC's OpenMP runtime (libgomp1" in auto.reason
     forced = bf16.choose_precision("bf16")
-    assert forced.backend == "emulation" and "failed to load" in forced.reason
+    assert forced.backend == "emulation" and "failed to load or run" in forced.reason
+
+
+@pytest.mark.skipif(not bf16.library_available(), reason="the bf16 extra is not installed")
+def test_a_library_whose_product_is_wrong_falls_back(monkeypatch):
+    """The run tries one tiny product before it trusts the library (onednn.check)."""
+    from app.engine.runtime import onednn
+    monkeypatch.setattr(bf16, "_device", bf16.Device("AVX512-BF16", True))
+    onednn.check()                                              # this machine's: right
+    monkeypatch.setattr(onednn, "matmul", lambda x, w, t, out: out * 0)
+    auto = bf16.choose_precision("auto")
+    assert auto.name == "fp32" and "OneDNNError" in auto.reason and "gave" in auto.reason
 
 
 def test_unknown_precision_is_refused():
