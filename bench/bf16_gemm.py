@@ -156,7 +156,8 @@ def main(argv=None) -> None:
             print(f"{label}: not installed")
             continue
         size = tree_mb(spec.submodule_search_locations or [])
-        print(f"{label}: {size:.0f} MB installed, import {import_seconds(f'import {module}'):.2f} s")
+        seconds = import_seconds(f"import {module}")
+        print(f"{label}: {size:.0f} MB installed, import {seconds:.2f} s")
     if mkl_path:
         libdir = Path(mkl_path).parent
         size = sum(os.path.getsize(p) for p in glob.glob(str(libdir / "lib*"))

@@ -100,7 +100,7 @@ class WeightStore:
             else:
                 block = self._dequantize(self.gguf.raw(name)[lo:hi], info.ggml_type)
             bits[lo:hi] = bf16.round_bits(block)
-        return bf16.wrap(bits, backend)
+        return bf16.Bf16Weight(bits, backend)
 
     def packed(self, name: str, backend: str) -> "bf16.Bf16Weight":
         """A frozen 2-D weight in bf16 for the base's products (app.engine.runtime.bf16):

@@ -315,12 +315,6 @@ def pack(w, backend: str = "emulation") -> Bf16Weight:
     return Bf16Weight(onednn.to_bf16(w), backend)
 
 
-def wrap(bits: np.ndarray, backend: str = "emulation") -> Bf16Weight:
-    """bf16 bits (uint16, C-contiguous: round_bits' or filled by row blocks of it) as a weight
-    for `matmul` on `backend`, without a copy."""
-    return Bf16Weight(bits, backend)
-
-
 def matmul(x, w: Bf16Weight, transpose: bool = True, out=None) -> np.ndarray:
     """x (M, K) float32 @ w^T (w (N, K), transpose=True) or @ w (w (K, N)) -> (M, N) float32
     (into `out` if given, a float32 array), in bf16 with float32 accumulation: see the module

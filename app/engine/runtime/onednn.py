@@ -12,9 +12,9 @@ dot products), and asks the kernel for AMX's tile state itself.
   nearest even (tests check it is app.engine.runtime.bf16.round_bits bit for bit).
 - `matmul(x, w_bits, transpose, out)`: x (M, K) float32; w_bits (N, K) bf16 bits (transpose:
   x @ w^T) or (K, N) (x @ w); out (M, N) float32; each read or written through its own strides
-  (non-negative; others are copied first). x is rounded to bf16 first (a reorder), the product is accumulated in float32 and
-  written in float32: each output is within 2u sum |x||w| (u = 2^-8) of the float32 inputs'
-  exact product, plus the float32 summation term.
+  (non-negative; others are copied first). x is rounded to bf16 first (a reorder), the product
+  is accumulated in float32 and written in float32: each output is within 2u sum |x||w|
+  (u = 2^-8) of the float32 inputs' exact product, plus the float32 summation term.
 
 Threads: the engine splits the products into row blocks on its own threads
 (app.engine.runtime.parallel) and calls the library inside each piece; each calling thread sets
@@ -89,18 +89,18 @@ class _Library:
         lib.dnnl_memory_desc_get_size.restype = ctypes.c_size_t
         lib.dnnl_memory_desc_get_size.argtypes = [_P]
         self.engine = _P()
-        self.check(lib.dnnl_engine_create(ctypes.byref(self.engine), _CPU, ctypes.c_size_t(0)),
-                   "engine_create")
+        self.expect_ok(lib.dnnl_engine_create(ctypes.byref(self.engine), _CPU,
+                                              ctypes.c_size_t(0)), "engine_create")
         self.attr = _P()
-        self.check(lib.dnnl_primitive_attr_create(ctypes.byref(self.attr)), "attr_create")
-        self.check(lib.dnnl_primitive_attr_set_scratchpad_mode(self.attr, _SCRATCHPAD_USER),
+        self.expect_ok(lib.dnnl_primitive_attr_create(ctypes.byref(self.attr)), "attr_create")
+        self.expect_ok(lib.dnnl_primitive_attr_set_scratchpad_mode(self.attr, _SCRATCHPAD_USER),
                    "set_scratchpad_mode")
-        self.primitives: dict[tuple, tuple] = {}
+        self.primitives: dict[tuple, _Primitive] = {}
         self.lock = threading.Lock()
         self.local = threading.local()
 
     @staticmethod
-    def check(status: int, what: str) -> None:
+    def expect_ok(status: int, what: str) -> None:
         if status != 0:
             raise OneDNNError(f"oneDNN {what} failed (dnnl_status_t {status})")
 
@@ -108,7 +108,7 @@ class _Library:
 
     def desc(self, dims: tuple[int, ...], data_type: int, strides: tuple[int, ...]) -> _P:
         md = _P()
-        self.check(self.lib.dnnl_memory_desc_create_with_strides(
+        self.expect_ok(self.lib.dnnl_memory_desc_create_with_strides(
             ctypes.byref(md), len(dims), _Dims(*dims), data_type, _Dims(*strides)), "memory_desc")
         return md
 
@@ -122,9 +122,9 @@ class _Library:
                 if found is None:
                     descs, make = build()
                     pd = _P()
-                    self.check(make(ctypes.byref(pd)), f"primitive_desc {key}")
+                    self.expect_ok(make(ctypes.byref(pd)), f"primitive_desc {key}")
                     prim = _P()
-                    self.check(self.lib.dnnl_primitive_create(ctypes.byref(prim), pd),
+                    self.expect_ok(self.lib.dnnl_primitive_create(ctypes.byref(prim), pd),
                                f"primitive_create {key}")
                     scratch = self.lib.dnnl_primitive_desc_query_md(pd, _QUERY_EXEC_ARG_MD,
                                                                    ARG_SCRATCHPAD)
@@ -141,7 +141,7 @@ class _Library:
         if stream is None:
             self.gomp.omp_set_num_threads(1)          # this thread's team: itself (see above)
             stream = _P()
-            self.check(self.lib.dnnl_stream_create(ctypes.byref(stream), self.engine,
+            self.expect_ok(self.lib.dnnl_stream_create(ctypes.byref(stream), self.engine,
                                                    ctypes.c_uint(_IN_ORDER)), "stream_create")
             self.local.stream = stream
             self.local.scratch = np.empty(0, np.uint8)
@@ -159,14 +159,14 @@ class _Library:
         try:
             for _, md, address in args:
                 mem = _P()
-                self.check(self.lib.dnnl_memory_create(ctypes.byref(mem), md, self.engine,
+                self.expect_ok(self.lib.dnnl_memory_create(ctypes.byref(mem), md, self.engine,
                                                        _P(address)), "memory_create")
                 memories.append(mem)
             exec_args = (_ExecArg * len(args))(*[_ExecArg(arg, mem) for (arg, _, _), mem
                                                  in zip(args, memories)])
-            self.check(self.lib.dnnl_primitive_execute(primitive.handle, stream, len(args), exec_args),
-                       "primitive_execute")
-            self.check(self.lib.dnnl_stream_wait(stream), "stream_wait")
+            self.expect_ok(self.lib.dnnl_primitive_execute(primitive.handle, stream, len(args),
+                                                           exec_args), "primitive_execute")
+            self.expect_ok(self.lib.dnnl_stream_wait(stream), "stream_wait")
         finally:
             for mem in memories:
                 self.lib.dnnl_memory_destroy(mem)
@@ -235,7 +235,8 @@ def _rounded(lib: _Library, x: np.ndarray, bits: np.ndarray | None = None) -> np
     strides = _elements(x)
 
     def build():
-        descs = {ARG_SRC: lib.desc((m, k), _F32, strides), ARG_DST: lib.desc((m, k), _BF16, (k, 1))}
+        descs = {ARG_SRC: lib.desc((m, k), _F32, strides),
+                 ARG_DST: lib.desc((m, k), _BF16, (k, 1))}
         return descs, lambda pd: lib.lib.dnnl_reorder_primitive_desc_create(
             pd, descs[ARG_SRC], lib.engine, descs[ARG_DST], lib.engine, lib.attr)
 

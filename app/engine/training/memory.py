@@ -5,14 +5,15 @@
 the activations per layer and the adapter bytes of all LoRA targets); `trainable` the parameters
 of the chosen targets. Full fine-tuning (`full`) counts 16 bytes for every unquantized parameter
 instead of the adapter (its float32 copy, gradient and two AdamW moments), and 2 more under bf16
-(the bf16 copy of each trained matrix its pass's products read, app.engine.model.params). `checkpoint` is the
-gradient-checkpointing interval (0: off) and `weight_cache_mb` the dequantized-weight cache
-(None: what a run gets by default, `cache_budget_for`: 40% of the memory of `device`, less
-where the run would otherwise pass RUN_MEMORY_SHARE of that memory). On device "cuda" the estimate
-carries the GPU's free and total memory too (None where no GPU is usable). `precision` is the
-run's --precision (auto|fp32|bf16), resolved as the trainer resolves it (`run_precision`): under
-bf16 the cache holds the frozen weights packed in bf16, half the float32 bytes, and where the
-products go through the library (oneDNN) the runtime counts its libraries (BF16_LIBRARY_BYTES).
+(the bf16 copy of each trained matrix its pass's products read, app.engine.model.params).
+`checkpoint` is the gradient-checkpointing interval (0: off) and `weight_cache_mb` the
+dequantized-weight cache (None: what a run gets by default, `cache_budget_for`: 40% of the
+memory of `device`, less where the run would otherwise pass RUN_MEMORY_SHARE of that memory).
+On device "cuda" the estimate carries the GPU's free and total memory too (None where no GPU is
+usable). `precision` is the run's --precision (auto|fp32|bf16), resolved as the trainer
+resolves it (`run_precision`): under bf16 the cache holds the frozen weights packed in bf16,
+half the float32 bytes, and where the products go through the library (oneDNN) the runtime
+counts its libraries (BF16_LIBRARY_BYTES).
 """
 
 from __future__ import annotations
